@@ -1,0 +1,84 @@
+"""Domain error types shared by the pure core.
+
+Adapters (Kafka, Postgres, CLI) translate driver errors into these at their boundary, so a
+caller of qlayer only ever needs to catch ``QlayerError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "ExpressionError",
+    "QlayerError",
+    "QueueConfigError",
+    "UnknownConsumerError",
+    "UnknownQueueError",
+]
+
+
+class QlayerError(Exception):
+    """Base class of every error qlayer raises on purpose."""
+
+
+class ExpressionError(QlayerError, ValueError):
+    """A filter, priority or barrier expression that cannot be compiled.
+
+    ``position`` is the 0-based character offset of the problem in ``text`` (``None`` when the
+    problem is not tied to one place); ``line`` and ``column`` are 1-based, for people.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        text: str,
+        position: int | None = None,
+        line: int | None = None,
+        column: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.text = text
+        self.position = position
+        self.line = line
+        self.column = column
+
+
+class QueueConfigError(QlayerError, ValueError):
+    """A queue definition (or queue file) with one or more problems.
+
+    All problems are collected before raising, so an operator fixes a file in one pass.
+    ``problems`` is a list of ``(field, message)``; ``field`` is the snake_case field name, or
+    ``"queues[2].lease_period"`` style paths for a queue file, or ``""`` for the whole document.
+    """
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems: list[tuple[str, str]] = list(problems)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if not self.problems:
+            return "invalid queue definition"
+        lines = [f"{field}: {message}" if field else message for field, message in self.problems]
+        if len(lines) == 1:
+            return lines[0]
+        return f"{len(lines)} problems in queue definition:\n" + "\n".join(
+            f"  - {line}" for line in lines
+        )
+
+
+class UnknownQueueError(QlayerError, LookupError):
+    """A queue name (or regex) that matches no defined queue."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown queue {name!r}")
+        self.name = name
+
+
+class UnknownConsumerError(QlayerError, LookupError):
+    """A consumer id (subscription) the engine does not know, e.g. after it was evicted."""
+
+    def __init__(self, consumer_id: str) -> None:
+        super().__init__(f"unknown consumer {consumer_id!r}")
+        self.consumer_id = consumer_id
