@@ -1,0 +1,274 @@
+"""A real single-node Apache Kafka (KRaft combined mode) run with `java` from Maven Central jars.
+
+Maven fetches the broker and tool jars named in `pom.xml` once into a cache outside the repo
+(`~/.cache/qlayer/kafka-<version>/libs` by default); the broker then runs as a plain child
+process whose data, config and log live in the stack's state directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from layer.localstack.process import (
+    LocalStackError,
+    port_open,
+    read_pid,
+    tail,
+    terminate,
+    wait_until,
+)
+
+KAFKA_VERSION = "4.3.1"
+_BROKER_MAIN = "kafka.Kafka"
+_STORAGE_TOOL = "kafka.tools.StorageTool"
+_FEATURE_TOOL = "org.apache.kafka.tools.FeatureCommand"
+
+_LOG4J2 = """\
+Configuration:
+  Appenders:
+    Console:
+      name: STDOUT
+      PatternLayout:
+        pattern: "[%d] %p %m (%c)%n"
+  Loggers:
+    Logger:
+      - name: kafka
+        level: INFO
+      - name: org.apache.kafka
+        level: WARN
+      - name: state.change.logger
+        level: WARN
+    Root:
+      level: INFO
+      AppenderRef:
+        - ref: STDOUT
+"""
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    state_dir: Path
+    cache_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 9092
+    controller_port: int = 9093
+    heap: str = "768m"
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def libs_dir(self) -> Path:
+        return self.cache_dir / f"kafka-{KAFKA_VERSION}" / "libs"
+
+
+def _pom_path() -> Path:
+    return Path(str(resources.files("layer.localstack").joinpath("pom.xml")))
+
+
+def ensure_jars(config: KafkaConfig) -> Path:
+    """Fetch the broker jars with Maven unless they are already cached. Returns the libs dir."""
+    libs = config.libs_dir
+    marker = libs / ".complete"
+    if marker.exists():
+        return libs
+    if shutil.which("mvn") is None:
+        raise LocalStackError(
+            "mvn not found: install Maven (apt-get install -y maven) so the Kafka jars can be fetched"
+        )
+    tmp = libs.with_name("libs.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cmd = [
+        "mvn", "-q", "-B", "-f", str(_pom_path()),
+        "dependency:copy-dependencies", f"-DoutputDirectory={tmp}",
+    ]
+    extra = os.environ.get("QLAYER_MAVEN_ARGS", "").split()
+    proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        last = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        raise LocalStackError(
+            "downloading the Kafka jars from Maven Central failed; check network access to Maven "
+            f"Central (or QLAYER_MAVEN_ARGS for a mirror). mvn said: {' | '.join(last)}"
+        )
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    marker.write_text(KAFKA_VERSION + "\n")
+    return libs
+
+
+def _java() -> str:
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found is None:
+        raise LocalStackError(
+            "java not found: install a JDK 17+ (apt-get install -y openjdk-17-jdk-headless) "
+            "or set JAVA_HOME"
+        )
+    return found
+
+
+class KafkaNode:
+    """Start, stop and inspect one local broker. Every method is idempotent."""
+
+    def __init__(self, config: KafkaConfig) -> None:
+        self.config = config
+        self.dir = config.state_dir / "kafka"
+        self.data_dir = self.dir / "data"
+        self.pid_file = self.dir / "kafka.pid"
+        self.log_file = self.dir / "kafka.log"
+        self.properties = self.dir / "server.properties"
+
+    def pid(self) -> int | None:
+        return read_pid(self.pid_file)
+
+    def running(self) -> bool:
+        return self.pid() is not None and port_open(self.config.host, self.config.port)
+
+    def _classpath(self) -> str:
+        return str(self.config.libs_dir / "*")
+
+    def _write_config(self) -> None:
+        c = self.config
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Replication factor 1 everywhere: there is one broker. Share groups (KIP-932) are on by
+        # default in a freshly formatted 4.2+ cluster; their state topic also needs RF 1.
+        self.properties.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@{c.host}:{c.controller_port}",
+                    f"listeners=PLAINTEXT://{c.host}:{c.port},CONTROLLER://{c.host}:{c.controller_port}",
+                    f"advertised.listeners=PLAINTEXT://{c.host}:{c.port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    f"log.dirs={self.data_dir}",
+                    "num.partitions=1",
+                    "auto.create.topics.enable=true",
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=10",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "transaction.state.log.num.partitions=4",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "share.coordinator.state.topic.num.partitions=4",
+                    "group.initial.rebalance.delay.ms=0",
+                    "group.share.min.record.lock.duration.ms=1000",
+                    "log.flush.interval.messages=9223372036854775807",
+                    "",
+                ]
+            )
+        )
+        (self.dir / "log4j2.yaml").write_text(_LOG4J2)
+
+    def _format(self, java: str) -> None:
+        if (self.data_dir / "meta.properties").exists():
+            return
+        cluster_id = uuid.uuid4().hex[:22]
+        proc = subprocess.run(
+            [java, "-cp", self._classpath(), _STORAGE_TOOL, "format",
+             "-t", cluster_id, "-c", str(self.properties)],
+            capture_output=True, text=True, check=False,
+        )
+        if proc.returncode != 0:
+            raise LocalStackError(
+                f"formatting Kafka storage in {self.data_dir} failed: {proc.stderr.strip()[-300:]}"
+            )
+
+    def up(self, timeout: float = 90.0) -> str:
+        """Start the broker unless it already runs. Returns the bootstrap servers."""
+        c = self.config
+        if self.running():
+            return c.bootstrap_servers
+        if self.pid() is None:
+            for port in (c.port, c.controller_port):
+                if port_open(c.host, port):
+                    raise LocalStackError(
+                        f"port {c.host}:{port} is busy but not by this stack's Kafka; stop whatever "
+                        "uses it or choose other ports (QLAYER_DEV_KAFKA_PORT, --kafka-port)"
+                    )
+        java = _java()
+        ensure_jars(c)
+        self._write_config()
+        self._format(java)
+        if self.pid() is None:
+            log = self.log_file.open("ab")
+            proc = subprocess.Popen(
+                [java, f"-Xmx{c.heap}", f"-Xms{c.heap}", "-XX:+UseG1GC",
+                 f"-Dlog4j2.configurationFile={self.dir / 'log4j2.yaml'}",
+                 "-Djava.awt.headless=true",
+                 "-cp", self._classpath(), _BROKER_MAIN, str(self.properties)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=self.dir,
+            )
+            log.close()
+            self.pid_file.write_text(f"{proc.pid}\n")
+        wait_until(
+            self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
+            alive=lambda: self.pid() is not None,
+            on_death=lambda: f"Last lines of {self.log_file}:\n{tail(self.log_file)}",
+        )
+        return c.bootstrap_servers
+
+    def _ready(self) -> bool:
+        if not port_open(self.config.host, self.config.port):
+            return False
+        # A listening socket is not yet a serving broker: ask for metadata.
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.config.bootstrap_servers,
+                             "socket.timeout.ms": 2000})
+        try:
+            md = admin.list_topics(timeout=2.0)
+        except Exception:
+            return False
+        return bool(md.brokers)
+
+    def down(self, timeout: float = 30.0) -> bool:
+        """Stop the broker. True when one was running."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        terminate(pid, timeout)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    def features(self) -> dict[str, int]:
+        """Finalized feature levels as the broker reports them (share.version ≥ 1: share groups on)."""
+        proc = subprocess.run(
+            [_java(), "-cp", self._classpath(), _FEATURE_TOOL,
+             "--bootstrap-server", self.config.bootstrap_servers, "describe"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )
+        if proc.returncode != 0:
+            raise LocalStackError(f"kafka features tool failed: {proc.stderr.strip()[-300:]}")
+        levels: dict[str, int] = {}
+        for line in proc.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 8 and parts[0] == "Feature:":
+                name = parts[1]
+                level = parts[parts.index("FinalizedVersionLevel:") + 1]
+                try:
+                    levels[name] = int(level)
+                except ValueError:
+                    continue  # metadata.version reports "4.3-IV0", not a number
+        return levels
+
+
+def tool_command(config: KafkaConfig, main_class: str, *args: str) -> list[str]:
+    """A java command line for one of Kafka's tools (perf tools, console tools) on this stack."""
+    return [_java(), "-cp", str(config.libs_dir / "*"), main_class, *args]
+

@@ -1,0 +1,96 @@
+"""Small process and port helpers shared by the local Kafka and PostgreSQL nodes.
+
+The local stack runs real servers as plain child processes (no Docker). Each node records its
+PID in a file inside the state directory so `qlayer dev status` / `down` work from any shell,
+and so we only ever stop processes this stack started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class LocalStackError(Exception):
+    """A one-line, actionable problem with the local development stack."""
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """True when something accepts TCP connections on host:port."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        return True
+    return False
+
+
+def read_pid(pid_file: Path) -> int | None:
+    """The PID recorded in pid_file if that process is still alive, else None."""
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # Exists but belongs to another user (e.g. postgres under runuser): still alive.
+        return True
+    # A zombie child of ours is "alive" to kill(0) but is done; reap it if it is ours.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def terminate(pid: int, timeout: float = 30.0) -> None:
+    """SIGTERM, wait up to timeout, then SIGKILL. Returns once the process is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    alive: Callable[[], bool] | None = None,
+    on_death: Callable[[], str] | None = None,
+) -> None:
+    """Poll check() until it is true. Fail fast (with on_death()'s text) if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if alive is not None and not alive():
+            detail = on_death() if on_death is not None else ""
+            raise LocalStackError(f"{what} exited during start-up. {detail}".strip())
+        time.sleep(0.2)
+    raise LocalStackError(f"{what} did not become ready within {timeout:.0f}s")
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
