@@ -60,12 +60,23 @@ class QueueConfigError(QlayerError, ValueError):
     def _render(self) -> str:
         if not self.problems:
             return "invalid queue definition"
-        lines = [f"{field}: {message}" if field else message for field, message in self.problems]
+        lines = [_render_problem(field, message) for field, message in self.problems]
         if len(lines) == 1:
             return lines[0]
         return f"{len(lines)} problems in queue definition:\n" + "\n".join(
             f"  - {line}" for line in lines
         )
+
+
+def _render_problem(field: str, message: str) -> str:
+    if not field:
+        return message
+    parent, _, leaf = field.rpartition(".")
+    if f"'{leaf}'" in message:
+        # The message already names the field ("unknown field 'lease_perod' ..."): say the
+        # enclosing place only, instead of repeating the name.
+        return f"{parent}: {message}" if parent else message
+    return f"{field}: {message}"
 
 
 class UnknownQueueError(QlayerError, LookupError):

@@ -1,0 +1,865 @@
+"""The AMPS expression subset used by queue filters, priorities and barriers (DESIGN §4).
+
+An expression is parsed once with a LALR grammar (lark) and compiled to a tree of Python
+closures; evaluation walks no parse tree, calls no ``eval`` and never raises. Values follow
+SQL three-valued logic: any operation on null is null, and a filter *matches* a document only
+when its result is exactly ``True``. The language reference is ``docs/expressions.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Final, TypeAlias
+
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from layer.domain.errors import ExpressionError
+
+__all__ = [
+    "Document",
+    "Expression",
+    "as_number",
+    "compile_expression",
+    "parse_document",
+    "project",
+]
+
+Document: TypeAlias = object
+"""A decoded JSON value: dict, list, str, int, float, bool or None."""
+
+Evaluator: TypeAlias = Callable[[Document], object]
+
+# Keywords are case-insensitive and whole words. There are no bare identifiers in the
+# language (fields are always /paths), so a keyword can never be mistaken for a field name.
+# MUL_OP's "/" and PATH's leading "/" never compete: the contextual lexer only offers PATH
+# where an operand is expected and MUL_OP where an operator is expected.
+_GRAMMAR: Final = r"""
+?start: or_expr
+
+?or_expr: and_expr
+        | or_expr OR and_expr               -> or_op
+?and_expr: not_expr
+         | and_expr AND not_expr            -> and_op
+?not_expr: predicate
+         | NOT not_expr                     -> not_op
+?predicate: sum
+          | sum COMPARE sum                 -> compare
+          | sum [NOT] IN _LPAR sum (_COMMA sum)* _RPAR -> in_op
+          | sum [NOT] LIKE STRING           -> like_op
+          | sum [NOT] BETWEEN sum AND sum   -> between_op
+          | sum IS [NOT] NULL               -> is_null_op
+?sum: product
+    | sum ADD_OP product                    -> arith
+?product: unary
+        | product MUL_OP unary              -> arith
+?unary: atom
+      | ADD_OP unary                        -> sign
+?atom: NUMBER                               -> number
+     | STRING                               -> string
+     | PATH                                 -> path
+     | TRUE                                 -> true
+     | FALSE                                -> false
+     | NULL                                 -> null
+     | _LPAR or_expr _RPAR
+
+OR: /or\b/i
+AND: /and\b/i
+NOT: /not\b/i
+IN: /in\b/i
+LIKE: /like\b/i
+BETWEEN: /between\b/i
+IS: /is\b/i
+NULL: /null\b/i
+TRUE: /true\b/i
+FALSE: /false\b/i
+COMPARE: /==|!=|<>|<=|>=|=|<|>/
+ADD_OP: /[+-]/
+MUL_OP: /[*\/%]/
+NUMBER: /(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?/
+STRING: /'(?:[^']|'')*'/ | /"(?:[^"]|"")*"/
+PATH: /(?:\/[\w$@.:][\w$@.:\-]*(?:\[\d+\])*)+/
+_LPAR: "("
+_RPAR: ")"
+_COMMA: ","
+
+%import common.WS
+%ignore WS
+"""
+
+_TERMINAL_NAMES: Final[dict[str, str]] = {
+    "OR": "OR",
+    "AND": "AND",
+    "NOT": "NOT",
+    "IN": "IN",
+    "LIKE": "LIKE",
+    "BETWEEN": "BETWEEN",
+    "IS": "IS",
+    "NULL": "NULL",
+    "TRUE": "TRUE",
+    "FALSE": "FALSE",
+    "COMPARE": "a comparison (= != < <= > >=)",
+    "ADD_OP": "a sign (+ or -)",
+    "MUL_OP": "an operator (* / %)",
+    "ARITHMETIC": "an arithmetic operator (+ - * / %)",
+    "NUMBER": "a number",
+    "STRING": "a 'string'",
+    "PATH": "a /field path",
+    "_LPAR": "'('",
+    "_RPAR": "')'",
+    "_COMMA": "','",
+    "$END": "the end of the expression",
+}
+# Listed in this order in "expected ..." messages: values first, then operators.
+_TERMINAL_ORDER: Final[tuple[str, ...]] = tuple(_TERMINAL_NAMES)
+_VALUE_TERMINALS: Final = frozenset({"NUMBER", "STRING", "PATH", "TRUE", "FALSE", "NULL"})
+
+_PATH_SEGMENT: Final = re.compile(r"/([^/\[]+)((?:\[\d+\])*)")
+_INDEX: Final = re.compile(r"\[(\d+)\]")
+_NUMERIC_TEXT: Final = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_INT_TEXT: Final = re.compile(r"[+-]?\d+")
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    # Built once per process on first use; a Lark LALR parser is immutable after construction.
+    return Lark(_GRAMMAR, parser="lalr", lexer="contextual", maybe_placeholders=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Values and the operations on them. Every function here is total: it returns a value or None
+# (null) and never raises, which is what lets evaluation run per message inside the loop.
+# --------------------------------------------------------------------------------------------
+
+
+def _number_from_text(text: str) -> int | float | None:
+    stripped = text.strip()
+    if not _NUMERIC_TEXT.fullmatch(stripped):
+        return None
+    try:
+        if _INT_TEXT.fullmatch(stripped):
+            return int(stripped)
+        value = float(stripped)
+    except ValueError:  # e.g. more digits than int() accepts
+        return None
+    return value if math.isfinite(value) else None
+
+
+def as_number(value: object) -> int | float | None:
+    """The number ``value`` stands for, with the coercion rules of the language.
+
+    JSON numbers are numbers; strings holding a plain decimal number (``"42"``, ``" 1.5e3 "``)
+    are read as numbers, as AMPS does for text fields; everything else (bool, null, other
+    strings, lists, objects, NaN, infinities) has no number. The engine uses this to turn a
+    priority expression's result into a sort key.
+    """
+    kind = type(value)
+    if kind is int:
+        return value  # type: ignore[return-value]
+    if kind is float:
+        return value if math.isfinite(value) else None  # type: ignore[arg-type,return-value]
+    if kind is str:
+        return _number_from_text(value)  # type: ignore[arg-type]
+    return None
+
+
+def _finite(result: int | float) -> int | float | None:
+    if type(result) is float and not math.isfinite(result):
+        return None
+    return result
+
+
+def _add(left: object, right: object) -> object:
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None:
+        return None
+    try:
+        return _finite(a + b)
+    except ArithmeticError:
+        return None
+
+
+def _subtract(left: object, right: object) -> object:
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None:
+        return None
+    try:
+        return _finite(a - b)
+    except ArithmeticError:
+        return None
+
+
+def _multiply(left: object, right: object) -> object:
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None:
+        return None
+    try:
+        return _finite(a * b)
+    except ArithmeticError:
+        return None
+
+
+def _divide(left: object, right: object) -> object:
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None or b == 0:
+        return None
+    try:
+        return _finite(a / b)
+    except ArithmeticError:
+        return None
+
+
+def _remainder(left: object, right: object) -> object:
+    # SQL/C remainder: the sign follows the dividend (-7 % 3 = -1), unlike Python's %.
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None or b == 0:
+        return None
+    try:
+        magnitude = abs(a) % abs(b)
+        return _finite(-magnitude if a < 0 else magnitude)
+    except ArithmeticError:
+        return None
+
+
+def _negate(value: object) -> object:
+    number = as_number(value)
+    return None if number is None else -number
+
+
+def _plus(value: object) -> object:
+    return as_number(value)
+
+
+_ARITHMETIC: Final[dict[str, Callable[[object, object], object]]] = {
+    "+": _add,
+    "-": _subtract,
+    "*": _multiply,
+    "/": _divide,
+    "%": _remainder,
+}
+
+
+def _is_scalar_number(value: object) -> bool:
+    kind = type(value)
+    return kind is int or kind is float
+
+
+def _equal(left: object, right: object) -> bool | None:
+    """Three-valued equality; values of different kinds are unequal, never an error."""
+    if left is None or right is None:
+        return None
+    left_kind, right_kind = type(left), type(right)
+    if left_kind in (list, dict) or right_kind in (list, dict):
+        return None
+    if left_kind is right_kind:
+        return left == right
+    left_number = _is_scalar_number(left)
+    right_number = _is_scalar_number(right)
+    if left_number and right_number:
+        return left == right
+    # A number against a string compares numerically when the string holds a number (text
+    # fields such as "42" are common in JSON from other systems); otherwise they differ.
+    if left_number and right_kind is str:
+        return _number_from_text(right) == left  # type: ignore[arg-type]
+    if right_number and left_kind is str:
+        return _number_from_text(left) == right  # type: ignore[arg-type]
+    return False
+
+
+def _order(left: object, right: object) -> tuple[object, object] | None:
+    """The pair to compare for <, <=, >, >=; None when the two cannot be ordered."""
+    if left is None or right is None:
+        return None
+    left_kind, right_kind = type(left), type(right)
+    if left_kind is str and right_kind is str:
+        return left, right
+    a, b = as_number(left), as_number(right)
+    if a is None or b is None:
+        return None
+    if left_kind is bool or right_kind is bool:
+        return None
+    return a, b
+
+
+def _not_equal(left: object, right: object) -> bool | None:
+    result = _equal(left, right)
+    return None if result is None else not result
+
+
+def _less(left: object, right: object) -> bool | None:
+    pair = _order(left, right)
+    return None if pair is None else pair[0] < pair[1]  # type: ignore[operator]
+
+
+def _less_equal(left: object, right: object) -> bool | None:
+    pair = _order(left, right)
+    return None if pair is None else pair[0] <= pair[1]  # type: ignore[operator]
+
+
+def _greater(left: object, right: object) -> bool | None:
+    pair = _order(left, right)
+    return None if pair is None else pair[0] > pair[1]  # type: ignore[operator]
+
+
+def _greater_equal(left: object, right: object) -> bool | None:
+    pair = _order(left, right)
+    return None if pair is None else pair[0] >= pair[1]  # type: ignore[operator]
+
+
+_COMPARISONS: Final[dict[str, Callable[[object, object], bool | None]]] = {
+    "=": _equal,
+    "==": _equal,
+    "!=": _not_equal,
+    "<>": _not_equal,
+    "<": _less,
+    "<=": _less_equal,
+    ">": _greater,
+    ">=": _greater_equal,
+}
+
+
+def _not(value: object) -> bool | None:
+    if value is True:
+        return False
+    if value is False:
+        return True
+    return None
+
+
+def _and(left: object, right: object) -> bool | None:
+    if left is False or right is False:
+        return False
+    if left is True and right is True:
+        return True
+    return None
+
+
+def _or(left: object, right: object) -> bool | None:
+    if left is True or right is True:
+        return True
+    if left is False and right is False:
+        return False
+    return None
+
+
+def _like_subject(value: object) -> str | None:
+    kind = type(value)
+    if kind is str:
+        return value  # type: ignore[return-value]
+    if kind is int or kind is float:
+        # Numbers are matched as their JSON text, the way AMPS matches text fields.
+        return json.dumps(value)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation: parse tree → closures.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Const:
+    """A compiled sub-expression that reads no field; folded at compile time."""
+
+    value: object
+
+
+_Compiled: TypeAlias = "_Const | Evaluator"
+
+
+def _as_evaluator(node: _Compiled) -> Evaluator:
+    if isinstance(node, _Const):
+        value = node.value
+        return lambda _doc: value
+    return node
+
+
+def _unary(op: Callable[[object], object], operand: _Compiled) -> _Compiled:
+    if isinstance(operand, _Const):
+        return _Const(op(operand.value))
+    return lambda doc: op(operand(doc))
+
+
+def _binary(op: Callable[[object, object], object], left: _Compiled, right: _Compiled) -> _Compiled:
+    if isinstance(left, _Const) and isinstance(right, _Const):
+        return _Const(op(left.value, right.value))
+    if isinstance(right, _Const):
+        right_value = right.value
+        left_fn = _as_evaluator(left)
+        return lambda doc: op(left_fn(doc), right_value)
+    if isinstance(left, _Const):
+        left_value = left.value
+        right_fn = _as_evaluator(right)
+        return lambda doc: op(left_value, right_fn(doc))
+    left_fn, right_fn = left, right
+    return lambda doc: op(left_fn(doc), right_fn(doc))
+
+
+def _logical_and(left: _Compiled, right: _Compiled) -> _Compiled:
+    if isinstance(left, _Const) and isinstance(right, _Const):
+        return _Const(_and(left.value, right.value))
+    left_fn, right_fn = _as_evaluator(left), _as_evaluator(right)
+
+    def evaluate_and(doc: Document) -> object:
+        a = left_fn(doc)
+        if a is False:  # short-circuit: the right side cannot change FALSE
+            return False
+        return _and(a, right_fn(doc))
+
+    return evaluate_and
+
+
+def _logical_or(left: _Compiled, right: _Compiled) -> _Compiled:
+    if isinstance(left, _Const) and isinstance(right, _Const):
+        return _Const(_or(left.value, right.value))
+    left_fn, right_fn = _as_evaluator(left), _as_evaluator(right)
+
+    def evaluate_or(doc: Document) -> object:
+        a = left_fn(doc)
+        if a is True:  # short-circuit: the right side cannot change TRUE
+            return True
+        return _or(a, right_fn(doc))
+
+    return evaluate_or
+
+
+def parse_path(text: str) -> tuple[str, ...]:
+    """Split a ``/a/b[0]/c`` path into segments ``("a", "b", "0", "c")``."""
+    segments: list[str] = []
+    for match in _PATH_SEGMENT.finditer(text):
+        segments.append(match.group(1))
+        segments.extend(_INDEX.findall(match.group(2)))
+    return tuple(segments)
+
+
+def _path_text(segments: Sequence[str]) -> str:
+    return "/" + "/".join(segments)
+
+
+def _step(node: object, segment: str, index: int | None) -> object:
+    if isinstance(node, dict):
+        return node.get(segment)
+    if isinstance(node, list) and index is not None and index < len(node):
+        return node[index]
+    return None
+
+
+def _path_getter(segments: tuple[str, ...]) -> Evaluator:
+    # A digit segment indexes a list; against an object it is an ordinary key ("0").
+    steps = tuple(
+        (segment, int(segment) if segment.isascii() and segment.isdigit() else None)
+        for segment in segments
+    )
+    if len(steps) == 1:
+        ((key, index),) = steps
+        if index is None:
+            # The common case, kept to one dict lookup.
+            return lambda doc: doc.get(key) if isinstance(doc, dict) else None
+        return lambda doc: _step(doc, key, index)
+
+    def get(doc: Document) -> object:
+        node = doc
+        for key, index in steps:
+            if isinstance(node, dict):
+                node = node.get(key)
+            elif isinstance(node, list) and index is not None and index < len(node):
+                node = node[index]
+            else:
+                return None
+        return node
+
+    return get
+
+
+def _in_test(members: Sequence[object]) -> Callable[[object], bool | None]:
+    """Membership over constant members, precomputed into sets for per-message speed."""
+    strings = frozenset(m for m in members if type(m) is str)
+    numbers = frozenset(m for m in members if _is_scalar_number(m))
+    numeric_strings = frozenset(
+        number for number in (_number_from_text(s) for s in strings) if number is not None
+    )
+    booleans = frozenset(m for m in members if type(m) is bool)
+    has_null = any(m is None for m in members)
+    miss: bool | None = None if has_null else False
+
+    def test(value: object) -> bool | None:
+        kind = type(value)
+        if kind is str:
+            if value in strings:
+                return True
+            number = _number_from_text(value) if numbers else None  # type: ignore[arg-type]
+            return True if number is not None and number in numbers else miss
+        if kind is int or kind is float:
+            return True if value in numbers or value in numeric_strings else miss
+        if kind is bool:
+            return True if value in booleans else miss
+        return None  # null, list or object
+
+    return test
+
+
+def _in_dynamic(value: object, members: Iterable[object]) -> bool | None:
+    if value is None:
+        return None
+    result: bool | None = False
+    for member in members:
+        equal = _equal(value, member)
+        if equal is True:
+            return True
+        if equal is None:
+            result = None
+    return result
+
+
+class _Compiler:
+    """Turns one parse tree into closures and records the paths it reads."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self.paths: set[tuple[str, ...]] = set()
+
+    def compile(self, node: Tree[Token] | Token) -> _Compiled:
+        if isinstance(node, Token):  # pragma: no cover - every token is wrapped by a rule
+            raise self._error(f"unexpected token {node!r}", node)
+        handler = getattr(self, f"_rule_{node.data}", None)
+        if handler is None:  # pragma: no cover - the grammar and this class move together
+            raise ExpressionError(f"unsupported construct {node.data}", text=self._text)
+        result: _Compiled = handler(*node.children)
+        return result
+
+    def _error(self, message: str, token: Token) -> ExpressionError:
+        where = _describe_position(self._text, token.line, token.column)
+        return ExpressionError(
+            f"{message} at {where}",
+            text=self._text,
+            position=token.start_pos,
+            line=token.line,
+            column=token.column,
+        )
+
+    # values -----------------------------------------------------------------------------------
+    def _rule_number(self, token: Token) -> _Compiled:
+        number = _number_from_text(str(token))
+        if number is None:
+            raise self._error(f"number {str(token)[:20]!r} is out of range", token)
+        return _Const(number)
+
+    def _rule_string(self, token: Token) -> _Compiled:
+        return _Const(_string_literal(token))
+
+    def _rule_true(self, _token: Token) -> _Compiled:
+        return _Const(True)
+
+    def _rule_false(self, _token: Token) -> _Compiled:
+        return _Const(False)
+
+    def _rule_null(self, _token: Token) -> _Compiled:
+        return _Const(None)
+
+    def _rule_path(self, token: Token) -> _Compiled:
+        segments = parse_path(str(token))
+        self.paths.add(segments)
+        return _path_getter(segments)
+
+    # operators --------------------------------------------------------------------------------
+    def _rule_sign(self, op: Token, operand: Tree[Token]) -> _Compiled:
+        return _unary(_negate if op == "-" else _plus, self.compile(operand))
+
+    def _rule_arith(self, left: Tree[Token], op: Token, right: Tree[Token]) -> _Compiled:
+        return _binary(_ARITHMETIC[str(op)], self.compile(left), self.compile(right))
+
+    def _rule_compare(self, left: Tree[Token], op: Token, right: Tree[Token]) -> _Compiled:
+        return _binary(_COMPARISONS[str(op)], self.compile(left), self.compile(right))
+
+    def _rule_not_op(self, _not_token: Token, operand: Tree[Token]) -> _Compiled:
+        return _unary(_not, self.compile(operand))
+
+    def _rule_and_op(self, left: Tree[Token], _and_token: Token, right: Tree[Token]) -> _Compiled:
+        return _logical_and(self.compile(left), self.compile(right))
+
+    def _rule_or_op(self, left: Tree[Token], _or_token: Token, right: Tree[Token]) -> _Compiled:
+        return _logical_or(self.compile(left), self.compile(right))
+
+    def _rule_is_null_op(
+        self, subject: Tree[Token], _is: Token, negated: Token | None, _null: Token
+    ) -> _Compiled:
+        # IS NULL is the one test that is never null itself.
+        if negated is None:
+            return _unary(lambda value: value is None, self.compile(subject))
+        return _unary(lambda value: value is not None, self.compile(subject))
+
+    def _rule_in_op(
+        self, subject: Tree[Token], negated: Token | None, _in: Token, *members: Tree[Token]
+    ) -> _Compiled:
+        compiled_subject = self.compile(subject)
+        compiled_members = [self.compile(member) for member in members]
+        result: _Compiled
+        if all(isinstance(member, _Const) for member in compiled_members):
+            test = _in_test([member.value for member in compiled_members])  # type: ignore[union-attr]
+            result = _unary(test, compiled_subject)
+        else:
+            member_fns = [_as_evaluator(member) for member in compiled_members]
+            subject_fn = _as_evaluator(compiled_subject)
+            result = lambda doc: _in_dynamic(subject_fn(doc), (fn(doc) for fn in member_fns))  # noqa: E731
+        return result if negated is None else _unary(_not, result)
+
+    def _rule_like_op(
+        self, subject: Tree[Token], negated: Token | None, _like: Token, pattern: Token
+    ) -> _Compiled:
+        pattern_text = _string_literal(pattern)
+        try:
+            regex = re.compile(pattern_text)
+        except re.error as exc:
+            raise self._error(f"invalid regular expression for LIKE ({exc})", pattern) from exc
+        search = regex.search
+
+        def like(value: object) -> bool | None:
+            subject_text = _like_subject(value)
+            return None if subject_text is None else search(subject_text) is not None
+
+        result = _unary(like, self.compile(subject))
+        return result if negated is None else _unary(_not, result)
+
+    def _rule_between_op(
+        self,
+        subject: Tree[Token],
+        negated: Token | None,
+        _between: Token,
+        low: Tree[Token],
+        _and_keyword: Token,
+        high: Tree[Token],
+    ) -> _Compiled:
+        compiled_subject = self.compile(subject)
+        compiled_low, compiled_high = self.compile(low), self.compile(high)
+        if isinstance(compiled_subject, _Const):
+            subject_value = compiled_subject.value
+            subject_fn: Evaluator = lambda _doc: subject_value  # noqa: E731
+        else:
+            subject_fn = compiled_subject
+        low_fn, high_fn = _as_evaluator(compiled_low), _as_evaluator(compiled_high)
+
+        def between(doc: Document) -> object:
+            value = subject_fn(doc)
+            return _and(_greater_equal(value, low_fn(doc)), _less_equal(value, high_fn(doc)))
+
+        result: _Compiled = between
+        if all(isinstance(n, _Const) for n in (compiled_subject, compiled_low, compiled_high)):
+            result = _Const(between(None))
+        return result if negated is None else _unary(_not, result)
+
+
+def _string_literal(token: Token) -> str:
+    # No backslash escapes: LIKE patterns are regular expressions and keep their backslashes.
+    # The quote character is escaped by doubling it, as in SQL ('it''s').
+    text = str(token)
+    quote = text[0]
+    return text[1:-1].replace(quote * 2, quote)
+
+
+def _describe_position(text: str, line: int | None, column: int | None) -> str:
+    if line is None or column is None:
+        return "the end of the expression"
+    if "\n" in text.strip():
+        return f"line {line}, column {column}"
+    return f"column {column}"
+
+
+def _describe_expected(names: Iterable[str]) -> str:
+    wanted = set(names)
+    if wanted >= _VALUE_TERMINALS:
+        wanted -= _VALUE_TERMINALS
+        parts = ["a value (number, 'string', /path, TRUE, FALSE or NULL)"]
+    else:
+        parts = []
+    if {"ADD_OP", "MUL_OP"} <= wanted:
+        wanted -= {"ADD_OP", "MUL_OP"}
+        wanted.add("ARITHMETIC")
+    parts += [_TERMINAL_NAMES[name] for name in _TERMINAL_ORDER if name in wanted]
+    parts += sorted(name for name in wanted if name not in _TERMINAL_NAMES)
+    if not parts:
+        return "something else"
+    if len(parts) == 1:
+        return parts[0]
+    return ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _syntax_error(text: str, exc: UnexpectedInput) -> ExpressionError:
+    line: int | None = getattr(exc, "line", None)
+    column: int | None = getattr(exc, "column", None)
+    position: int | None = getattr(exc, "pos_in_stream", None)
+    if isinstance(exc, UnexpectedToken):
+        token = exc.token
+        if token.type == "$END":
+            found = "the end of the expression"
+            # lark reports no position for end of input; point just past the last character.
+            position = len(text.rstrip())
+            line = text[:position].count("\n") + 1
+            column = position - (text.rfind("\n", 0, position) + 1) + 1
+        else:
+            found = repr(str(token))
+            position = token.start_pos
+        expected = _describe_expected(exc.accepts or exc.expected)
+    elif isinstance(exc, UnexpectedCharacters):
+        found = repr(text[position]) if position is not None and position < len(text) else "end"
+        expected = _describe_expected(exc.allowed or ())
+    else:  # pragma: no cover - lark's LALR parser raises only the two above
+        found, expected = "unexpected input", "a valid expression"
+    where = _describe_position(text, line, column)
+    return ExpressionError(
+        f"syntax error at {where}: expected {expected}, found {found}",
+        text=text,
+        position=position,
+        line=line,
+        column=column,
+    )
+
+
+class Expression:
+    """A compiled expression: immutable, hashable and equal by its text."""
+
+    __slots__ = ("_evaluator", "_fields", "_paths", "_text")
+
+    def __init__(self, text: str, evaluator: Evaluator, paths: Iterable[tuple[str, ...]]) -> None:
+        self._text = text
+        self._evaluator = evaluator
+        self._paths: frozenset[tuple[str, ...]] = frozenset(paths)
+        self._fields = frozenset(_path_text(path) for path in self._paths)
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def evaluate(self, doc: Document) -> object | None:
+        """The expression's value for ``doc``; null (None) on any type problem. Never raises."""
+        try:
+            return self._evaluator(doc)
+        except Exception:
+            # The value functions are total; this guards against documents of unexpected
+            # Python types (not decoded JSON), so one record can never stop the loop.
+            return None
+
+    def matches(self, doc: Document) -> bool:
+        """True only when the expression evaluates to exactly TRUE (null and FALSE do not)."""
+        return self.evaluate(doc) is True
+
+    def fields(self) -> frozenset[str]:
+        """The paths the expression reads, normalised (``/items[0]`` → ``/items/0``)."""
+        return self._fields
+
+    def paths(self) -> frozenset[tuple[str, ...]]:
+        """The same paths as segment tuples, for :func:`project`."""
+        return self._paths
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Expression):
+            return self._text == other._text
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._text)
+
+    def __repr__(self) -> str:
+        return f"Expression({self._text!r})"
+
+    def __reduce__(self) -> tuple[Callable[[str], Expression], tuple[str]]:
+        # Closures do not pickle; recompiling from the text gives an equal expression.
+        return compile_expression, (self._text,)
+
+
+@lru_cache(maxsize=1024)
+def compile_expression(text: str) -> Expression:
+    """Parse and compile ``text``; raises :class:`ExpressionError` naming the position."""
+    if not isinstance(text, str):
+        raise ExpressionError(f"expected expression text, got {type(text).__name__}", text="")
+    if not text.strip():
+        raise ExpressionError("empty expression", text=text, position=0, line=1, column=1)
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedInput as exc:
+        raise _syntax_error(text, exc) from None
+    compiler = _Compiler(text)
+    try:
+        compiled = compiler.compile(tree)
+    except RecursionError:
+        raise ExpressionError(
+            "expression is nested too deeply", text=text, position=0, line=1, column=1
+        ) from None
+    return Expression(text, _as_evaluator(compiled), compiler.paths)
+
+
+def parse_document(value: bytes | bytearray | memoryview | str | None) -> Document | None:
+    """Decode a record value as JSON; anything that is not valid UTF-8 JSON gives None.
+
+    None makes every path null, so a malformed record simply fails filters instead of
+    stopping the coordinator. NaN and Infinity (which Python's json accepts) are refused,
+    as they are not JSON. A UTF-8 byte-order mark is tolerated.
+    """
+    if value is None:
+        return None
+    try:
+        text = value if isinstance(value, str) else bytes(value).decode("utf-8-sig")
+        document: Document = json.loads(text, parse_constant=_refuse_constant)
+        return document
+    except (ValueError, RecursionError, TypeError):
+        return None
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+_ABSENT: Final = object()
+
+
+def project(doc: Document, fields: Iterable[str | tuple[str, ...]]) -> dict[str, object]:
+    """Keep only the given paths of ``doc``, so expressions over the result give the same values.
+
+    The coordinator keeps this projection of a record once its bytes leave the memory window.
+    Containers on the way to a field become objects keyed by segment (a list element ``/a/0``
+    is kept as ``{"a": {"0": ...}}``), which path lookups read the same way. Missing fields
+    are left out (they read as null either way).
+    """
+    paths = sorted(
+        {parse_path(field) if isinstance(field, str) else tuple(field) for field in fields},
+        key=len,
+    )
+    result: dict[str, object] = {}
+    copied: set[tuple[str, ...]] = set()
+    for segments in paths:
+        if not segments or any(segments[:i] in copied for i in range(1, len(segments))):
+            continue  # an enclosing value is already kept whole
+        value = _resolve(doc, segments)
+        if value is _ABSENT:
+            continue
+        target = result
+        for segment in segments[:-1]:
+            child = target.get(segment)
+            if not isinstance(child, dict):
+                child = {}
+                target[segment] = child
+            target = child
+        target[segments[-1]] = value
+        copied.add(segments)
+    return result
+
+
+def _resolve(doc: Document, segments: tuple[str, ...]) -> object:
+    node = doc
+    for segment in segments:
+        if isinstance(node, dict):
+            if segment not in node:
+                return _ABSENT
+            node = node[segment]
+        elif isinstance(node, list) and segment.isascii() and segment.isdigit():
+            index = int(segment)
+            if index >= len(node):
+                return _ABSENT
+            node = node[index]
+        else:
+            return _ABSENT
+    return node
