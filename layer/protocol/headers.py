@@ -1,0 +1,317 @@
+"""Kafka record headers qlayer reads and writes, as confluent-kafka header lists.
+
+Header values are ASCII/UTF-8 text; numbers are canonical decimal ASCII and times are
+milliseconds since the Unix epoch. Kafka allows a header key more than once; qlayer appends its
+headers after the original record's and, when reading, the **last** occurrence of a key wins.
+Before appending delivery headers the delivery writer drops any stale ones the original record
+carried (e.g. a record republished from a delivery topic), so a delivery never shows two.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layer.protocol.bookmark import Bookmark
+from layer.protocol.errors import ProtocolError, ProtocolErrorKind
+
+__all__ = [
+    "BARRIER",
+    "BOOKMARK",
+    "CONSUMER",
+    "DELIVERY_COUNT",
+    "DELIVERY_HEADER_KEYS",
+    "DELIVER_AT",
+    "DLQ_BOOKMARK",
+    "DLQ_DEAD_LETTERED_AT",
+    "DLQ_DELIVERY_COUNT",
+    "DLQ_DETAIL",
+    "DLQ_HEADER_KEYS",
+    "DLQ_LAST_CONSUMER",
+    "DLQ_ORIGINAL_TOPIC",
+    "DLQ_QUEUE",
+    "DLQ_REASON",
+    "LEASE",
+    "LEASE_EXPIRES",
+    "QUEUE",
+    "REPLY",
+    "SESSION",
+    "DeadLetterInfo",
+    "DeliveryInfo",
+    "Headers",
+    "InputHeaders",
+    "RecordHeaders",
+    "dead_letter_headers",
+    "deliver_at_header",
+    "delivery_headers",
+    "header_value",
+    "is_reply",
+    "parse_dead_letter_headers",
+    "parse_deliver_at",
+    "parse_delivery_headers",
+    "reply_headers",
+    "with_delivery_headers",
+]
+
+Headers = list[tuple[str, bytes]]
+# A record's headers as confluent-kafka hands them over and accepts them back: a header may
+# have a None (null) value, which is passed through unchanged.
+RecordHeaders = list[tuple[str, bytes | None]]
+# What confluent-kafka's Message.headers() returns: None when the record has none.
+InputHeaders = Sequence[tuple[str, bytes | None]] | None
+
+# --- on every delivery ------------------------------------------------------------------------
+QUEUE = "qlayer.queue"
+BOOKMARK = "qlayer.bookmark"
+LEASE = "qlayer.lease"
+LEASE_EXPIRES = "qlayer.lease-expires"
+DELIVERY_COUNT = "qlayer.delivery-count"
+BARRIER = "qlayer.barrier"
+CONSUMER = "qlayer.consumer"
+SESSION = "qlayer.session"
+# --- on a coordinator reply written to a delivery topic -----------------------------------
+REPLY = "qlayer.reply"
+# --- on a record a producer publishes -------------------------------------------------------
+DELIVER_AT = "qlayer.deliver-at"
+# --- on a dead-letter record ----------------------------------------------------------------
+DLQ_REASON = "qlayer.dlq.reason"
+DLQ_DETAIL = "qlayer.dlq.detail"
+DLQ_QUEUE = "qlayer.dlq.queue"
+DLQ_BOOKMARK = "qlayer.dlq.bookmark"
+DLQ_ORIGINAL_TOPIC = "qlayer.dlq.original-topic"
+DLQ_DELIVERY_COUNT = "qlayer.dlq.delivery-count"
+DLQ_LAST_CONSUMER = "qlayer.dlq.last-consumer"
+DLQ_DEAD_LETTERED_AT = "qlayer.dlq.dead-lettered-at"
+
+DELIVERY_HEADER_KEYS = frozenset(
+    {QUEUE, BOOKMARK, LEASE, LEASE_EXPIRES, DELIVERY_COUNT, BARRIER, CONSUMER, SESSION, REPLY}
+)
+DLQ_HEADER_KEYS = frozenset(
+    {
+        DLQ_REASON,
+        DLQ_DETAIL,
+        DLQ_QUEUE,
+        DLQ_BOOKMARK,
+        DLQ_ORIGINAL_TOPIC,
+        DLQ_DELIVERY_COUNT,
+        DLQ_LAST_CONSUMER,
+        DLQ_DEAD_LETTERED_AT,
+    }
+)
+
+_TRUE = b"1"
+_FALSE = b"0"
+# Same rule as bookmarks: one number, one spelling.
+_CANONICAL_NUMBER = re.compile(rb"0|[1-9][0-9]{0,18}")
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def header_value(headers: InputHeaders, key: str) -> bytes | None:
+    """The value of the last header named ``key`` (``None`` when absent or valueless)."""
+    if not headers:
+        return None
+    found: bytes | None = None
+    for name, value in headers:
+        if name == key:
+            found = value
+    return found
+
+
+def _last_values(headers: InputHeaders, keys: frozenset[str]) -> dict[str, bytes | None]:
+    values: dict[str, bytes | None] = {}
+    if headers:
+        for name, value in headers:
+            if name in keys:
+                values[name] = value
+    return values
+
+
+def _required(values: dict[str, bytes | None], key: str) -> bytes:
+    value = values.get(key)
+    if value is None:
+        raise ProtocolError(f"header {key} is missing", kind=ProtocolErrorKind.MISSING_HEADER)
+    return value
+
+
+def _text(key: str, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ProtocolError(
+            f"header {key} is not UTF-8: {value[:40]!r}", kind=ProtocolErrorKind.BAD_HEADER
+        ) from error
+
+
+def _number(key: str, value: bytes) -> int:
+    if _CANONICAL_NUMBER.fullmatch(value) is None:
+        raise ProtocolError(
+            f"header {key} must be a decimal number, got {value[:40]!r}",
+            kind=ProtocolErrorKind.BAD_HEADER,
+        )
+    return int(value)
+
+
+def _flag(key: str, value: bytes | None) -> bool:
+    if value is None or value == _FALSE:
+        return False
+    if value == _TRUE:
+        return True
+    raise ProtocolError(
+        f"header {key} must be 0 or 1, got {value[:40]!r}", kind=ProtocolErrorKind.BAD_HEADER
+    )
+
+
+def _bookmark(key: str, value: bytes) -> Bookmark:
+    try:
+        return Bookmark.parse(_text(key, value))
+    except ProtocolError as error:
+        raise ProtocolError(f"header {key}: {error.message}", kind=error.kind) from error
+
+
+# --- deliveries --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeliveryInfo:
+    """What the ``qlayer.*`` headers of a delivered record say about its lease."""
+
+    queue: str
+    bookmark: Bookmark
+    lease: str
+    lease_expires_ms: int
+    delivery_count: int
+    barrier: bool = False
+    consumer_id: str | None = None
+    session_id: str | None = None
+
+
+def delivery_headers(info: DeliveryInfo) -> Headers:
+    """The ``qlayer.*`` headers of one delivery, to append to the original record's."""
+    headers: Headers = [
+        (QUEUE, info.queue.encode()),
+        (BOOKMARK, info.bookmark.format().encode()),
+        (LEASE, info.lease.encode()),
+        (LEASE_EXPIRES, b"%d" % info.lease_expires_ms),
+        (DELIVERY_COUNT, b"%d" % info.delivery_count),
+        (BARRIER, _TRUE if info.barrier else _FALSE),
+    ]
+    if info.consumer_id is not None:
+        headers.append((CONSUMER, info.consumer_id.encode()))
+    if info.session_id is not None:
+        headers.append((SESSION, info.session_id.encode()))
+    return headers
+
+
+def _without(headers: InputHeaders, keys: frozenset[str]) -> RecordHeaders:
+    return [(key, value) for key, value in headers or () if key not in keys]
+
+
+def with_delivery_headers(original: InputHeaders, info: DeliveryInfo) -> RecordHeaders:
+    """The original record's headers, minus stale delivery headers, plus this delivery's."""
+    headers = _without(original, DELIVERY_HEADER_KEYS)
+    headers.extend(delivery_headers(info))
+    return headers
+
+
+def parse_delivery_headers(headers: InputHeaders) -> DeliveryInfo:
+    """Read a delivery's ``qlayer.*`` headers; ``ProtocolError`` names a missing or bad one."""
+    values = _last_values(headers, DELIVERY_HEADER_KEYS)
+    consumer = values.get(CONSUMER)
+    session = values.get(SESSION)
+    return DeliveryInfo(
+        queue=_text(QUEUE, _required(values, QUEUE)),
+        bookmark=_bookmark(BOOKMARK, _required(values, BOOKMARK)),
+        lease=_text(LEASE, _required(values, LEASE)),
+        lease_expires_ms=_number(LEASE_EXPIRES, _required(values, LEASE_EXPIRES)),
+        delivery_count=_number(DELIVERY_COUNT, _required(values, DELIVERY_COUNT)),
+        barrier=_flag(BARRIER, values.get(BARRIER)),
+        consumer_id=None if consumer is None else _text(CONSUMER, consumer),
+        session_id=None if session is None else _text(SESSION, session),
+    )
+
+
+# --- replies -----------------------------------------------------------------------------------
+
+
+def reply_headers() -> Headers:
+    """Headers of a coordinator reply on a delivery topic (the value is a ReplyRecord)."""
+    return [(REPLY, _TRUE)]
+
+
+def is_reply(headers: InputHeaders) -> bool:
+    """True for a coordinator reply, false for a delivered message."""
+    return header_value(headers, REPLY) == _TRUE
+
+
+# --- delayed delivery --------------------------------------------------------------------------
+
+
+def deliver_at_header(deliver_at_ms: int) -> tuple[str, bytes]:
+    """Publish header asking qlayer to hold the message until this time (ms since epoch)."""
+    if deliver_at_ms < 0:
+        raise ValueError(f"deliver_at_ms must not be negative (got {deliver_at_ms})")
+    return (DELIVER_AT, b"%d" % deliver_at_ms)
+
+
+def parse_deliver_at(headers: InputHeaders) -> int | None:
+    """The ``qlayer.deliver-at`` time of a published record, or ``None`` when it has none."""
+    value = header_value(headers, DELIVER_AT)
+    return None if value is None else _number(DELIVER_AT, value)
+
+
+# --- dead letters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetterInfo:
+    """Why and from where a record was dead-lettered (its ``qlayer.dlq.*`` headers)."""
+
+    reason: str  # an ExpiryReason value
+    queue: str
+    bookmark: Bookmark
+    delivery_count: int
+    dead_lettered_at_ms: int
+    last_consumer: str | None = None
+    detail: str | None = None  # e.g. the consumer's REJECT reason
+
+    @property
+    def original_topic(self) -> str:
+        return self.bookmark.topic
+
+
+def dead_letter_headers(original: InputHeaders, info: DeadLetterInfo) -> RecordHeaders:
+    """Headers of a dead-letter record: the original record's (without delivery or older
+    dead-letter headers) plus ``qlayer.dlq.*``."""
+    headers = _without(original, DELIVERY_HEADER_KEYS | DLQ_HEADER_KEYS)
+    headers += [
+        (DLQ_REASON, info.reason.encode()),
+        (DLQ_QUEUE, info.queue.encode()),
+        (DLQ_BOOKMARK, info.bookmark.format().encode()),
+        (DLQ_ORIGINAL_TOPIC, info.bookmark.topic.encode()),
+        (DLQ_DELIVERY_COUNT, b"%d" % info.delivery_count),
+        (DLQ_DEAD_LETTERED_AT, b"%d" % info.dead_lettered_at_ms),
+    ]
+    if info.last_consumer is not None:
+        headers.append((DLQ_LAST_CONSUMER, info.last_consumer.encode()))
+    if info.detail is not None:
+        headers.append((DLQ_DETAIL, info.detail.encode()))
+    return headers
+
+
+def parse_dead_letter_headers(headers: InputHeaders) -> DeadLetterInfo:
+    """Read a dead-letter record's ``qlayer.dlq.*`` headers (for ``qlayer dlq`` and redrive)."""
+    values = _last_values(headers, DLQ_HEADER_KEYS)
+    last_consumer = values.get(DLQ_LAST_CONSUMER)
+    detail = values.get(DLQ_DETAIL)
+    return DeadLetterInfo(
+        reason=_text(DLQ_REASON, _required(values, DLQ_REASON)),
+        queue=_text(DLQ_QUEUE, _required(values, DLQ_QUEUE)),
+        bookmark=_bookmark(DLQ_BOOKMARK, _required(values, DLQ_BOOKMARK)),
+        delivery_count=_number(DLQ_DELIVERY_COUNT, _required(values, DLQ_DELIVERY_COUNT)),
+        dead_lettered_at_ms=_number(DLQ_DEAD_LETTERED_AT, _required(values, DLQ_DEAD_LETTERED_AT)),
+        last_consumer=None if last_consumer is None else _text(DLQ_LAST_CONSUMER, last_consumer),
+        detail=None if detail is None else _text(DLQ_DETAIL, detail),
+    )

@@ -1,0 +1,305 @@
+"""The protocol's records as Python values, one frozen dataclass per Avro record.
+
+Field names are the Avro field names (see ``schemas/*.avsc``), so a record reads the same in
+Python, in the schema and in ``docs/protocol.md``. Acknowledgement items keep ``bookmark`` as the
+string the consumer sent: one bad item must be answered on its own (``AckStatus.INVALID``), not
+make the whole batch undecodable. Events are written by the coordinator and always hold a valid
+``Bookmark``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+
+from layer.protocol.bookmark import Bookmark
+from layer.protocol.errors import ProtocolError
+
+__all__ = [
+    "AckItem",
+    "AckItemResult",
+    "AckRecord",
+    "AckResult",
+    "AckStatus",
+    "AckType",
+    "ControlMessage",
+    "Event",
+    "EventType",
+    "ExpiryReason",
+    "Heartbeat",
+    "QueueGrant",
+    "Replace",
+    "ReplyMessage",
+    "RequestKind",
+    "Semantics",
+    "SessionEndReason",
+    "SessionEnded",
+    "Subscribe",
+    "SubscribeResult",
+    "SubscribeStatus",
+    "Unsubscribe",
+    "ack_item_problem",
+]
+
+
+# --- enums -----------------------------------------------------------------------------------
+
+
+class AckType(IntEnum):
+    """How a consumer settles a lease. Names and numbers are Kafka's share-group
+    ``AcknowledgeType`` ids (ACCEPT/RELEASE/REJECT from KIP-932, RENEW from KIP-1222).
+
+    On the wire this is an Avro enum, encoded by symbol position (``id - 1``).
+    AMPS equivalents: ACCEPT = ack, RELEASE = cancel, REJECT = expire.
+    """
+
+    ACCEPT = 1
+    RELEASE = 2
+    REJECT = 3
+    RENEW = 4
+
+
+class RequestKind(StrEnum):
+    SUBSCRIBE = "SUBSCRIBE"
+    REPLACE = "REPLACE"
+
+
+class SubscribeStatus(StrEnum):
+    OK = "OK"
+    UNKNOWN_QUEUE = "UNKNOWN_QUEUE"
+    INVALID_FILTER = "INVALID_FILTER"
+    INVALID_REQUEST = "INVALID_REQUEST"
+
+
+class Semantics(StrEnum):
+    AT_LEAST_ONCE = "AT_LEAST_ONCE"
+    AT_MOST_ONCE = "AT_MOST_ONCE"
+
+
+class AckStatus(StrEnum):
+    """Outcome of one acknowledgement item, as answered in an ``AckResult``."""
+
+    OK = "OK"
+    LEASE_LOST = "LEASE_LOST"
+    WRONG_TOKEN = "WRONG_TOKEN"
+    UNKNOWN_ENTRY = "UNKNOWN_ENTRY"
+    DUPLICATE = "DUPLICATE"
+    INVALID = "INVALID"
+
+
+class SessionEndReason(StrEnum):
+    UNSUBSCRIBED = "UNSUBSCRIBED"
+    TIMED_OUT = "TIMED_OUT"
+    EVICTED = "EVICTED"
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"
+
+
+class EventType(StrEnum):
+    """Every state change on the events topic. Terminal outcomes of an entry: ACKED, EXPIRED,
+    DELIVERED_AT_MOST_ONCE and BARRIER_DELIVERED; exactly one per entry."""
+
+    ENQUEUED = "ENQUEUED"
+    LEASED = "LEASED"
+    ACKED = "ACKED"
+    RELEASED = "RELEASED"
+    RENEWED = "RENEWED"
+    REJECTED = "REJECTED"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    EXPIRED = "EXPIRED"
+    DEAD_LETTERED = "DEAD_LETTERED"
+    BARRIER_DELIVERED = "BARRIER_DELIVERED"
+    DELIVERED_AT_MOST_ONCE = "DELIVERED_AT_MOST_ONCE"
+    REDRIVEN = "REDRIVEN"
+    ACK_REFUSED = "ACK_REFUSED"
+    CONSUMER_SUBSCRIBED = "CONSUMER_SUBSCRIBED"
+    CONSUMER_REPLACED = "CONSUMER_REPLACED"
+    CONSUMER_UNSUBSCRIBED = "CONSUMER_UNSUBSCRIBED"
+    CONSUMER_TIMED_OUT = "CONSUMER_TIMED_OUT"
+    CONSUMER_EVICTED = "CONSUMER_EVICTED"
+    SUBSCRIBE_REFUSED = "SUBSCRIBE_REFUSED"
+    OWNERSHIP_ACQUIRED = "OWNERSHIP_ACQUIRED"
+    OWNERSHIP_LOST = "OWNERSHIP_LOST"
+
+
+class ExpiryReason(StrEnum):
+    """Wire spelling of why an entry left its queue unprocessed: the ``reason`` of an EXPIRED or
+    DEAD_LETTERED event and the ``qlayer.dlq.reason`` header."""
+
+    EXPIRATION = "expiration"
+    MAX_DELIVERIES = "max_deliveries"
+    MAX_CANCELS = "max_cancels"
+    REJECTED = "rejected"
+    RETENTION = "retention"
+    PURGED = "purged"
+
+
+# --- control topic ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Subscribe:
+    consumer_id: str
+    session_id: str
+    request_id: str
+    queue: str
+    queue_is_regex: bool = False
+    max_backlog: int | None = None
+    filter: str | None = None
+    delivery_topic: str
+    session_timeout_ms: int
+    client_name: str
+    client_version: str
+    sent_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replace:
+    consumer_id: str
+    session_id: str
+    request_id: str
+    queue: str
+    queue_is_regex: bool = False
+    max_backlog: int | None = None
+    filter: str | None = None
+    delivery_topic: str
+    sent_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    consumer_id: str
+    session_id: str
+    sent_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unsubscribe:
+    consumer_id: str
+    session_id: str
+    reason: str | None = None
+    sent_at_ms: int
+
+
+ControlMessage = Subscribe | Replace | Heartbeat | Unsubscribe
+
+
+# --- ack topic -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckItem:
+    queue: str
+    bookmark: str
+    lease: str
+    type: AckType
+    delay_ms: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckRecord:
+    consumer_id: str
+    session_id: str
+    sent_at_ms: int
+    items: tuple[AckItem, ...]
+
+
+def ack_item_problem(item: AckItem) -> str | None:
+    """Why the coordinator must answer ``item`` with ``AckStatus.INVALID``, or ``None``.
+
+    Only what the protocol itself rules out; whether the entry and lease exist is the queue's
+    business.
+    """
+    try:
+        Bookmark.parse(item.bookmark)
+    except ProtocolError as error:
+        return error.message
+    if not item.lease:
+        return "lease token is empty"
+    if item.delay_ms is not None:
+        if item.type is not AckType.RELEASE:
+            return f"delay_ms is only allowed with RELEASE, not {item.type.name}"
+        if item.delay_ms < 0:
+            return f"delay_ms must not be negative (got {item.delay_ms})"
+    if item.reason is not None and item.type is not AckType.REJECT:
+        return f"reason is only allowed with REJECT, not {item.type.name}"
+    return None
+
+
+# --- replies (on the consumer's delivery topic) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueGrant:
+    queue: str
+    max_backlog: int
+    lease_period_ms: int
+    semantics: Semantics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubscribeResult:
+    consumer_id: str
+    session_id: str
+    request_id: str
+    request: RequestKind
+    status: SubscribeStatus
+    message: str | None = None
+    queues: tuple[QueueGrant, ...] = ()
+    session_timeout_ms: int
+    heartbeat_interval_ms: int
+    coordinator_id: str
+    sent_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckItemResult:
+    queue: str
+    bookmark: str
+    type: AckType
+    status: AckStatus
+    lease_expires_ms: int | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckResult:
+    consumer_id: str
+    session_id: str
+    items: tuple[AckItemResult, ...]
+    sent_at_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionEnded:
+    consumer_id: str
+    session_id: str
+    reason: SessionEndReason
+    message: str | None = None
+    sent_at_ms: int
+
+
+ReplyMessage = SubscribeResult | AckResult | SessionEnded
+
+
+# --- events topic ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """One state change. On the wire the bookmark is also split into ``topic``, ``partition``
+    and ``offset`` columns, so Spark can join events with the journal without parsing."""
+
+    type: EventType
+    timestamp_ms: int
+    coordinator_id: str
+    coordinator_epoch: int
+    queue: str | None = None
+    bookmark: Bookmark | None = None
+    consumer_id: str | None = None
+    session_id: str | None = None
+    delivery_count: int | None = None
+    reason: str | None = None
+    lease_expires_ms: int | None = None
+    available_at_ms: int | None = None
+    record_timestamp_ms: int | None = None
