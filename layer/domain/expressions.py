@@ -80,7 +80,7 @@ TRUE: /true\b/i
 FALSE: /false\b/i
 COMPARE: /==|!=|<>|<=|>=|=|<|>/
 ADD_OP: /[+-]/
-MUL_OP: /[*\/%]/
+MUL_OP: /[*\/%]|mod\b/i
 NUMBER: /(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?/
 STRING: /'(?:[^']|'')*'/ | /"(?:[^"]|"")*"/
 PATH: /(?:\/[\w$@.:][\w$@.:\-]*(?:\[\d+\])*)+/
@@ -105,8 +105,8 @@ _TERMINAL_NAMES: Final[dict[str, str]] = {
     "FALSE": "FALSE",
     "COMPARE": "a comparison (= != < <= > >=)",
     "ADD_OP": "a sign (+ or -)",
-    "MUL_OP": "an operator (* / %)",
-    "ARITHMETIC": "an arithmetic operator (+ - * / %)",
+    "MUL_OP": "an operator (* / % MOD)",
+    "ARITHMETIC": "an arithmetic operator (+ - * / % MOD)",
     "NUMBER": "a number",
     "STRING": "a 'string'",
     "PATH": "a /field path",
@@ -154,11 +154,14 @@ def as_number(value: object) -> int | float | None:
     """The number ``value`` stands for, with the coercion rules of the language.
 
     JSON numbers are numbers; strings holding a plain decimal number (``"42"``, ``" 1.5e3 "``)
-    are read as numbers, as AMPS does for text fields; everything else (bool, null, other
-    strings, lists, objects, NaN, infinities) has no number. The engine uses this to turn a
-    priority expression's result into a sort key.
+    are read as numbers, as AMPS does for text fields; an array stands for its first element
+    (AMPS: scalar operators use the first element); everything else (bool, null, other
+    strings, empty arrays, objects, NaN, infinities) has no number. The engine uses this to
+    turn a priority expression's result into a sort key.
     """
     kind = type(value)
+    if kind is list:
+        return as_number(value[0]) if value else None  # type: ignore[index]
     if kind is int:
         return value  # type: ignore[return-value]
     if kind is float:
@@ -241,6 +244,7 @@ _ARITHMETIC: Final[dict[str, Callable[[object, object], object]]] = {
     "*": _multiply,
     "/": _divide,
     "%": _remainder,
+    "mod": _remainder,
 }
 
 
@@ -278,12 +282,18 @@ def _order(left: object, right: object) -> tuple[object, object] | None:
     left_kind, right_kind = type(left), type(right)
     if left_kind is str and right_kind is str:
         return left, right
-    a, b = as_number(left), as_number(right)
-    if a is None or b is None:
-        return None
-    if left_kind is bool or right_kind is bool:
-        return None
-    return a, b
+    left_number = left_kind is int or left_kind is float
+    right_number = right_kind is int or right_kind is float
+    if left_number and right_number:
+        return left, right
+    if left_number and right_kind is str:
+        converted = _number_from_text(right)  # type: ignore[arg-type]
+        # AMPS: a string that is not a number is greater than every number.
+        return (left, converted) if converted is not None else (0, 1)
+    if right_number and left_kind is str:
+        converted = _number_from_text(left)  # type: ignore[arg-type]
+        return (converted, right) if converted is not None else (1, 0)
+    return None  # booleans, arrays of arrays and objects have no order
 
 
 def _not_equal(left: object, right: object) -> bool | None:
@@ -321,6 +331,54 @@ _COMPARISONS: Final[dict[str, Callable[[object, object], bool | None]]] = {
     ">": _greater,
     ">=": _greater_equal,
 }
+
+
+def _any_element(
+    compare: Callable[[object, object], bool | None],
+) -> Callable[[object, object], bool | None]:
+    """Make a comparison array-aware the AMPS way: true when any element (pair) satisfies it.
+
+    An empty array is null; an empty string element is null, like an empty string field.
+    """
+
+    def compare_arrays(left: object, right: object) -> bool | None:
+        if type(left) is not list and type(right) is not list:
+            return compare(left, right)
+        lefts = left if type(left) is list else (left,)
+        rights = right if type(right) is list else (right,)
+        if not lefts or not rights:
+            return None
+        result: bool | None = False
+        for a in lefts:
+            for b in rights:
+                outcome = compare(None if a == "" else a, None if b == "" else b)
+                if outcome is True:
+                    return True
+                if outcome is None:
+                    result = None
+        return result
+
+    return compare_arrays
+
+
+def _any_element_test(test: Callable[[object], bool | None]) -> Callable[[object], bool | None]:
+    """The one-operand form of :func:`_any_element`, for IN, LIKE and BETWEEN."""
+
+    def test_arrays(value: object) -> bool | None:
+        if type(value) is not list:
+            return test(value)
+        if not value:
+            return None
+        result: bool | None = False
+        for element in value:
+            outcome = test(None if element == "" else element)
+            if outcome is True:
+                return True
+            if outcome is None:
+                result = None
+        return result
+
+    return test_arrays
 
 
 def _not(value: object) -> bool | None:
@@ -441,37 +499,54 @@ def _path_text(segments: Sequence[str]) -> str:
     return "/" + "/".join(segments)
 
 
-def _step(node: object, segment: str, index: int | None) -> object:
-    if isinstance(node, dict):
-        return node.get(segment)
-    if isinstance(node, list) and index is not None and index < len(node):
-        return node[index]
-    return None
+def _fan_out(elements: list[object], key: str) -> list[object] | None:
+    """``key`` of every object in an array, flattened (XPath style); None when there is none."""
+    found: list[object] = []
+    for element in elements:
+        if isinstance(element, dict) and key in element:
+            value = element[key]
+            if isinstance(value, list):
+                found.extend(value)
+            else:
+                found.append(value)
+    return found or None
 
 
 def _path_getter(segments: tuple[str, ...]) -> Evaluator:
-    # A digit segment indexes a list; against an object it is an ordinary key ("0").
+    # A digit segment indexes an array (like /a[0]); against an object it is a key ("0").
+    # Any other segment applied to an array collects that field from every element, so
+    # /items/price reads all prices and comparisons match if any of them does (AMPS arrays).
     steps = tuple(
         (segment, int(segment) if segment.isascii() and segment.isdigit() else None)
         for segment in segments
     )
-    if len(steps) == 1:
-        ((key, index),) = steps
-        if index is None:
+    if len(steps) == 1 and steps[0][1] is None:
+        key = steps[0][0]
+
+        def get_field(doc: Document) -> object:
             # The common case, kept to one dict lookup.
-            return lambda doc: doc.get(key) if isinstance(doc, dict) else None
-        return lambda doc: _step(doc, key, index)
+            if isinstance(doc, dict):
+                value = doc.get(key)
+                return None if value == "" else value  # AMPS: an empty string is NULL
+            return None
+
+        return get_field
 
     def get(doc: Document) -> object:
         node = doc
         for key, index in steps:
             if isinstance(node, dict):
                 node = node.get(key)
-            elif isinstance(node, list) and index is not None and index < len(node):
-                node = node[index]
+            elif isinstance(node, list):
+                if index is None:
+                    node = _fan_out(node, key)
+                elif index < len(node):
+                    node = node[index]
+                else:
+                    return None
             else:
                 return None
-        return node
+        return None if node == "" else node
 
     return get
 
@@ -503,12 +578,33 @@ def _in_test(members: Sequence[object]) -> Callable[[object], bool | None]:
     return test
 
 
-def _in_dynamic(value: object, members: Iterable[object]) -> bool | None:
+def _between(value: object, low: object, high: object) -> bool | None:
+    """Inclusive at both ends; for an array, true when one element lies in the range."""
+    if type(value) is not list:
+        return _and(_greater_equal(value, low), _less_equal(value, high))
+    if not value:
+        return None
+    result: bool | None = False
+    for element in value:
+        element = None if element == "" else element
+        outcome = _and(_greater_equal(element, low), _less_equal(element, high))
+        if outcome is True:
+            return True
+        if outcome is None:
+            result = None
+    return result
+
+
+_EQUAL_ANY: Final = _any_element(_equal)
+
+
+def _in_dynamic(value: object, members: Sequence[object]) -> bool | None:
+    # IN is the OR of = comparisons (AMPS), so it is array-aware like =.
     if value is None:
         return None
     result: bool | None = False
     for member in members:
-        equal = _equal(value, member)
+        equal = _EQUAL_ANY(value, member)
         if equal is True:
             return True
         if equal is None:
@@ -550,7 +646,8 @@ class _Compiler:
         return _Const(number)
 
     def _rule_string(self, token: Token) -> _Compiled:
-        return _Const(_string_literal(token))
+        text = _string_literal(token)
+        return _Const(text if text else None)  # AMPS: an empty string is NULL
 
     def _rule_true(self, _token: Token) -> _Compiled:
         return _Const(True)
@@ -571,10 +668,11 @@ class _Compiler:
         return _unary(_negate if op == "-" else _plus, self.compile(operand))
 
     def _rule_arith(self, left: Tree[Token], op: Token, right: Tree[Token]) -> _Compiled:
-        return _binary(_ARITHMETIC[str(op)], self.compile(left), self.compile(right))
+        return _binary(_ARITHMETIC[str(op).lower()], self.compile(left), self.compile(right))
 
     def _rule_compare(self, left: Tree[Token], op: Token, right: Tree[Token]) -> _Compiled:
-        return _binary(_COMPARISONS[str(op)], self.compile(left), self.compile(right))
+        compare = _any_element(_COMPARISONS[str(op)])
+        return _binary(compare, self.compile(left), self.compile(right))
 
     def _rule_not_op(self, _not_token: Token, operand: Tree[Token]) -> _Compiled:
         return _unary(_not, self.compile(operand))
@@ -588,10 +686,10 @@ class _Compiler:
     def _rule_is_null_op(
         self, subject: Tree[Token], _is: Token, negated: Token | None, _null: Token
     ) -> _Compiled:
-        # IS NULL is the one test that is never null itself.
+        # IS NULL is the one test that is never null itself; an empty array counts as null.
         if negated is None:
-            return _unary(lambda value: value is None, self.compile(subject))
-        return _unary(lambda value: value is not None, self.compile(subject))
+            return _unary(lambda value: value is None or value == [], self.compile(subject))
+        return _unary(lambda value: value is not None and value != [], self.compile(subject))
 
     def _rule_in_op(
         self, subject: Tree[Token], negated: Token | None, _in: Token, *members: Tree[Token]
@@ -601,11 +699,11 @@ class _Compiler:
         result: _Compiled
         if all(isinstance(member, _Const) for member in compiled_members):
             test = _in_test([member.value for member in compiled_members])  # type: ignore[union-attr]
-            result = _unary(test, compiled_subject)
+            result = _unary(_any_element_test(test), compiled_subject)
         else:
             member_fns = [_as_evaluator(member) for member in compiled_members]
             subject_fn = _as_evaluator(compiled_subject)
-            result = lambda doc: _in_dynamic(subject_fn(doc), (fn(doc) for fn in member_fns))  # noqa: E731
+            result = lambda doc: _in_dynamic(subject_fn(doc), [fn(doc) for fn in member_fns])  # noqa: E731
         return result if negated is None else _unary(_not, result)
 
     def _rule_like_op(
@@ -622,14 +720,14 @@ class _Compiler:
             subject_text = _like_subject(value)
             return None if subject_text is None else search(subject_text) is not None
 
-        result = _unary(like, self.compile(subject))
+        result = _unary(_any_element_test(like), self.compile(subject))
         return result if negated is None else _unary(_not, result)
 
     def _rule_between_op(
         self,
         subject: Tree[Token],
         negated: Token | None,
-        _between: Token,
+        _between_keyword: Token,
         low: Tree[Token],
         _and_keyword: Token,
         high: Tree[Token],
@@ -644,8 +742,7 @@ class _Compiler:
         low_fn, high_fn = _as_evaluator(compiled_low), _as_evaluator(compiled_high)
 
         def between(doc: Document) -> object:
-            value = subject_fn(doc)
-            return _and(_greater_equal(value, low_fn(doc)), _less_equal(value, high_fn(doc)))
+            return _between(subject_fn(doc), low_fn(doc), high_fn(doc))
 
         result: _Compiled = between
         if all(isinstance(n, _Const) for n in (compiled_subject, compiled_low, compiled_high)):
@@ -816,25 +913,30 @@ def _refuse_constant(name: str) -> object:
 _ABSENT: Final = object()
 
 
-def project(doc: Document, fields: Iterable[str | tuple[str, ...]]) -> dict[str, object]:
+def project(doc: Document, fields: Iterable[str | tuple[str, ...]]) -> Document:
     """Keep only the given paths of ``doc``, so expressions over the result give the same values.
 
     The coordinator keeps this projection of a record once its bytes leave the memory window.
-    Containers on the way to a field become objects keyed by segment (a list element ``/a/0``
-    is kept as ``{"a": {"0": ...}}``), which path lookups read the same way. Missing fields
-    are left out (they read as null either way).
+    Containers on the way to a field become objects keyed by segment (an array element
+    ``/a/0`` is kept as ``{"a": {"0": ...}}``), which path lookups read the same way; an array
+    a path fans out over (``/items/price``) is kept whole. Missing fields are left out (they
+    read as null either way). The result is an object, except for a top-level array that a
+    path fans out over, which is returned as it is.
     """
-    paths = sorted(
-        {parse_path(field) if isinstance(field, str) else tuple(field) for field in fields},
-        key=len,
-    )
+    kept: dict[tuple[str, ...], object] = {}
+    for field in fields:
+        segments = parse_path(field) if isinstance(field, str) else tuple(field)
+        if segments:
+            prefix, value = _resolve(doc, segments)
+            if value is not _ABSENT:
+                kept[prefix] = value
+    if () in kept:
+        return doc  # the document is itself an array a path fans out over: keep it whole
     result: dict[str, object] = {}
-    copied: set[tuple[str, ...]] = set()
-    for segments in paths:
-        if not segments or any(segments[:i] in copied for i in range(1, len(segments))):
-            continue  # an enclosing value is already kept whole
-        value = _resolve(doc, segments)
-        if value is _ABSENT:
+    copied: list[tuple[str, ...]] = []
+    # Shortest first, so a value kept whole is in place before any deeper path under it.
+    for segments in sorted(kept, key=len):
+        if any(segments[: len(done)] == done for done in copied):
             continue
         target = result
         for segment in segments[:-1]:
@@ -843,23 +945,26 @@ def project(doc: Document, fields: Iterable[str | tuple[str, ...]]) -> dict[str,
                 child = {}
                 target[segment] = child
             target = child
-        target[segments[-1]] = value
-        copied.add(segments)
+        target[segments[-1]] = kept[segments]
+        copied.append(segments)
     return result
 
 
-def _resolve(doc: Document, segments: tuple[str, ...]) -> object:
+def _resolve(doc: Document, segments: tuple[str, ...]) -> tuple[tuple[str, ...], object]:
+    """The value at ``segments``, or the array the path fans out over with its own prefix."""
     node = doc
-    for segment in segments:
+    for position, segment in enumerate(segments):
         if isinstance(node, dict):
             if segment not in node:
-                return _ABSENT
+                return segments, _ABSENT
             node = node[segment]
-        elif isinstance(node, list) and segment.isascii() and segment.isdigit():
+        elif isinstance(node, list):
+            if not (segment.isascii() and segment.isdigit()):
+                return segments[:position], node
             index = int(segment)
             if index >= len(node):
-                return _ABSENT
+                return segments, _ABSENT
             node = node[index]
         else:
-            return _ABSENT
-    return node
+            return segments, _ABSENT
+    return segments, node
