@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+import pytest
+
+from layer.protocol import Codec
+
+
+@pytest.fixture(scope="session")
+def codec() -> Codec:
+    return Codec()
