@@ -81,7 +81,8 @@ def ensure_jars(config: KafkaConfig) -> Path:
         return libs
     if shutil.which("mvn") is None:
         raise LocalStackError(
-            "mvn not found: install Maven (apt-get install -y maven) so the Kafka jars can be fetched"
+            "mvn not found: install Maven (apt-get install -y maven) so the Kafka jars can be "
+            "fetched"
         )
     tmp = libs.with_name("libs.partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -196,8 +197,9 @@ class KafkaNode:
             for port in (c.port, c.controller_port):
                 if port_open(c.host, port):
                     raise LocalStackError(
-                        f"port {c.host}:{port} is busy but not by this stack's Kafka; stop whatever "
-                        "uses it or choose other ports (QLAYER_DEV_KAFKA_PORT, --kafka-port)"
+                        f"port {c.host}:{port} is busy but not by this stack's Kafka; stop "
+                        "whatever uses it or choose other ports "
+                        "(QLAYER_DEV_KAFKA_PORT, --kafka-port)"
                     )
         java = _java()
         ensure_jars(c)
@@ -247,7 +249,7 @@ class KafkaNode:
         return True
 
     def features(self) -> dict[str, int]:
-        """Finalized feature levels as the broker reports them (share.version ≥ 1: share groups on)."""
+        """Finalized feature levels the broker reports (share.version >= 1: share groups on)."""
         proc = subprocess.run(
             [_java(), "-cp", self._classpath(), _FEATURE_TOOL,
              "--bootstrap-server", self.config.bootstrap_servers, "describe"],

@@ -107,8 +107,9 @@ class PostgresNode:
                                capture_output=True, check=False)
         if probe.returncode != 0:
             raise LocalStackError(
-                f"the postgres user cannot reach {self.dir}; choose a state directory outside "
-                "/root (QLAYER_DEV_STATE_DIR or --state-dir), e.g. /var/lib/qlayer/dev"
+                f"the postgres user cannot reach {self.dir} (a parent directory is private); "
+                "choose a state directory it can enter (QLAYER_DEV_STATE_DIR or --state-dir), "
+                "e.g. /var/lib/qlayer/dev"
             )
 
     def pid(self) -> int | None:

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from layer.domain.errors import QlayerError
 
-class LocalStackError(Exception):
+
+class LocalStackError(QlayerError):
     """A one-line, actionable problem with the local development stack."""
 
 
@@ -44,12 +46,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         # Exists but belongs to another user (e.g. postgres under runuser): still alive.
         return True
-    # A zombie child of ours is "alive" to kill(0) but is done; reap it if it is ours.
+    # A zombie is "alive" to kill(0) but has exited: reap it if it is our child; otherwise
+    # (a server started by an earlier `qlayer dev up`, reparented to an init that does not
+    # reap) read its state from /proc.
     with contextlib.suppress(ChildProcessError):
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): trust kill(0)
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def terminate(pid: int, timeout: float = 30.0) -> None:

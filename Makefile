@@ -1,0 +1,43 @@
+# qlayer: the two commands of the README, and their parts.
+#   make demo   start the local stack (Kafka + PostgreSQL, no Docker) and run the main job
+#   make test   lint, type-check and run the whole test suite against a real broker and database
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.qlayer-installed
+
+.PHONY: install demo test lint typecheck unit integration acceptance bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/qlayer dev up
+	$(VENV)/bin/qlayer db upgrade
+	$(VENV)/bin/qlayer dev status
+
+lint: install
+	$(PY) -m ruff check .
+
+typecheck: install
+	$(PY) -m mypy
+
+unit: install
+	$(PY) -m pytest tests/unit
+
+integration: install
+	$(PY) -m pytest tests/integration
+
+acceptance: install
+	$(PY) -m pytest tests/acceptance
+
+test: lint typecheck
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

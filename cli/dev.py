@@ -1,0 +1,89 @@
+"""`qlayer dev up | down | status`: a real local Kafka and PostgreSQL, no Docker needed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from layer.localstack import LocalStack, StackConfig
+
+app = typer.Typer(help="Run a local Kafka broker and PostgreSQL server (no Docker needed).",
+                  no_args_is_help=True)
+
+StateDir = Annotated[Path | None, typer.Option(
+    "--state-dir", help="Where data and logs live [env: QLAYER_DEV_STATE_DIR; "
+    "default /var/lib/qlayer/dev as root, else ~/.local/state/qlayer/dev]")]
+KafkaPort = Annotated[int | None, typer.Option(
+    "--kafka-port", help="Broker port on 127.0.0.1 [env: QLAYER_DEV_KAFKA_PORT; default 9092]; "
+    "the controller uses the next port")]
+PostgresPort = Annotated[int | None, typer.Option(
+    "--postgres-port", help="PostgreSQL port on 127.0.0.1 [env: QLAYER_DEV_POSTGRES_PORT; "
+    "default 15432]")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | None) -> LocalStack:
+    overrides: dict[str, object] = {"state_dir": state_dir, "kafka_port": kafka_port,
+                                    "postgres_port": postgres_port}
+    if kafka_port is not None:
+        overrides["controller_port"] = kafka_port + 1
+    return LocalStack(StackConfig.from_env(**overrides))
+
+
+@app.command()
+def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
+       postgres_port: PostgresPort = None, json_out: JsonOut = False) -> None:
+    """Start Kafka and PostgreSQL (idempotent) and print both endpoints.
+
+    The first run fetches the Kafka jars with Maven into ~/.cache/qlayer and, as root on
+    Debian without PostgreSQL, installs it with apt-get.
+    """
+    stack = _stack(state_dir, kafka_port, postgres_port)
+    started = time.monotonic()
+    endpoints = stack.up()
+    took = time.monotonic() - started
+    if json_out:
+        typer.echo(json.dumps({"bootstrap_servers": endpoints.bootstrap_servers,
+                               "database_url": endpoints.database_url,
+                               "state_dir": str(stack.config.state_dir),
+                               "seconds": round(took, 2)}))
+        return
+    typer.echo(f"kafka     {endpoints.bootstrap_servers}")
+    typer.echo(f"postgres  {endpoints.database_url}")
+    typer.echo(f"ready in {took:.1f}s; data in {stack.config.state_dir}")
+    typer.echo(f"use: export QLAYER_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} "
+               f"QLAYER_DATABASE_URL={endpoints.database_url}")
+
+
+@app.command()
+def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
+           postgres_port: PostgresPort = None, json_out: JsonOut = False) -> None:
+    """Show whether the local Kafka and PostgreSQL run. Exit status 1 when either is down."""
+    stack = _stack(state_dir, kafka_port, postgres_port)
+    nodes = stack.status()
+    if json_out:
+        typer.echo(json.dumps([{"name": n.name, "running": n.running, "pid": n.pid,
+                                "endpoint": n.endpoint} for n in nodes]))
+    else:
+        table = Table("service", "state", "pid", "endpoint")
+        for n in nodes:
+            table.add_row(n.name, "[green]running[/]" if n.running else "[red]stopped[/]",
+                          str(n.pid or "-"), n.endpoint)
+        Console().print(table)
+    if not all(n.running for n in nodes):
+        raise typer.Exit(1)
+
+
+@app.command()
+def down(state_dir: StateDir = None, kafka_port: KafkaPort = None,
+         postgres_port: PostgresPort = None) -> None:
+    """Stop the local Kafka and PostgreSQL. Data stays in the state directory."""
+    stack = _stack(state_dir, kafka_port, postgres_port)
+    stopped = stack.down()
+    typer.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")

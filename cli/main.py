@@ -1,0 +1,40 @@
+"""The `qlayer` command: the operator's tool."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from cli import db, dev
+from cli.errors import run_friendly
+
+app = typer.Typer(
+    name="qlayer",
+    help="AMPS-style message queues on Apache Kafka.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(dev.app, name="dev")
+app.add_typer(db.app, name="db")
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    """AMPS-style message queues on Apache Kafka.
+
+    Settings come from flags, then QLAYER_* environment variables, then the config file
+    (QLAYER_CONFIG or ./qlayer.yaml).
+    """
+
+
+def run() -> None:
+    """Console-script entry point."""
+    run_friendly(app, sys.argv[1:])
+
+
+if __name__ == "__main__":
+    run()
