@@ -1,0 +1,111 @@
+"""`WriteBatch`: everything one coordinator loop iteration writes, applied in one transaction.
+
+The coordinator collects into a batch while it applies the engine's decisions, then hands it to
+`Store.commit`. The batch keeps only the *last* write per row (a lease then an ack of the same
+entry in one iteration is one row write), which both saves work and is required by PostgreSQL:
+one ``INSERT ... ON CONFLICT DO UPDATE`` may not touch the same row twice.
+
+Collection order is respected: forgetting a queue drops what was collected for it before, and
+a put after a delete of the same row wins (and vice versa).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey
+from layer.store.tables import COUNTER_NAMES
+
+__all__ = ["WriteBatch"]
+
+
+@dataclass
+class WriteBatch:
+    """The writes of one loop iteration, keyed by row so that the last write of a row wins."""
+
+    entries: dict[EntryKey, EntryRow] = field(default_factory=dict)
+    entry_deletes: set[EntryKey] = field(default_factory=set)
+    recovery_points: dict[PartitionKey, int] = field(default_factory=dict)
+    consumers: dict[str, ConsumerRow] = field(default_factory=dict)
+    consumer_deletes: set[str] = field(default_factory=set)
+    # consumer id -> time of its latest heartbeat (epoch seconds)
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    # queue -> counter name -> increment
+    counters: defaultdict[str, defaultdict[str, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )
+    # Queues whose stored state (entries, recovery points, counters) is dropped before the rest
+    # of the batch is written: a deleted, re-created or purged queue.
+    forgotten_queues: set[str] = field(default_factory=set)
+    # queue -> purge_requested_at of the purge this batch completes
+    purges_done: dict[str, float] = field(default_factory=dict)
+
+    def put_entry(self, row: EntryRow) -> None:
+        key = row.key
+        self.entry_deletes.discard(key)
+        self.entries[key] = row
+
+    def delete_entry(self, key: EntryKey) -> None:
+        self.entries.pop(key, None)
+        self.entry_deletes.add(key)
+
+    def set_recovery_point(self, queue: str, topic: str, partition: int, offset: int) -> None:
+        if offset < 0:
+            raise ValueError(f"recovery point offset must be >= 0, got {offset}")
+        self.recovery_points[PartitionKey(queue, topic, partition)] = offset
+
+    def put_consumer(self, row: ConsumerRow) -> None:
+        self.consumer_deletes.discard(row.consumer_id)
+        self.consumers[row.consumer_id] = row
+
+    def delete_consumer(self, consumer_id: str) -> None:
+        self.consumers.pop(consumer_id, None)
+        self.heartbeats.pop(consumer_id, None)
+        self.consumer_deletes.add(consumer_id)
+
+    def heartbeat(self, consumer_id: str, at: float) -> None:
+        previous = self.heartbeats.get(consumer_id)
+        self.heartbeats[consumer_id] = at if previous is None else max(previous, at)
+
+    def count(self, queue: str, name: str, increment: int = 1) -> None:
+        """Add to one of a queue's running totals (`layer.store.tables.COUNTER_NAMES`)."""
+        if name not in COUNTER_NAMES:
+            raise ValueError(f"unknown counter {name!r}; known: {', '.join(COUNTER_NAMES)}")
+        if increment < 0:
+            raise ValueError(f"counters only grow; got increment {increment} for {name!r}")
+        self.counters[queue][name] += increment
+
+    def forget_queue(self, queue: str) -> None:
+        """Drop the queue's stored state; what is collected for it afterwards is still written."""
+        self.forgotten_queues.add(queue)
+        for key in [key for key in self.entries if key.queue == queue]:
+            del self.entries[key]
+        self.entry_deletes = {key for key in self.entry_deletes if key.queue != queue}
+        for pkey in [pkey for pkey in self.recovery_points if pkey.queue == queue]:
+            del self.recovery_points[pkey]
+        self.counters.pop(queue, None)
+
+    def purge_done(self, queue: str, requested_at: float) -> None:
+        """Record that the purge asked for at ``requested_at`` has been carried out."""
+        previous = self.purges_done.get(queue)
+        self.purges_done[queue] = (
+            requested_at if previous is None else max(previous, requested_at)
+        )
+
+    def __len__(self) -> int:
+        """Number of row writes collected (a forgotten queue counts as one)."""
+        return (
+            len(self.entries)
+            + len(self.entry_deletes)
+            + len(self.recovery_points)
+            + len(self.consumers)
+            + len(self.consumer_deletes)
+            + len(self.heartbeats)
+            + len(self.counters)
+            + len(self.forgotten_queues)
+            + len(self.purges_done)
+        )
+
+    def is_empty(self) -> bool:
+        return len(self) == 0

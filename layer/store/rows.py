@@ -1,0 +1,140 @@
+"""The values the store reads and writes: plain frozen dataclasses, times as epoch seconds.
+
+They mirror the rows of `layer.store.tables` and nothing more, so the coordinator maps its
+domain objects to them in one place and the store never imports the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+__all__ = [
+    "ConsumerRow",
+    "EntryKey",
+    "EntryRow",
+    "EntryState",
+    "Ownership",
+    "PartitionKey",
+    "QueueCounters",
+    "QueueRecord",
+]
+
+EntryState = Literal["AVAILABLE", "LEASED", "ACKED", "EXPIRED"]
+
+
+class EntryKey(NamedTuple):
+    """An entry's identity: its queue and its bookmark."""
+
+    queue: str
+    topic: str
+    partition: int
+    offset: int
+
+
+class PartitionKey(NamedTuple):
+    """One journal partition as one queue sees it: the key of a recovery point."""
+
+    queue: str
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRow:
+    """A touched entry. Lease fields are set exactly when ``state == "LEASED"``."""
+
+    queue: str
+    topic: str
+    partition: int
+    offset: int
+    state: EntryState
+    delivery_count: int = 0
+    cancel_count: int = 0
+    lease_consumer: str | None = None
+    lease_token: str | None = None
+    lease_deadline: float | None = None
+    available_at: float | None = None
+    reason: str | None = None
+
+    @property
+    def key(self) -> EntryKey:
+        return EntryKey(self.queue, self.topic, self.partition, self.offset)
+
+    @property
+    def partition_key(self) -> PartitionKey:
+        return PartitionKey(self.queue, self.topic, self.partition)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    """A subscription and its session, as the coordinator last learned it."""
+
+    consumer_id: str
+    session_id: str
+    queue: str
+    is_regex: bool
+    delivery_topic: str
+    session_timeout_ms: int
+    subscribed_at: float
+    last_heartbeat_at: float
+    max_backlog: int | None = None
+    filter: str | None = None
+    client_info: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRecord:
+    """A stored queue definition; ``definition`` is the JSON the CLI wrote, uninterpreted."""
+
+    name: str
+    definition: Mapping[str, Any]
+    version: int
+    created_at: float
+    updated_at: float
+    deleted_at: float | None = None
+    purge_requested_at: float | None = None
+    purged_at: float | None = None
+
+    @property
+    def deleted(self) -> bool:
+        return self.deleted_at is not None
+
+    @property
+    def purge_pending(self) -> bool:
+        """A purge was asked for and the owning coordinator has not done it yet."""
+        if self.purge_requested_at is None:
+            return False
+        return self.purged_at is None or self.purged_at < self.purge_requested_at
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """Who owns a shard, under which epoch, and until when (unless renewed)."""
+
+    shard: str
+    owner_id: str
+    epoch: int
+    acquired_at: float
+    heartbeat_at: float
+    expires_at: float
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at <= now
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounters:
+    """Running totals for one queue (names as `layer.store.tables.COUNTER_NAMES`)."""
+
+    queue: str
+    enqueued: int = 0
+    delivered: int = 0
+    redelivered: int = 0
+    acked: int = 0
+    released: int = 0
+    lease_expired: int = 0
+    dead_lettered: int = 0
+    expired: int = 0
+    updated_at: float | None = None

@@ -1,0 +1,400 @@
+"""Every SQL statement qlayer runs, named, in one place.
+
+Batched writes take whole columns as arrays and read them back with ``unnest(...)``: one
+statement per kind of write whatever the batch size, with a fixed SQL text (compiled once by
+SQLAlchemy, prepared once per connection by psycopg) and no limit on the number of bind
+parameters. (psycopg's ``executemany`` without RETURNING would send one statement per row.)
+
+Statements that take over or prove ownership are guarded compare-and-set updates: they only
+touch the row when (owner_id, epoch) or the expiry says they may, and RETURNING tells the caller
+whether they did.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Integer,
+    Text,
+    any_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
+
+from layer.store.tables import (
+    COUNTER_NAMES,
+    DONE_STATES,
+    consumers,
+    entries,
+    ownership,
+    queue_counters,
+    queues,
+    recovery_points,
+)
+
+_TIMESTAMP = DateTime(timezone=True)
+_JSON = JSONB(none_as_null=True)
+
+
+def _column_param(name: str, type_: TypeEngine[Any]) -> BindParameter[Any]:
+    """A bind parameter holding one whole column of a batch, as a typed PostgreSQL array."""
+    return bindparam(name, type_=ARRAY(type_))
+
+
+def _unnest(alias: str, columns: dict[str, TypeEngine[Any]]) -> TableValuedAlias:
+    """``unnest(:a::T[], :b::U[], ...) AS alias(a, b, ...)``: a batch as a relation."""
+    params = [_column_param(name, type_) for name, type_ in columns.items()]
+    return func.unnest(*params).table_valued(*columns).render_derived(name=alias)
+
+
+def _names_param(name: str) -> BindParameter[Any]:
+    return _column_param(name, Text())
+
+
+# --- ownership ---------------------------------------------------------------------------------
+
+# Take a shard over when it is free (released), expired by the caller's clock, or held by the
+# same owner id (a restarted process reusing its id fences its previous incarnation too). The
+# epoch counts up on every takeover; a first acquisition starts at 1.
+_acquire_insert = pg_insert(ownership).values(
+    shard=bindparam("shard"),
+    owner_id=bindparam("owner_id"),
+    epoch=1,
+    acquired_at=bindparam("now"),
+    heartbeat_at=bindparam("now"),
+    expires_at=bindparam("expires_at"),
+)
+ACQUIRE: Final = _acquire_insert.on_conflict_do_update(
+    index_elements=[ownership.c.shard],
+    set_={
+        "owner_id": _acquire_insert.excluded.owner_id,
+        "epoch": ownership.c.epoch + 1,
+        "acquired_at": _acquire_insert.excluded.acquired_at,
+        "heartbeat_at": _acquire_insert.excluded.heartbeat_at,
+        "expires_at": _acquire_insert.excluded.expires_at,
+    },
+    where=or_(
+        ownership.c.owner_id.is_(None),
+        ownership.c.expires_at <= _acquire_insert.excluded.acquired_at,
+        ownership.c.owner_id == _acquire_insert.excluded.owner_id,
+    ),
+).returning(ownership.c.epoch)
+
+_holder = (
+    (ownership.c.shard == bindparam("shard"))
+    & (ownership.c.owner_id == bindparam("owner_id"))
+    & (ownership.c.epoch == bindparam("epoch"))
+)
+
+# Renewal needs no expiry check: while the epoch is unchanged nobody took over, so extending is
+# safe even if the lease lapsed in between.
+RENEW: Final = (
+    update(ownership)
+    .where(_holder)
+    .values(heartbeat_at=bindparam("now"), expires_at=bindparam("expires_at"))
+    .returning(ownership.c.epoch)
+)
+
+# The row stays (owner_id NULL) so the next owner's epoch is still greater than every past one.
+RELEASE: Final = (
+    update(ownership)
+    .where(_holder)
+    .values(owner_id=None, heartbeat_at=bindparam("now"), expires_at=bindparam("now"))
+    .returning(ownership.c.epoch)
+)
+
+# First statement of every guarded transaction. The UPDATE row-locks the ownership row until
+# commit, so a takeover (whose upsert must lock the same row) waits for this transaction and
+# cannot interleave with it; a takeover that committed first bumped the epoch, so this finds no
+# row and the transaction writes nothing.
+GUARD: Final = (
+    update(ownership)
+    .where(_holder)
+    .values(heartbeat_at=bindparam("now"))
+    .returning(ownership.c.epoch)
+)
+
+SELECT_OWNER: Final = select(ownership).where(
+    ownership.c.shard == bindparam("shard"), ownership.c.owner_id.is_not(None)
+)
+SELECT_OWNERS: Final = (
+    select(ownership).where(ownership.c.owner_id.is_not(None)).order_by(ownership.c.shard)
+)
+
+# --- batched writes (WriteBatch) ---------------------------------------------------------------
+
+FORGET_ENTRIES: Final = delete(entries).where(entries.c.queue == any_(_names_param("queues")))
+FORGET_RECOVERY_POINTS: Final = delete(recovery_points).where(
+    recovery_points.c.queue == any_(_names_param("queues"))
+)
+FORGET_COUNTERS: Final = delete(queue_counters).where(
+    queue_counters.c.queue == any_(_names_param("queues"))
+)
+
+_ENTRY_KEY_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    "topic": Text(),
+    "partition": Integer(),
+    "offset": BigInteger(),
+}
+_gone = _unnest("gone", _ENTRY_KEY_COLUMNS)
+DELETE_ENTRIES: Final = delete(entries).where(
+    entries.c.queue == _gone.c.queue,
+    entries.c.topic == _gone.c.topic,
+    entries.c.partition == _gone.c.partition,
+    entries.c.offset == _gone.c.offset,
+)
+
+ENTRY_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    **_ENTRY_KEY_COLUMNS,
+    "state": Text(),
+    "delivery_count": Integer(),
+    "cancel_count": Integer(),
+    "lease_consumer": Text(),
+    "lease_token": Text(),
+    "lease_deadline": _TIMESTAMP,
+    "available_at": _TIMESTAMP,
+    "reason": Text(),
+    "updated_at": _TIMESTAMP,
+}
+_entry_rows = _unnest("batch", ENTRY_COLUMNS)
+_entries_insert = pg_insert(entries).from_select(
+    list(ENTRY_COLUMNS), select(*(_entry_rows.c[name] for name in ENTRY_COLUMNS))
+)
+UPSERT_ENTRIES: Final = _entries_insert.on_conflict_do_update(
+    index_elements=[entries.c.queue, entries.c.topic, entries.c.partition, entries.c.offset],
+    set_={
+        name: _entries_insert.excluded[name]
+        for name in ENTRY_COLUMNS
+        if name not in _ENTRY_KEY_COLUMNS
+    },
+)
+
+RECOVERY_POINT_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    "topic": Text(),
+    "partition": Integer(),
+    "offset": BigInteger(),
+    "updated_at": _TIMESTAMP,
+}
+_rp_rows = _unnest("batch", RECOVERY_POINT_COLUMNS)
+_rp_insert = pg_insert(recovery_points).from_select(
+    list(RECOVERY_POINT_COLUMNS), select(*(_rp_rows.c[name] for name in RECOVERY_POINT_COLUMNS))
+)
+UPSERT_RECOVERY_POINTS: Final = _rp_insert.on_conflict_do_update(
+    index_elements=[recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition],
+    set_={"offset": _rp_insert.excluded.offset, "updated_at": _rp_insert.excluded.updated_at},
+)
+
+# Done entries a recovery point has passed are never consulted again (restart reads the journal
+# from the recovery point), so they go. Entries below it that are *not* done would be a bug; they
+# stay, so the inconsistency remains visible instead of being erased.
+_passed = _unnest("passed", _ENTRY_KEY_COLUMNS)
+PRUNE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
+    entries.c.queue == _passed.c.queue,
+    entries.c.topic == _passed.c.topic,
+    entries.c.partition == _passed.c.partition,
+    entries.c.offset < _passed.c.offset,
+    entries.c.state.in_(DONE_STATES),
+)
+
+DELETE_CONSUMERS: Final = delete(consumers).where(
+    consumers.c.consumer_id == any_(_names_param("consumer_ids"))
+)
+
+CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "consumer_id": Text(),
+    "session_id": Text(),
+    "queue": Text(),
+    "is_regex": Boolean(),
+    "max_backlog": Integer(),
+    "filter": Text(),
+    "delivery_topic": Text(),
+    "session_timeout_ms": Integer(),
+    "subscribed_at": _TIMESTAMP,
+    "last_heartbeat_at": _TIMESTAMP,
+    "client_info": _JSON,
+}
+_consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
+_consumers_insert = pg_insert(consumers).from_select(
+    list(CONSUMER_COLUMNS), select(*(_consumer_rows.c[name] for name in CONSUMER_COLUMNS))
+)
+UPSERT_CONSUMERS: Final = _consumers_insert.on_conflict_do_update(
+    index_elements=[consumers.c.consumer_id],
+    set_={
+        name: _consumers_insert.excluded[name]
+        for name in CONSUMER_COLUMNS
+        if name != "consumer_id"
+    },
+)
+
+# Heartbeats are the most frequent consumer write and change one column: UPDATE ... FROM a batch.
+# GREATEST keeps the time monotonic when a late heartbeat arrives after a newer subscribe.
+_beats = _unnest("beats", {"consumer_id": Text(), "at": _TIMESTAMP})
+HEARTBEAT_CONSUMERS: Final = (
+    update(consumers)
+    .where(consumers.c.consumer_id == _beats.c.consumer_id)
+    .values(last_heartbeat_at=func.greatest(consumers.c.last_heartbeat_at, _beats.c.at))
+)
+
+COUNTER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    **{name: BigInteger() for name in COUNTER_NAMES},
+    "updated_at": _TIMESTAMP,
+}
+_counter_rows = _unnest("batch", COUNTER_COLUMNS)
+_counters_insert = pg_insert(queue_counters).from_select(
+    list(COUNTER_COLUMNS), select(*(_counter_rows.c[name] for name in COUNTER_COLUMNS))
+)
+INCREMENT_COUNTERS: Final = _counters_insert.on_conflict_do_update(
+    index_elements=[queue_counters.c.queue],
+    set_={
+        **{
+            name: queue_counters.c[name] + _counters_insert.excluded[name]
+            for name in COUNTER_NAMES
+        },
+        "updated_at": _counters_insert.excluded.updated_at,
+    },
+)
+
+_purges = _unnest("purges", {"name": Text(), "requested_at": _TIMESTAMP})
+MARK_PURGED: Final = (
+    update(queues)
+    .where(queues.c.name == _purges.c.name)
+    .values(purged_at=func.greatest(queues.c.purged_at, _purges.c.requested_at))
+)
+
+# --- restart recovery --------------------------------------------------------------------------
+
+_rp_of_entry = recovery_points.c
+SELECT_ENTRIES_TO_RECOVER: Final = (
+    select(
+        entries.c.queue,
+        entries.c.topic,
+        entries.c.partition,
+        entries.c.offset,
+        entries.c.state,
+        entries.c.delivery_count,
+        entries.c.cancel_count,
+        entries.c.lease_consumer,
+        entries.c.lease_token,
+        entries.c.lease_deadline,
+        entries.c.available_at,
+        entries.c.reason,
+    )
+    .select_from(
+        entries.outerjoin(
+            recovery_points,
+            (_rp_of_entry.queue == entries.c.queue)
+            & (_rp_of_entry.topic == entries.c.topic)
+            & (_rp_of_entry.partition == entries.c.partition),
+        )
+    )
+    .where(
+        entries.c.queue == bindparam("queue"),
+        or_(
+            _rp_of_entry.offset.is_(None),
+            entries.c.offset >= _rp_of_entry.offset,
+            entries.c.state.not_in(DONE_STATES),
+        ),
+    )
+    .order_by(entries.c.topic, entries.c.partition, entries.c.offset)
+)
+
+SELECT_RECOVERY_POINTS: Final = select(
+    recovery_points.c.queue,
+    recovery_points.c.topic,
+    recovery_points.c.partition,
+    recovery_points.c.offset,
+).order_by(recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition)
+
+SELECT_CONSUMERS: Final = select(consumers).order_by(consumers.c.consumer_id)
+
+SELECT_COUNTERS: Final = select(queue_counters).order_by(queue_counters.c.queue)
+
+# The maintenance form of PRUNE_BELOW_RECOVERY_POINTS, against the stored recovery points.
+DELETE_DONE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
+    entries.c.queue == recovery_points.c.queue,
+    entries.c.topic == recovery_points.c.topic,
+    entries.c.partition == recovery_points.c.partition,
+    entries.c.offset < recovery_points.c.offset,
+    entries.c.state.in_(DONE_STATES),
+)
+
+# --- queue definitions (CLI) -------------------------------------------------------------------
+
+SELECT_QUEUES: Final = select(queues).order_by(queues.c.name)
+SELECT_QUEUE_FOR_UPDATE: Final = (
+    select(queues).where(queues.c.name == bindparam("name")).with_for_update()
+)
+INSERT_QUEUE: Final = (
+    pg_insert(queues)
+    .values(
+        name=bindparam("name"),
+        definition=bindparam("definition", type_=JSONB),
+        version=1,
+        created_at=bindparam("now"),
+        updated_at=bindparam("now"),
+    )
+    .on_conflict_do_nothing(index_elements=[queues.c.name])
+    .returning(queues.c.version)
+)
+UPDATE_QUEUE_DEFINITION: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("name"))
+    .values(
+        definition=bindparam("definition", type_=JSONB),
+        version=queues.c.version + 1,
+        updated_at=bindparam("now"),
+    )
+    .returning(queues.c.version)
+)
+# A deleted queue created again is a new queue: fresh created_at, no purge history.
+RECREATE_QUEUE: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("name"))
+    .values(
+        definition=bindparam("definition", type_=JSONB),
+        version=queues.c.version + 1,
+        created_at=bindparam("now"),
+        updated_at=bindparam("now"),
+        deleted_at=None,
+        purge_requested_at=None,
+        purged_at=None,
+    )
+    .returning(queues.c.version)
+)
+SOFT_DELETE_QUEUE: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("name"))
+    .values(
+        version=queues.c.version + 1,
+        updated_at=bindparam("now"),
+        deleted_at=bindparam("now"),
+    )
+    .returning(queues.c.version)
+)
+REQUEST_PURGE: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("name"))
+    .values(
+        version=queues.c.version + 1,
+        updated_at=bindparam("now"),
+        purge_requested_at=bindparam("now"),
+    )
+    .returning(queues.c.version)
+)
+

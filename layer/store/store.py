@@ -1,0 +1,613 @@
+"""`Store`: qlayer's PostgreSQL state behind a narrow, named API (DESIGN §3).
+
+Three kinds of callers:
+
+- the coordinator, once per loop iteration: `commit` a `WriteBatch` in one transaction, guarded
+  by its (owner_id, epoch) on the shard; `acquire` / `renew` / `release` ownership;
+- the coordinator on (re)start: `load_queues`, `load_entries`, `load_recovery_points`,
+  `load_consumers`, `load_counters`;
+- the CLI: `put_queue`, `delete_queue`, `get_queue`, `list_queues`, `request_purge`, `owners`.
+
+Every method takes the caller's ``now`` (epoch seconds) where time matters; the database clock
+decides nothing. Driver errors leave as `StoreError` (see `layer.store.errors`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import Row
+
+from layer.domain.errors import UnknownQueueError
+from layer.store import statements as sql
+from layer.store.batch import WriteBatch
+from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
+from layer.store.rows import (
+    ConsumerRow,
+    EntryKey,
+    EntryRow,
+    Ownership,
+    PartitionKey,
+    QueueCounters,
+    QueueRecord,
+)
+from layer.store.tables import (
+    COUNTER_NAMES,
+    DONE_STATES,
+    entries,
+    queue_counters,
+    queues,
+    recovery_points,
+)
+
+__all__ = ["CommitResult", "Store", "WriteBatch", "recording_statements"]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What one `Store.commit` did, for the coordinator's metrics."""
+
+    epoch: int
+    statements: int
+    entries_written: int
+    entries_deleted: int
+    entries_pruned: int
+
+
+def _to_datetime(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def _to_datetime_or_none(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def _to_seconds(moment: datetime) -> float:
+    return moment.timestamp()
+
+
+def _to_seconds_or_none(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
+def _json_roundtrip(definition: Mapping[str, Any]) -> dict[str, Any]:
+    """The definition as JSONB will hand it back, so "unchanged" compares like with like."""
+    loaded = json.loads(json.dumps(definition))
+    if not isinstance(loaded, dict):
+        raise TypeError("a queue definition must be a JSON object")
+    return loaded
+
+
+class Store:
+    """qlayer's PostgreSQL state. Give it an Engine (shared, not disposed here) or a URL."""
+
+    def __init__(self, engine_or_url: Engine | str) -> None:
+        if isinstance(engine_or_url, Engine):
+            self._engine = engine_or_url
+            self._owns_engine = False
+        else:
+            # pre_ping: a coordinator outlives server restarts; a dead pooled connection should
+            # be replaced before a batch is sent on it, not surface as a failed commit.
+            self._engine = create_engine(engine_or_url, pool_pre_ping=True)
+            self._owns_engine = True
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def close(self) -> None:
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- ownership -----------------------------------------------------------------------------
+
+    def acquire(self, shard: str, owner_id: str, ttl: float, now: float) -> int | None:
+        """Take the shard when it is free or its owner's lease expired (by ``now``).
+
+        Returns the new epoch (one more than any before it), or None while another owner's
+        lease runs. Acquiring a shard this owner id already holds bumps the epoch too, which
+        fences an earlier process that used the same id.
+        """
+        with translate_errors(f"acquiring shard {shard!r}"), self._engine.begin() as conn:
+            epoch = conn.execute(
+                sql.ACQUIRE,
+                {
+                    "shard": shard,
+                    "owner_id": owner_id,
+                    "now": _to_datetime(now),
+                    "expires_at": _to_datetime(now + ttl),
+                },
+            ).scalar_one_or_none()
+        return None if epoch is None else int(epoch)
+
+    def renew(self, shard: str, owner_id: str, epoch: int, ttl: float, now: float) -> bool:
+        """Extend the lease to ``now + ttl``; False when the shard was taken over or released."""
+        with translate_errors(f"renewing shard {shard!r}"), self._engine.begin() as conn:
+            renewed = conn.execute(
+                sql.RENEW,
+                {
+                    "shard": shard,
+                    "owner_id": owner_id,
+                    "epoch": epoch,
+                    "now": _to_datetime(now),
+                    "expires_at": _to_datetime(now + ttl),
+                },
+            ).scalar_one_or_none()
+        return renewed is not None
+
+    def release(self, shard: str, owner_id: str, epoch: int, now: float) -> bool:
+        """Give the shard up so a standby takes it at once; False when it was not ours."""
+        with translate_errors(f"releasing shard {shard!r}"), self._engine.begin() as conn:
+            released = conn.execute(
+                sql.RELEASE,
+                {"shard": shard, "owner_id": owner_id, "epoch": epoch, "now": _to_datetime(now)},
+            ).scalar_one_or_none()
+        return released is not None
+
+    def owner(self, shard: str) -> Ownership | None:
+        """The shard's current holder (possibly expired: compare with `Ownership.expired`)."""
+        with translate_errors(f"reading owner of shard {shard!r}"), self._engine.connect() as conn:
+            row = conn.execute(sql.SELECT_OWNER, {"shard": shard}).one_or_none()
+        return None if row is None else _ownership(row)
+
+    def owners(self) -> list[Ownership]:
+        with translate_errors("reading shard owners"), self._engine.connect() as conn:
+            return [_ownership(row) for row in conn.execute(sql.SELECT_OWNERS)]
+
+    # --- the write path ------------------------------------------------------------------------
+
+    def commit(
+        self, batch: WriteBatch, shard: str, owner_id: str, epoch: int, now: float
+    ) -> CommitResult:
+        """Write the batch in one transaction, if (owner_id, epoch) still holds the shard.
+
+        Raises `FencedError` (and writes nothing) when it does not. Done entries that fall
+        below a recovery point set in this same batch are deleted instead of written, and done
+        entries the new recovery points pass are pruned (DESIGN §3).
+        """
+        moment = _to_datetime(now)
+        statements = 0
+        with (
+            translate_errors(f"committing a batch for shard {shard!r}"),
+            self._engine.begin() as conn,
+        ):
+            holder = conn.execute(
+                sql.GUARD,
+                {"shard": shard, "owner_id": owner_id, "epoch": epoch, "now": moment},
+            ).scalar_one_or_none()
+            statements += 1
+            if holder is None:
+                # Raising inside `begin()` rolls back; nothing of the batch was sent yet.
+                raise FencedError(shard, owner_id, epoch)
+            statements += self._forget(conn, batch.forgotten_queues)
+            upserts, deletes = _split_passed_entries(batch)
+            statements += _delete_entries(conn, deletes)
+            statements += _upsert_entries(conn, upserts.values(), moment)
+            statements += _upsert_recovery_points(conn, batch.recovery_points, moment)
+            pruned = _prune_below(conn, batch.recovery_points)
+            statements += 1 if batch.recovery_points else 0  # the prune
+            statements += _write_consumers(conn, batch)
+            statements += _increment_counters(conn, batch.counters, moment)
+            statements += _mark_purged(conn, batch.purges_done)
+        return CommitResult(
+            epoch=epoch,
+            statements=statements,
+            entries_written=len(upserts),
+            entries_deleted=len(deletes),
+            entries_pruned=pruned,
+        )
+
+    @staticmethod
+    def _forget(conn: Connection, queue_names: set[str]) -> int:
+        if not queue_names:
+            return 0
+        names = sorted(queue_names)
+        for statement in (sql.FORGET_ENTRIES, sql.FORGET_RECOVERY_POINTS, sql.FORGET_COUNTERS):
+            conn.execute(statement, {"queues": names})
+        return 3
+
+    # --- restart recovery ----------------------------------------------------------------------
+
+    def load_queues(self) -> list[QueueRecord]:
+        """Live queue definitions (not deleted), by name."""
+        return self.list_queues()
+
+    def load_entries(self, queue: str) -> list[EntryRow]:
+        """The touched entries restart needs, in bookmark order.
+
+        Everything at or above the partition's recovery point (so ACKED entries there are
+        skipped when the journal is re-read), plus any entry below it that is not done, which
+        should not exist but is returned rather than lost.
+        """
+        with (
+            translate_errors(f"loading entries of queue {queue!r}"),
+            self._engine.connect() as conn,
+        ):
+            result = conn.execute(sql.SELECT_ENTRIES_TO_RECOVER, {"queue": queue})
+            return [
+                EntryRow(
+                    queue=row[0],
+                    topic=row[1],
+                    partition=row[2],
+                    offset=row[3],
+                    state=row[4],
+                    delivery_count=row[5],
+                    cancel_count=row[6],
+                    lease_consumer=row[7],
+                    lease_token=row[8],
+                    lease_deadline=_to_seconds_or_none(row[9]),
+                    available_at=_to_seconds_or_none(row[10]),
+                    reason=row[11],
+                )
+                for row in result
+            ]
+
+    def load_recovery_points(self, queue: str | None = None) -> dict[PartitionKey, int]:
+        """Recovery points of one queue, or of every queue."""
+        statement = sql.SELECT_RECOVERY_POINTS
+        if queue is not None:
+            statement = statement.where(recovery_points.c.queue == queue)
+        with translate_errors("loading recovery points"), self._engine.connect() as conn:
+            return {
+                PartitionKey(row.queue, row.topic, row.partition): row.offset
+                for row in conn.execute(statement)
+            }
+
+    def load_consumers(self) -> list[ConsumerRow]:
+        with translate_errors("loading consumers"), self._engine.connect() as conn:
+            return [
+                ConsumerRow(
+                    consumer_id=row.consumer_id,
+                    session_id=row.session_id,
+                    queue=row.queue,
+                    is_regex=row.is_regex,
+                    delivery_topic=row.delivery_topic,
+                    session_timeout_ms=row.session_timeout_ms,
+                    subscribed_at=_to_seconds(row.subscribed_at),
+                    last_heartbeat_at=_to_seconds(row.last_heartbeat_at),
+                    max_backlog=row.max_backlog,
+                    filter=row.filter,
+                    client_info=row.client_info,
+                )
+                for row in conn.execute(sql.SELECT_CONSUMERS)
+            ]
+
+    def load_counters(self, queue: str | None = None) -> dict[str, QueueCounters]:
+        statement = sql.SELECT_COUNTERS
+        if queue is not None:
+            statement = statement.where(queue_counters.c.queue == queue)
+        with translate_errors("loading queue counters"), self._engine.connect() as conn:
+            return {
+                row.queue: QueueCounters(
+                    queue=row.queue,
+                    updated_at=_to_seconds(row.updated_at),
+                    **{name: int(getattr(row, name)) for name in COUNTER_NAMES},
+                )
+                for row in conn.execute(statement)
+            }
+
+    def delete_done_below_recovery_points(self, queue: str | None = None) -> int:
+        """Bulk-delete ACKED and EXPIRED entries their recovery point has passed; returns count.
+
+        `commit` already prunes behind the recovery points it moves; this is the maintenance
+        form (e.g. after a crash between two batches, or for `qlayer` housekeeping).
+        """
+        statement = sql.DELETE_DONE_BELOW_RECOVERY_POINTS
+        if queue is not None:
+            statement = statement.where(entries.c.queue == queue)
+        with translate_errors("deleting done entries"), self._engine.begin() as conn:
+            return conn.execute(statement).rowcount
+
+    # --- queue definitions (CLI) ---------------------------------------------------------------
+
+    def put_queue(
+        self,
+        name: str,
+        definition: Mapping[str, Any],
+        now: float,
+        *,
+        expected_version: int | None = None,
+    ) -> int:
+        """Create or update a queue definition; returns its version afterwards.
+
+        The version goes up by one on every change; writing an identical definition changes
+        nothing (so `qlayer queue apply` is idempotent). Re-creating a deleted queue makes a new
+        queue: whatever state the old one left is dropped in the same transaction. With
+        ``expected_version``, the write happens only if the stored live version is that one
+        (raises `QueueVersionConflictError` otherwise).
+        """
+        wanted = _json_roundtrip(definition)
+        params = {"name": name, "definition": wanted, "now": _to_datetime(now)}
+        with translate_errors(f"writing queue {name!r}"), self._engine.begin() as conn:
+            # Two rounds at most: a concurrent creator can win the INSERT race, after which the
+            # row exists and the update path applies.
+            for _ in range(2):
+                current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+                live = current is not None and current.deleted_at is None
+                if expected_version is not None:
+                    actual = current.version if current is not None and live else None
+                    if actual != expected_version:
+                        raise QueueVersionConflictError(name, expected_version, actual)
+                if current is None:
+                    created = conn.execute(sql.INSERT_QUEUE, params).scalar_one_or_none()
+                    if created is not None:
+                        return int(created)
+                    continue
+                if live:
+                    if current.definition == wanted:
+                        return int(current.version)
+                    return int(conn.execute(sql.UPDATE_QUEUE_DEFINITION, params).scalar_one())
+                self._forget(conn, {name})
+                return int(conn.execute(sql.RECREATE_QUEUE, params).scalar_one())
+        raise StoreError(f"writing queue {name!r}: it kept changing underneath", retryable=True)
+
+    def delete_queue(
+        self, name: str, now: float, *, expected_version: int | None = None
+    ) -> int:
+        """Soft-delete a live queue and drop its stored state; returns the new version.
+
+        Raises `UnknownQueueError` when there is no live queue of that name. The owning
+        coordinator sees the new version, stops serving the queue and forgets it in its next
+        batch (which also removes anything it wrote for the queue in between).
+        """
+        with translate_errors(f"deleting queue {name!r}"), self._engine.begin() as conn:
+            current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+            if current is None or current.deleted_at is not None:
+                raise UnknownQueueError(name)
+            if expected_version is not None and current.version != expected_version:
+                raise QueueVersionConflictError(name, expected_version, current.version)
+            self._forget(conn, {name})
+            return int(
+                conn.execute(
+                    sql.SOFT_DELETE_QUEUE, {"name": name, "now": _to_datetime(now)}
+                ).scalar_one()
+            )
+
+    def request_purge(self, name: str, now: float) -> int:
+        """Ask the owning coordinator to empty a live queue; returns the new version.
+
+        Emptying needs the journal's end offsets and the coordinator's in-memory view, so the
+        store only records the request; the coordinator completes it with
+        `WriteBatch.forget_queue` + new recovery points + `WriteBatch.purge_done`.
+        """
+        with translate_errors(f"purging queue {name!r}"), self._engine.begin() as conn:
+            current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+            if current is None or current.deleted_at is not None:
+                raise UnknownQueueError(name)
+            return int(
+                conn.execute(
+                    sql.REQUEST_PURGE, {"name": name, "now": _to_datetime(now)}
+                ).scalar_one()
+            )
+
+    def get_queue(self, name: str, *, include_deleted: bool = False) -> QueueRecord | None:
+        statement = sql.SELECT_QUEUES.where(queues.c.name == name)
+        if not include_deleted:
+            statement = statement.where(queues.c.deleted_at.is_(None))
+        with translate_errors(f"reading queue {name!r}"), self._engine.connect() as conn:
+            row = conn.execute(statement).one_or_none()
+        return None if row is None else _queue_record(row)
+
+    def list_queues(self, *, include_deleted: bool = False) -> list[QueueRecord]:
+        statement = sql.SELECT_QUEUES
+        if not include_deleted:
+            statement = statement.where(queues.c.deleted_at.is_(None))
+        with translate_errors("listing queues"), self._engine.connect() as conn:
+            return [_queue_record(row) for row in conn.execute(statement)]
+
+
+# --- batch writers: one statement per kind, rows sorted by key -----------------------------------
+# Sorting gives every transaction the same lock order, so two writers that share rows (a regex
+# consumer seen by two coordinators) cannot deadlock.
+
+
+def _split_passed_entries(batch: WriteBatch) -> tuple[dict[EntryKey, EntryRow], set[EntryKey]]:
+    """Turn writes of done entries that this batch's recovery points pass into deletes.
+
+    Such a row would be written only for the prune below to remove it again; deleting it
+    directly also removes a row an earlier batch wrote (e.g. as LEASED).
+    """
+    if not batch.recovery_points:
+        return batch.entries, batch.entry_deletes
+    upserts: dict[EntryKey, EntryRow] = {}
+    deletes = set(batch.entry_deletes)
+    for key, row in batch.entries.items():
+        passed_at = batch.recovery_points.get(row.partition_key)
+        if passed_at is not None and key.offset < passed_at and row.state in DONE_STATES:
+            deletes.add(key)
+        else:
+            upserts[key] = row
+    return upserts, deletes
+
+
+def _delete_entries(conn: Connection, keys: Iterable[EntryKey]) -> int:
+    ordered = sorted(keys)
+    if not ordered:
+        return 0
+    conn.execute(sql.DELETE_ENTRIES, _columns(ordered, ("queue", "topic", "partition", "offset")))
+    return 1
+
+
+def _upsert_entries(conn: Connection, rows: Iterable[EntryRow], moment: datetime) -> int:
+    ordered = sorted(rows, key=lambda row: row.key)
+    if not ordered:
+        return 0
+    conn.execute(
+        sql.UPSERT_ENTRIES,
+        {
+            "queue": [row.queue for row in ordered],
+            "topic": [row.topic for row in ordered],
+            "partition": [row.partition for row in ordered],
+            "offset": [row.offset for row in ordered],
+            "state": [str(row.state) for row in ordered],
+            "delivery_count": [row.delivery_count for row in ordered],
+            "cancel_count": [row.cancel_count for row in ordered],
+            "lease_consumer": [row.lease_consumer for row in ordered],
+            "lease_token": [row.lease_token for row in ordered],
+            "lease_deadline": [_to_datetime_or_none(row.lease_deadline) for row in ordered],
+            "available_at": [_to_datetime_or_none(row.available_at) for row in ordered],
+            "reason": [row.reason for row in ordered],
+            "updated_at": [moment] * len(ordered),
+        },
+    )
+    return 1
+
+
+def _upsert_recovery_points(
+    conn: Connection, points: Mapping[PartitionKey, int], moment: datetime
+) -> int:
+    if not points:
+        return 0
+    ordered = sorted(points.items())
+    params = _columns([key for key, _ in ordered], ("queue", "topic", "partition"))
+    params["offset"] = [offset for _, offset in ordered]
+    params["updated_at"] = [moment] * len(ordered)
+    conn.execute(sql.UPSERT_RECOVERY_POINTS, params)
+    return 1
+
+
+def _prune_below(conn: Connection, points: Mapping[PartitionKey, int]) -> int:
+    if not points:
+        return 0
+    ordered = sorted(points.items())
+    params = _columns([key for key, _ in ordered], ("queue", "topic", "partition"))
+    params["offset"] = [offset for _, offset in ordered]
+    return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params).rowcount
+
+
+def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
+    statements = 0
+    if batch.consumer_deletes:
+        conn.execute(sql.DELETE_CONSUMERS, {"consumer_ids": sorted(batch.consumer_deletes)})
+        statements += 1
+    if batch.consumers:
+        ordered = [batch.consumers[consumer_id] for consumer_id in sorted(batch.consumers)]
+        conn.execute(
+            sql.UPSERT_CONSUMERS,
+            {
+                "consumer_id": [row.consumer_id for row in ordered],
+                "session_id": [row.session_id for row in ordered],
+                "queue": [row.queue for row in ordered],
+                "is_regex": [row.is_regex for row in ordered],
+                "max_backlog": [row.max_backlog for row in ordered],
+                "filter": [row.filter for row in ordered],
+                "delivery_topic": [row.delivery_topic for row in ordered],
+                "session_timeout_ms": [row.session_timeout_ms for row in ordered],
+                "subscribed_at": [_to_datetime(row.subscribed_at) for row in ordered],
+                "last_heartbeat_at": [_to_datetime(row.last_heartbeat_at) for row in ordered],
+                "client_info": [
+                    None if row.client_info is None else dict(row.client_info) for row in ordered
+                ],
+            },
+        )
+        statements += 1
+    if batch.heartbeats:
+        beats = sorted(batch.heartbeats.items())
+        conn.execute(
+            sql.HEARTBEAT_CONSUMERS,
+            {
+                "consumer_id": [consumer_id for consumer_id, _ in beats],
+                "at": [_to_datetime(at) for _, at in beats],
+            },
+        )
+        statements += 1
+    return statements
+
+
+def _increment_counters(
+    conn: Connection, counters: Mapping[str, Mapping[str, int]], moment: datetime
+) -> int:
+    touched = sorted(queue for queue, counts in counters.items() if any(counts.values()))
+    if not touched:
+        return 0
+    params: dict[str, list[Any]] = {"queue": touched}
+    for name in COUNTER_NAMES:
+        params[name] = [counters[queue].get(name, 0) for queue in touched]
+    params["updated_at"] = [moment] * len(touched)
+    conn.execute(sql.INCREMENT_COUNTERS, params)
+    return 1
+
+
+def _mark_purged(conn: Connection, purges: Mapping[str, float]) -> int:
+    if not purges:
+        return 0
+    ordered = sorted(purges.items())
+    conn.execute(
+        sql.MARK_PURGED,
+        {
+            "name": [name for name, _ in ordered],
+            "requested_at": [_to_datetime(at) for _, at in ordered],
+        },
+    )
+    return 1
+
+
+def _columns(keys: list[Any], names: tuple[str, ...]) -> dict[str, list[Any]]:
+    """Transpose named tuples into one list per column, the shape ``unnest`` reads."""
+    return {name: [getattr(key, name) for key in keys] for name in names}
+
+
+# --- row mapping ---------------------------------------------------------------------------------
+
+
+def _ownership(row: Row[Any]) -> Ownership:
+    return Ownership(
+        shard=row.shard,
+        owner_id=row.owner_id,
+        epoch=int(row.epoch),
+        acquired_at=_to_seconds(row.acquired_at),
+        heartbeat_at=_to_seconds(row.heartbeat_at),
+        expires_at=_to_seconds(row.expires_at),
+    )
+
+
+def _queue_record(row: Row[Any]) -> QueueRecord:
+    return QueueRecord(
+        name=row.name,
+        definition=row.definition,
+        version=int(row.version),
+        created_at=_to_seconds(row.created_at),
+        updated_at=_to_seconds(row.updated_at),
+        deleted_at=_to_seconds_or_none(row.deleted_at),
+        purge_requested_at=_to_seconds_or_none(row.purge_requested_at),
+        purged_at=_to_seconds_or_none(row.purged_at),
+    )
+
+
+@contextmanager
+def recording_statements(engine: Engine) -> Iterator[list[str]]:
+    """Record every SQL statement the engine sends inside the block (tests, benchmarks).
+
+    An ``executemany`` counts once per parameter set, because the driver sends one statement
+    per set; the list therefore measures statements the server runs, honestly.
+    """
+    sent: list[str] = []
+
+    def _record(
+        conn: Connection,
+        cursor: Any,
+        statement: str,
+        parameters: Any,
+        context: Any,
+        executemany: bool,
+    ) -> None:
+        repeat = len(parameters) if executemany else 1
+        sent.extend([statement] * repeat)
+
+    event.listen(engine, "before_cursor_execute", _record)
+    try:
+        yield sent
+    finally:
+        event.remove(engine, "before_cursor_execute", _record)

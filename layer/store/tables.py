@@ -1,0 +1,200 @@
+"""qlayer's PostgreSQL schema as SQLAlchemy Core tables (DESIGN §3).
+
+The Alembic revisions in `migrations/versions` create exactly these tables; a test compares the
+migrated database with `metadata`, so a change here needs a new revision. `docs/storage.md`
+says why each column exists.
+
+Times are ``timestamptz``; callers pass epoch seconds and the store converts, so no decision
+depends on the database clock.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+__all__ = [
+    "COUNTER_NAMES",
+    "DONE_STATES",
+    "ENTRY_STATES",
+    "consumers",
+    "entries",
+    "metadata",
+    "ownership",
+    "queue_counters",
+    "queues",
+    "recovery_points",
+]
+
+# The entry states of DESIGN §1. An untouched entry (never delivered) has no row at all: it is
+# AVAILABLE by default, rebuilt from the journal on restart.
+ENTRY_STATES: Final = ("AVAILABLE", "LEASED", "ACKED", "EXPIRED")
+# States an entry never leaves: a recovery point may pass them and their rows may then go.
+DONE_STATES: Final = ("ACKED", "EXPIRED")
+# Per-queue totals kept in `queue_counters`, for `qlayer stats` after a restart.
+COUNTER_NAMES: Final = (
+    "enqueued",
+    "delivered",
+    "redelivered",
+    "acked",
+    "released",
+    "lease_expired",
+    "dead_lettered",
+    "expired",
+)
+
+# Explicit constraint names, so the hand-written migration and this metadata name every
+# constraint identically (and a later revision can drop one by name).
+metadata = MetaData(
+    naming_convention={
+        "pk": "pk_%(table_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "ix": "ix_%(table_name)s_%(column_0_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    }
+)
+
+
+def _ts(name: str, nullable: bool) -> Column[datetime]:
+    return Column(name, DateTime(timezone=True), nullable=nullable)
+
+
+def _states_sql(states: tuple[str, ...]) -> str:
+    return ", ".join(f"'{state}'" for state in states)
+
+
+queues = Table(
+    "queues",
+    metadata,
+    Column("name", Text, primary_key=True),
+    # The QueueDefinition as pydantic dumps it (mode="json"); the store does not interpret it.
+    Column("definition", JSONB, nullable=False),
+    # Bumped on every change of the row (definition, deletion, purge request), so a coordinator
+    # can poll (name, version) cheaply and reload only what changed.
+    Column("version", BigInteger, nullable=False),
+    # A re-created queue (deleted, then created again) gets a new created_at: the coordinator
+    # treats that as a new queue and forgets the old one's state.
+    _ts("created_at", nullable=False),
+    _ts("updated_at", nullable=False),
+    # Soft delete keeps `version` monotonic across delete + re-create (so no poller can miss a
+    # change) and leaves a record of what was deleted and when.
+    _ts("deleted_at", nullable=True),
+    # `qlayer queue purge` asks; the owning coordinator empties the queue and records
+    # purged_at = purge_requested_at. A purge is pending while purged_at is older or null.
+    _ts("purge_requested_at", nullable=True),
+    _ts("purged_at", nullable=True),
+    CheckConstraint("version >= 1", name="version_positive"),
+)
+
+consumers = Table(
+    "consumers",
+    metadata,
+    Column("consumer_id", Text, primary_key=True),
+    # A consumer that reconnects with a new session id starts afresh: leases of the old session
+    # are broken.
+    Column("session_id", Text, nullable=False),
+    # A queue name, or a regex over queue names when is_regex.
+    Column("queue", Text, nullable=False),
+    Column("is_regex", Boolean, nullable=False),
+    # NULL: the consumer gave none (the engine then applies DESIGN §4's default of 1).
+    Column("max_backlog", Integer, nullable=True),
+    Column("filter", Text, nullable=True),
+    Column("delivery_topic", Text, nullable=False),
+    Column("session_timeout_ms", Integer, nullable=False),
+    _ts("subscribed_at", nullable=False),
+    _ts("last_heartbeat_at", nullable=False),
+    # What the SDK says about itself (language, version, host, pid), for `qlayer consumers`.
+    Column("client_info", JSONB, nullable=True),
+    CheckConstraint("max_backlog IS NULL OR max_backlog >= 1", name="max_backlog_positive"),
+    CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
+)
+
+entries = Table(
+    "entries",
+    metadata,
+    # The bookmark (topic/partition/offset) within one queue: many queues may view one journal.
+    Column("queue", Text, primary_key=True),
+    Column("topic", Text, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("offset", BigInteger, primary_key=True),
+    Column("state", Text, nullable=False),
+    Column("delivery_count", Integer, nullable=False, server_default=text("0")),
+    Column("cancel_count", Integer, nullable=False, server_default=text("0")),
+    Column("lease_consumer", Text, nullable=True),
+    Column("lease_token", Text, nullable=True),
+    _ts("lease_deadline", nullable=True),
+    # Delayed release / back-off: the entry is AVAILABLE but not deliverable before this time.
+    _ts("available_at", nullable=True),
+    # Why an EXPIRED entry left the queue (max_deliveries, reject, expiration, retention...).
+    Column("reason", Text, nullable=True),
+    _ts("updated_at", nullable=False),
+    CheckConstraint(f"state IN ({_states_sql(ENTRY_STATES)})", name="state_known"),
+    CheckConstraint('partition >= 0 AND "offset" >= 0', name="bookmark_valid"),
+    CheckConstraint("delivery_count >= 0", name="delivery_count_non_negative"),
+    CheckConstraint("cancel_count >= 0", name="cancel_count_non_negative"),
+    # A lease exists exactly while the entry is LEASED: a half-written lease is a bug, not state.
+    CheckConstraint(
+        "(state = 'LEASED' AND lease_consumer IS NOT NULL AND lease_token IS NOT NULL "
+        "AND lease_deadline IS NOT NULL) "
+        "OR (state <> 'LEASED' AND lease_consumer IS NULL AND lease_token IS NULL "
+        "AND lease_deadline IS NULL)",
+        name="lease_iff_leased",
+    ),
+    CheckConstraint("reason IS NULL OR state = 'EXPIRED'", name="reason_only_when_expired"),
+)
+
+recovery_points = Table(
+    "recovery_points",
+    metadata,
+    Column("queue", Text, primary_key=True),
+    Column("topic", Text, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    # Every entry of this queue below this offset is done; restart reads the journal from here.
+    Column("offset", BigInteger, nullable=False),
+    _ts("updated_at", nullable=False),
+    CheckConstraint('partition >= 0 AND "offset" >= 0', name="position_valid"),
+)
+
+ownership = Table(
+    "ownership",
+    metadata,
+    # A queue name, or a shard id when queues are grouped.
+    Column("shard", Text, primary_key=True),
+    # NULL after a clean release; the row stays so the epoch keeps counting up.
+    Column("owner_id", Text, nullable=True),
+    # Incremented on every takeover; every guarded write names it (fencing).
+    Column("epoch", BigInteger, nullable=False),
+    _ts("acquired_at", nullable=False),
+    _ts("heartbeat_at", nullable=False),
+    _ts("expires_at", nullable=False),
+    CheckConstraint("epoch >= 1", name="epoch_positive"),
+)
+
+queue_counters = Table(
+    "queue_counters",
+    metadata,
+    Column("queue", Text, primary_key=True),
+    *(
+        Column(name, BigInteger, nullable=False, server_default=text("0"))
+        for name in COUNTER_NAMES
+    ),
+    _ts("updated_at", nullable=False),
+    CheckConstraint(
+        " AND ".join(f"{name} >= 0" for name in COUNTER_NAMES), name="counts_non_negative"
+    ),
+)
