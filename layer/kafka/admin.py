@@ -1,0 +1,131 @@
+"""Kafka administration for qlayer: internal, delivery and dead-letter topics; offsets."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException
+from confluent_kafka import TopicPartition as KTP
+from confluent_kafka.admin import (  # type: ignore[attr-defined]  # exported, not re-declared
+    AdminClient,
+    NewTopic,
+    OffsetSpec,
+)
+
+from layer.kafka.errors import KafkaAdapterError
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int = 1
+    config: Mapping[str, str] | None = None
+
+
+class KafkaAdmin:
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self._admin = AdminClient(dict(config))
+
+    def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:
+        """Create the topics that do not exist yet; returns the names created."""
+        wanted = {s.name: s for s in specs}
+        if not wanted:
+            return []
+        existing = set(self._admin.list_topics(timeout=timeout).topics)
+        missing = [s for n, s in wanted.items() if n not in existing]
+        if not missing:
+            return []
+        futures = self._admin.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1,
+                      config=dict(s.config or {})) for s in missing],
+            operation_timeout=timeout)
+        created = []
+        for name, future in futures.items():
+            try:
+                future.result(timeout=timeout)
+                created.append(name)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise KafkaAdapterError(f"cannot create topic {name}: {exc}") from exc
+        self._wait_for_leaders([s.name for s in missing], timeout)
+        return created
+
+    def _wait_for_leaders(self, names: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(names)
+        while pending and time.monotonic() < deadline:
+            md = self._admin.list_topics(timeout=timeout)
+            for name in list(pending):
+                t = md.topics.get(name)
+                if t is not None and t.error is None and t.partitions and all(
+                        p.leader >= 0 for p in t.partitions.values()):
+                    pending.discard(name)
+            if pending:
+                time.sleep(0.05)
+        if pending:
+            raise KafkaAdapterError(f"topics without leaders after {timeout}s: {sorted(pending)}")
+
+    def topics(self, timeout: float = 10.0) -> dict[str, int]:
+        """Every topic with its partition count."""
+        md = self._admin.list_topics(timeout=timeout)
+        return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
+
+    def matching_topics(self, pattern: re.Pattern[str], timeout: float = 10.0) -> dict[str, int]:
+        return {n: p for n, p in self.topics(timeout).items() if pattern.fullmatch(n)}
+
+    def delete_topics(self, names: Iterable[str], timeout: float = 30.0) -> None:
+        names = list(names)
+        if not names:
+            return
+        for name, future in self._admin.delete_topics(names, operation_timeout=timeout).items():
+            try:
+                future.result(timeout=timeout)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    raise KafkaAdapterError(f"cannot delete topic {name}: {exc}") from exc
+
+    def _offsets(self, pairs: Iterable[tuple[str, int]], spec: OffsetSpec,
+                 timeout: float) -> dict[tuple[str, int], int]:
+        request = {KTP(t, p): spec for t, p in pairs}
+        if not request:
+            return {}
+        out: dict[tuple[str, int], int] = {}
+        try:
+            for tp, future in self._admin.list_offsets(request, request_timeout=timeout).items():
+                out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"cannot list offsets: {exc}") from exc
+        return out
+
+    def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
+                          timeout: float = 10.0) -> dict[tuple[str, int], int]:
+        """The first offset still on the broker (retention may have deleted earlier ones)."""
+        return self._offsets(pairs, OffsetSpec.earliest(), timeout)  # type: ignore[no-untyped-call]
+
+    def end_offsets(self, pairs: Iterable[tuple[str, int]],
+                    timeout: float = 10.0) -> dict[tuple[str, int], int]:
+        return self._offsets(pairs, OffsetSpec.latest(), timeout)  # type: ignore[no-untyped-call]
+
+    def offsets_for_time(self, pairs: Iterable[tuple[str, int]], timestamp_ms: int,
+                         timeout: float = 10.0) -> dict[tuple[str, int], int]:
+        """First offset at or after timestamp_ms per partition (the end when none is)."""
+        found = self._offsets(pairs, OffsetSpec.for_timestamp(timestamp_ms), timeout)
+        ends = self.end_offsets([tp for tp, o in found.items() if o < 0], timeout)
+        return {tp: (o if o >= 0 else ends[tp]) for tp, o in found.items()}
+
+    def commit_group_offsets(self, group: str, offsets: Mapping[tuple[str, int], int],
+                             timeout: float = 10.0) -> None:
+        """Record a queue's recovery points as a consumer group's offsets, for lag tools."""
+        if not offsets:
+            return
+        request = ConsumerGroupTopicPartitions(
+            group, [KTP(t, p, o) for (t, p), o in offsets.items()])
+        try:
+            for future in self._admin.alter_consumer_group_offsets([request]).values():
+                future.result(timeout=timeout)
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"cannot commit offsets of group {group}: {exc}") from exc

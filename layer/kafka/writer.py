@@ -1,0 +1,107 @@
+"""Writing deliveries, dead letters, events and replies: one producer, batched, checked on flush.
+
+The coordinator calls `send` for a whole loop iteration's records, then `flush`, which waits
+for every delivery report and raises if any record was not written. Postgres was written
+first, so a failure here leaves leases without deliveries: they expire and are redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from confluent_kafka import KafkaException, Producer
+
+from layer.kafka.errors import DeliveryFailed, KafkaAdapterError
+from layer.kafka.records import OutgoingRecord
+
+log = logging.getLogger(__name__)
+
+
+class RecordWriter:
+    """A batched, idempotent producer. With transactional_id, a zombie writer is fenced."""
+
+    def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None) -> None:
+        settings: dict[str, Any] = {
+            **config,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 2,
+            "batch.num.messages": 10_000,
+            "queue.buffering.max.messages": 1_000_000,
+            "queue.buffering.max.kbytes": 1_048_576,
+            "compression.type": "lz4",
+        }
+        if transactional_id is not None:
+            settings["transactional.id"] = transactional_id
+        self._producer = Producer(settings)
+        self._transactional = transactional_id is not None
+        self._failures: list[str] = []
+        self._in_transaction = False
+        if self._transactional:
+            try:
+                self._producer.init_transactions(30)
+            except KafkaException as exc:
+                raise KafkaAdapterError(f"cannot initialise Kafka transactions: {exc}") from exc
+
+    def _on_delivery(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._failures.append(f"{msg.topic()}: {err}")
+
+    def send(self, records: Iterable[OutgoingRecord]) -> int:
+        """Queue records for writing; returns how many. Nothing is guaranteed until flush()."""
+        produce = self._producer.produce
+        poll = self._producer.poll
+        if self._transactional and not self._in_transaction:
+            self._producer.begin_transaction()
+            self._in_transaction = True
+        n = 0
+        for r in records:
+            kwargs: dict[str, Any] = {"key": r.key, "value": r.value,
+                                      "on_delivery": self._on_delivery}
+            if r.headers:
+                kwargs["headers"] = r.headers
+            if r.timestamp_ms is not None:
+                kwargs["timestamp"] = r.timestamp_ms
+            if r.partition is not None:
+                kwargs["partition"] = r.partition
+            while True:
+                try:
+                    produce(r.topic, **kwargs)
+                    break
+                except BufferError:
+                    # The local queue is full: let librdkafka drain it, then retry.
+                    poll(0.05)
+            n += 1
+        poll(0)
+        return n
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued record is written; raise DeliveryFailed if any was not."""
+        try:
+            if self._in_transaction:
+                self._producer.commit_transaction(timeout)
+                self._in_transaction = False
+            else:
+                remaining = self._producer.flush(timeout)
+                if remaining:
+                    raise DeliveryFailed(f"{remaining} records not written within {timeout}s")
+        except KafkaException as exc:
+            self._abort()
+            raise DeliveryFailed(f"writing to Kafka failed: {exc}") from exc
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
+
+    def _abort(self) -> None:
+        if self._in_transaction:
+            try:
+                self._producer.abort_transaction(10)
+            except KafkaException as exc:
+                log.warning("aborting the Kafka transaction failed: %s", exc)
+            self._in_transaction = False
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._abort()
+        self._producer.flush(timeout)
