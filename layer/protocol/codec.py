@@ -184,7 +184,8 @@ class Codec:
             other = self._by_fingerprint.get(fingerprint)
             if other is not None:
                 raise ProtocolError(
-                    f"expected a {schema.kind.value} record, got a {other.kind.value} record",
+                    f"expected a record of the {schema.kind.value} schema, "
+                    f"got one of the {other.kind.value} schema",
                     kind=ProtocolErrorKind.WRONG_SCHEMA,
                 )
             raise ProtocolError(

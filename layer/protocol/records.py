@@ -27,6 +27,7 @@ __all__ = [
     "EventType",
     "ExpiryReason",
     "Heartbeat",
+    "LeaseEndReason",
     "QueueGrant",
     "Replace",
     "ReplyMessage",
@@ -131,6 +132,17 @@ class ExpiryReason(StrEnum):
     REJECTED = "rejected"
     RETENTION = "retention"
     PURGED = "purged"
+
+
+class LeaseEndReason(StrEnum):
+    """Wire spelling of why a lease ended without a settlement: the ``reason`` of a
+    LEASE_EXPIRED event."""
+
+    DEADLINE = "deadline"
+    SESSION_TIMED_OUT = "session_timed_out"
+    UNSUBSCRIBED = "unsubscribed"
+    EVICTED = "evicted"
+    OWNERSHIP_LOST = "ownership_lost"
 
 
 # --- control topic ---------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""docs/protocol.md is a contract for other languages: its schemas, fingerprints, hex examples
+and code must stay what the implementation does."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from layer.protocol import (
+    AckItem,
+    AckRecord,
+    AckStatus,
+    AckType,
+    Codec,
+    EventType,
+    ExpiryReason,
+    Heartbeat,
+    LeaseEndReason,
+    SchemaKind,
+    SessionEnded,
+    SessionEndReason,
+    SubscribeStatus,
+    schema_text,
+)
+from layer.protocol import headers as header_module
+
+DOC = (Path(__file__).resolve().parents[3] / "docs" / "protocol.md").read_text(encoding="utf-8")
+
+WORKED_ACK = AckRecord(
+    consumer_id="worker-1",
+    session_id="s-1",
+    sent_at_ms=1_767_225_600_000,
+    items=(
+        AckItem(queue="WorkToDo", bookmark="orders/1/41", lease="9f1c2e7a", type=AckType.ACCEPT),
+    ),
+)
+WORKED_HEARTBEAT = Heartbeat(consumer_id="worker-1", session_id="s-1", sent_at_ms=1_767_225_610_000)
+
+
+def block_after(marker: str) -> str:
+    """The fenced code block that follows ``<!-- marker -->``."""
+    found = re.search(
+        rf"<!-- {re.escape(marker)} -->\s*```[a-z]*\n(.*?)\n```", DOC, flags=re.DOTALL
+    )
+    assert found is not None, f"no code block after <!-- {marker} --> in docs/protocol.md"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("kind", list(SchemaKind))
+def test_each_schema_is_pasted_in_full(kind: SchemaKind) -> None:
+    assert json.loads(block_after(f"schema:{kind.value}")) == json.loads(schema_text(kind))
+
+
+def test_fingerprint_table(codec: Codec) -> None:
+    table = DOC.split("<!-- fingerprints -->", 1)[1].strip().split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    assert len(rows) == len(SchemaKind)
+    for row in rows:
+        file, fullname, fingerprint, java_long = [
+            cell.strip().strip("`") for cell in row.strip("|").split("|")
+        ]
+        schema = codec.schema(SchemaKind(file.removesuffix(".avsc")))
+        assert fullname == schema.fullname
+        assert fingerprint == schema.fingerprint.hex(" ")
+        assert int(java_long) == schema.fingerprint_int
+
+
+def test_worked_hex_examples_are_what_the_codec_writes(codec: Codec) -> None:
+    assert block_after("worked-example:ack-hex") == codec.encode_ack(WORKED_ACK).hex(" ")
+    assert block_after("worked-example:heartbeat-hex") == (
+        codec.encode_control(WORKED_HEARTBEAT).hex(" ")
+    )
+
+
+def run_doc_examples() -> dict[str, Any]:
+    """Run the documented hand-built codec and ack code (project files, not user input)."""
+
+    def open_schema(name: str) -> io.StringIO:
+        return io.StringIO(schema_text(SchemaKind(name.removesuffix(".avsc"))))
+
+    namespace: dict[str, Any] = {"open": open_schema}
+    exec(compile(block_after("example:hand-built-codec"), "protocol.md", "exec"), namespace)
+    exec(compile(block_after("example:hand-built-ack"), "protocol.md", "exec"), namespace)
+    return namespace
+
+
+def test_hand_built_ack_from_the_docs_is_accepted_byte_for_byte(codec: Codec) -> None:
+    value = run_doc_examples()["value"]
+    assert value.hex(" ") == block_after("worked-example:ack-hex")
+    assert codec.decode_ack(value) == WORKED_ACK
+
+
+def test_documented_decoder_reads_replies_and_refuses_other_records(codec: Codec) -> None:
+    single_object_codec = run_doc_examples()["single_object_codec"]
+    _, decode_reply = single_object_codec(schema_text(SchemaKind.REPLY))
+    reply = SessionEnded(
+        consumer_id="worker-1", session_id="s-1", reason=SessionEndReason.EVICTED, sent_at_ms=1
+    )
+    name, body = decode_reply(codec.encode_reply(reply))["body"]
+    assert (name, body["reason"]) == ("io.qlayer.v1.SessionEnded", "EVICTED")
+    with pytest.raises(ValueError, match="not a record of this schema"):
+        decode_reply(codec.encode_ack(WORKED_ACK))
+
+
+def test_spark_example_filters_on_the_event_header(codec: Codec) -> None:
+    unhex = re.search(r"unhex\('([0-9A-F]+)'\)", block_after("example:spark-events"))
+    assert unhex is not None
+    assert bytes.fromhex(unhex.group(1)) == codec.schema(SchemaKind.EVENT).header
+
+
+@pytest.mark.parametrize(
+    "values",
+    [EventType, ExpiryReason, LeaseEndReason, AckStatus, SubscribeStatus, SessionEndReason],
+    ids=lambda e: e.__name__,
+)
+def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
+    missing = [v.value for v in values if f"`{v.value}`" not in DOC]
+    assert missing == []
+
+
+def test_every_header_is_documented() -> None:
+    keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
+    names = [k for k in keys if isinstance(k, str)]
+    assert len(names) == 18  # 8 delivery, reply, deliver-at, 8 dead-letter
+    assert [n for n in names if f"`{n}`" not in DOC] == []
