@@ -1,0 +1,134 @@
+"""Consumers of a queue and the delivery-fairness rules that choose among them.
+
+Fairness (AMPS "Delivery Fairness", amps-understanding-queues.txt):
+
+- ``fast``: the first subscription found that does not have a full backlog;
+- ``round-robin``: the next available subscription (after the last one served) that does
+  not have a full backlog;
+- ``proportional``: the subscription with the lowest ratio of unacknowledged messages to
+  its maximum backlog; ties go to the first subscription found with that ratio.
+
+"Found" means subscription order: the order in which consumers subscribed (a replace keeps a
+consumer's place). Every chooser receives only consumers that both want the entry and have
+room for it, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from layer.domain.expressions import Expression
+from layer.domain.states import Bookmark
+
+__all__ = [
+    "Consumer",
+    "choose_fast",
+    "choose_proportional",
+    "choose_round_robin",
+    "effective_backlog",
+]
+
+
+def effective_backlog(requested: int | None, queue_limit: int) -> int:
+    """min(the consumer's ``max_backlog``, the queue's ``max_per_subscription_backlog``).
+
+    A consumer that asks for nothing gets 1 (AMPS: "an application must explicitly specify
+    a backlog to be able to receive more than one message"); 0 is allowed and receives only
+    barrier messages.
+    """
+    wanted = 1 if requested is None else requested
+    if wanted < 0:
+        raise ValueError(f"max_backlog must be 0 or more, got {wanted}")
+    return min(wanted, queue_limit)
+
+
+class Consumer:
+    """One subscription to one queue, with its leases and its place in the queue order.
+
+    ``position`` is the consumer's pointer into the queue order (Qpid's per-subscription
+    "last seen entry"): every AVAILABLE entry before it is known not to be deliverable to
+    this consumer, so a dispatch looks at each entry once per consumer, not once per call.
+    The engine moves pointers back whenever an entry before them becomes deliverable.
+    """
+
+    __slots__ = (
+        "consumer_id",
+        "delivery_topic",
+        "filter",
+        "last_seen",
+        "leases",
+        "limit",
+        "order",
+        "position",
+        "position_matched",
+        "requested_backlog",
+        "session_id",
+        "session_timeout",
+    )
+
+    def __init__(
+        self,
+        consumer_id: str,
+        session_id: str,
+        order: int,
+        *,
+        requested_backlog: int | None,
+        limit: int,
+        filter: Expression | None,
+        delivery_topic: str,
+        last_seen: float,
+        session_timeout: float,
+        position: int,
+    ) -> None:
+        self.consumer_id = consumer_id
+        self.session_id = session_id
+        self.order = order
+        self.requested_backlog = requested_backlog
+        self.limit = limit
+        self.filter = filter
+        self.delivery_topic = delivery_topic
+        self.last_seen = last_seen
+        self.session_timeout = session_timeout
+        # Bookmarks of this consumer's leases (and at-most-once backlog slots), in lease order.
+        self.leases: dict[Bookmark, None] = {}
+        self.position = position
+        # True when the entry at ``position`` is known to match ``filter``.
+        self.position_matched = False
+
+    @property
+    def backlog(self) -> int:
+        """Entries leased to this consumer and not acknowledged yet."""
+        return len(self.leases)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.leases) < self.limit
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.consumer_id!r}, backlog={len(self.leases)}/{self.limit})"
+
+
+def choose_fast(candidates: Sequence[Consumer]) -> Consumer:
+    return candidates[0]
+
+
+def choose_round_robin(candidates: Sequence[Consumer], last_order: int) -> Consumer:
+    """The first candidate after the consumer served last, wrapping around."""
+    for consumer in candidates:
+        if consumer.order > last_order:
+            return consumer
+    return candidates[0]
+
+
+def choose_proportional(candidates: Sequence[Consumer]) -> Consumer:
+    """The candidate with the lowest leased/limit ratio; the first one found on a tie.
+
+    Ratios are compared by cross-multiplication, so 1/2 and 2/4 tie exactly.
+    """
+    best = candidates[0]
+    best_leased, best_limit = len(best.leases), best.limit
+    for consumer in candidates[1:]:
+        leased, limit = len(consumer.leases), consumer.limit
+        if leased * best_limit < best_leased * limit:
+            best, best_leased, best_limit = consumer, leased, limit
+    return best

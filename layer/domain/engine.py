@@ -1,0 +1,1508 @@
+"""The queue engine: one queue's entries, consumers and leases, as a pure state machine.
+
+The coordinator drives one :class:`QueueEngine` per queue (DESIGN §6): it offers journal
+records (:meth:`~QueueEngine.enqueue`), consumer control records
+(:meth:`~QueueEngine.subscribe`, :meth:`~QueueEngine.replace`, :meth:`~QueueEngine.heartbeat`,
+:meth:`~QueueEngine.unsubscribe`) and acknowledgements (:meth:`~QueueEngine.ack`), calls
+:meth:`~QueueEngine.tick` for timers and :meth:`~QueueEngine.dispatch` for deliveries, then
+takes everything decided from :meth:`~QueueEngine.drain` and persists it. The engine does no
+I/O, reads no clock (every call takes ``now`` in seconds) and draws lease tokens from an
+injected source.
+
+Each state change is one named method (``_lease``, ``_accept``, ``_release`` ...); the state
+diagram, the rule behind each transition and the decisions the reference leaves open are in
+``docs/engine.md``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final, NamedTuple
+
+from layer.domain.consumers import (
+    Consumer,
+    choose_fast,
+    choose_proportional,
+    choose_round_robin,
+    effective_backlog,
+)
+from layer.domain.definitions import Fairness, Leasing, QueueDefinition, Semantics
+from layer.domain.entries import (
+    ACKED,
+    AVAILABLE,
+    DELAYED,
+    EXPIRED,
+    INACTIVE,
+    LEASED,
+    EntryRecord,
+    EntryTable,
+    FifoOrder,
+    JournalRecord,
+    Location,
+    PriorityOrder,
+    Source,
+    Touched,
+    priority_rank,
+)
+from layer.domain.errors import UnknownConsumerError
+from layer.domain.events import (
+    BacklogFreed,
+    BarrierDelivered,
+    ConsumerLeft,
+    ConsumerReplaced,
+    ConsumerSubscribed,
+    Delivery,
+    EntriesEnqueued,
+    EntryAcked,
+    EntryDelayed,
+    EntryExpired,
+    EntryLeased,
+    EntryReleased,
+    Event,
+    LeaseBroken,
+    LeaseExpired,
+    LeaseRenewed,
+    Outbox,
+    Recipient,
+)
+from layer.domain.expressions import Expression, compile_expression
+from layer.domain.states import (
+    AckResult,
+    AckSource,
+    AckType,
+    Bookmark,
+    EntryState,
+    ExpiryReason,
+    LeaveReason,
+)
+
+__all__ = [
+    "AckItem",
+    "ConsumerInfo",
+    "QueueEngine",
+    "QueueStats",
+    "TokenSource",
+    "ViewEntry",
+    "random_tokens",
+]
+
+TokenSource = Callable[[], str]
+"""Where lease tokens come from; the coordinator injects ``secrets.token_hex``-like sources."""
+
+DEFAULT_SESSION_TIMEOUT: Final = 30.0
+
+_STATES: Final = {int(state): state for state in EntryState}
+_ACCEPT: Final = int(AckType.ACCEPT)
+_RELEASE: Final = int(AckType.RELEASE)
+_REJECT: Final = int(AckType.REJECT)
+_RENEW: Final = int(AckType.RENEW)
+_NO_FENCE: Final = 1 << 62  # a sequence number no entry reaches
+
+
+def random_tokens(rng: random.Random) -> TokenSource:
+    """128-bit hex tokens from ``rng``: deterministic with a seeded ``random.Random`` in tests.
+
+    Production code should pass ``lambda: secrets.token_hex(16)`` (unguessable tokens).
+    """
+
+    def token() -> str:
+        return f"{rng.getrandbits(128):032x}"
+
+    return token
+
+
+class AckItem(NamedTuple):
+    """One acknowledgement item: which entry, with which lease token, and what to do.
+
+    ``delay`` (seconds) applies to RELEASE only: None uses the queue's redelivery back-off,
+    0 makes the entry available at once. ``reason`` is the REJECT reason for the dead letter.
+    """
+
+    bookmark: Bookmark
+    token: str | None
+    type: AckType = AckType.ACCEPT
+    delay: float | None = None
+    reason: str | None = None
+
+
+class ViewEntry(NamedTuple):
+    """One AVAILABLE entry as a read-only query of the queue shows it (``qlayer view``)."""
+
+    bookmark: Bookmark
+    doc: object
+    enqueued_at: float
+    delivery_count: int
+
+
+class ConsumerInfo(NamedTuple):
+    consumer_id: str
+    session_id: str
+    backlog: int
+    max_backlog: int
+    filter: str | None
+    delivery_topic: str
+    last_seen: float
+
+
+class QueueStats(NamedTuple):
+    queue: str
+    available: int
+    leased: int
+    delayed: int
+    inactive: int
+    consumers: int
+    backlog: int  # leases plus at-most-once backlog slots held by consumers
+    oldest_available_at: float | None  # enqueue time of the first AVAILABLE entry in order
+    pending_barriers: int
+    remembered_acks: int
+
+
+class _Policy:
+    """The definition's fields the engine reads in its hot paths, resolved once."""
+
+    __slots__ = (
+        "at_most_once",
+        "backoff",
+        "barrier",
+        "dead_letter_expired",
+        "expiration",
+        "fairness",
+        "filter",
+        "key_groups",
+        "lease_period",
+        "max_cancels",
+        "max_deliveries",
+        "max_per_subscription_backlog",
+        "name",
+        "priority",
+        "strict",
+        "target_queue_depth",
+    )
+
+    def __init__(self, definition: QueueDefinition) -> None:
+        self.name = definition.name
+        self.at_most_once = definition.semantics is Semantics.AT_MOST_ONCE
+        self.lease_period = definition.lease_period
+        self.max_deliveries = definition.max_deliveries
+        self.max_cancels = definition.max_cancels
+        self.expiration = definition.expiration
+        self.max_per_subscription_backlog = definition.max_per_subscription_backlog
+        self.fairness = definition.effective_fairness
+        self.priority: Expression | None = definition.priority_expression
+        self.barrier: Expression | None = definition.barrier_expr
+        self.filter: Expression | None = definition.filter_expression
+        self.target_queue_depth = definition.target_queue_depth
+        self.strict = definition.leasing is Leasing.STRICT
+        self.key_groups = definition.key_groups
+        backoff = definition.redelivery_backoff
+        self.backoff: Callable[[int], float] | None = (
+            backoff.delay_for if backoff.initial > 0 else None
+        )
+        # AMPS: expiration is "a normal way for the message to leave the queue, and is not
+        # considered an error"; QueueDefinition has no switch to dead-letter it (yet).
+        self.dead_letter_expired: bool = bool(getattr(definition, "dead_letter_expired", False))
+
+
+class QueueEngine:
+    """One queue's in-memory view: entries in order, consumers, leases and timers.
+
+    Typical loop of the coordinator, each call with the same ``now``::
+
+        engine.enqueue(records, now)      # journal records that reached the queue
+        engine.subscribe(...)/ack(...)    # control and ack records
+        engine.tick(now)                  # lease expiry, delays, expiration, session timeouts
+        deliveries = engine.dispatch(now) # leases to persist, then produce
+        outbox = engine.drain()           # events + changed entry states to persist
+
+    Not thread-safe: the coordinator's loop is single-threaded (DESIGN §6).
+    """
+
+    def __init__(
+        self,
+        definition: QueueDefinition,
+        *,
+        tokens: TokenSource,
+        session_timeout: float = DEFAULT_SESSION_TIMEOUT,
+    ) -> None:
+        self.definition = definition
+        policy = _Policy(definition)
+        self._policy = policy
+        self._name = policy.name
+        self._tokens = tokens
+        self._session_timeout = session_timeout
+        self._table = EntryTable(keyed=policy.key_groups, prioritised=policy.priority is not None)
+        self._order: FifoOrder | PriorityOrder = (
+            PriorityOrder(self._table) if policy.priority is not None else FifoOrder(self._table)
+        )
+        self._fifo = policy.priority is None
+        # Entries delivered at least once and still in the queue (plus done ones not drained).
+        self._touched: dict[int, Touched] = {}
+        # Current leases and at-most-once backlog slots, by bookmark, in lease order: with a
+        # fixed lease period and a non-decreasing ``now`` that is deadline order too, so the
+        # expiry timer reads only the front. Renewed leases move to the end.
+        self._leased: dict[Bookmark, Touched] = {}
+        # Restored leases come back in journal order, not deadline order: timed by a heap.
+        self._restored_deadlines: list[tuple[float, int]] = []
+        self._consumers: dict[str, Consumer] = {}
+        self._next_order = 0
+        self._last_served = -1  # subscription order of the consumer served last (round-robin)
+        # Leases restored for consumers not subscribed (yet): consumer id -> bookmarks.
+        self._orphans: dict[str, dict[Bookmark, None]] = {}
+        self._delays: list[tuple[float, int]] = []  # (available_at, seq) of DELAYED entries
+        self._barriers: deque[int] = deque()  # barrier entries not delivered yet, oldest first
+        self._pending_barriers: set[int] = set()
+        self._key_head: dict[bytes, int] = {}
+        self._key_tail: dict[bytes, int] = {}
+        self._active = 0  # live entries that are not INACTIVE (target_queue_depth only)
+        self._inactive_from = 0  # no INACTIVE entry has a smaller sequence number
+        self._not_before: dict[int, float] = {}  # deliver-at times of INACTIVE entries
+        self._early_acks: set[Bookmark] = set()
+        self._restoring: dict[Bookmark, EntryRecord] = {}
+        self._events: list[Event] = []
+        self._dirty: set[int] = set()
+        self._direct_records: list[EntryRecord] = []
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def recovery_points(self) -> dict[tuple[str, int], int]:
+        """Per journal partition: the lowest offset with every offset below it done.
+
+        The coordinator restarts reading each partition there, and commits it as the
+        queue's consumer-group offset so lag tools show the queue's backlog.
+        """
+        table = self._table
+        return {
+            (source.topic, source.partition): source.recovery_point(table.state, table.base)
+            for source in table.sources
+        }
+
+    def entry(self, bookmark: Bookmark) -> EntryRecord | None:
+        """The current state of one entry, or None if the queue does not know it."""
+        location, seq = self._table.locate(bookmark)
+        if location is not Location.FOUND:
+            return None
+        return self._record(seq)
+
+    def view(self, filter: str | Expression | None = None, limit: int = 100) -> list[ViewEntry]:
+        """A read-only query: AVAILABLE entries in delivery order; never leases anything.
+
+        Entries beyond ``target_queue_depth``, delayed and leased entries are not available
+        (AMPS: a leased message "is no longer available to the queue").
+        """
+        expression = _compiled(filter)
+        table = self._table
+        base = table.base
+        found: list[ViewEntry] = []
+        for seq in self._order.scan(self._order.start()):
+            if len(found) >= limit:
+                break
+            doc = table.docs[seq - base]
+            if expression is not None and not expression.matches(doc):
+                continue
+            touched = self._touched.get(seq)
+            found.append(
+                ViewEntry(
+                    table.bookmark(seq),
+                    doc,
+                    table.times[seq - base],
+                    touched.delivery_count if touched is not None else 0,
+                )
+            )
+        return found
+
+    def stats(self) -> QueueStats:
+        table = self._table
+        state = table.state
+        first = state.find(AVAILABLE) if self._fifo else -1
+        if not self._fifo:
+            for seq in self._order.scan(self._order.start()):
+                first = seq - table.base
+                break
+        return QueueStats(
+            queue=self._name,
+            available=state.count(AVAILABLE),
+            leased=state.count(LEASED),
+            delayed=state.count(DELAYED),
+            inactive=state.count(INACTIVE),
+            consumers=len(self._consumers),
+            backlog=len(self._leased),
+            oldest_available_at=table.times[first] if first >= 0 else None,
+            pending_barriers=len(self._pending_barriers),
+            remembered_acks=len(self._early_acks),
+        )
+
+    def consumers(self) -> list[ConsumerInfo]:
+        """The current consumers, in subscription order (the order fairness "finds" them)."""
+        return [
+            ConsumerInfo(
+                c.consumer_id,
+                c.session_id,
+                len(c.leases),
+                c.limit,
+                c.filter.text if c.filter is not None else None,
+                c.delivery_topic,
+                c.last_seen,
+            )
+            for c in self._consumers.values()
+        ]
+
+    def fields_needed(self) -> frozenset[str]:
+        """The /paths the queue's expressions and current consumer filters read.
+
+        The coordinator keeps at least these fields of a record whose bytes leave its
+        memory window (``expressions.project``); ``view``/``ack_matching`` filters may read
+        more and then see null.
+        """
+        fields = set(self.definition.expression_fields)
+        for consumer in self._consumers.values():
+            if consumer.filter is not None:
+                fields |= consumer.filter.fields()
+        return frozenset(fields)
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a timer may change something (a hint for the loop's poll timeout)."""
+        candidates: list[float] = []
+        for touched in self._leased.values():
+            if not touched.restored:
+                candidates.append(touched.deadline)
+                break
+        if self._restored_deadlines:
+            candidates.append(self._restored_deadlines[0][0])
+        if self._delays:
+            candidates.append(self._delays[0][0])
+        for consumer in self._consumers.values():
+            candidates.append(consumer.last_seen + consumer.session_timeout)
+        expiration = self._policy.expiration
+        if expiration is not None:
+            table = self._table
+            for source in table.sources:
+                if source.expiry_index < len(source.seqs):
+                    seq = source.seqs[source.expiry_index]
+                    if seq >= table.base:
+                        candidates.append(table.times[seq - table.base] + expiration)
+        return min(candidates) if candidates else None
+
+    # ------------------------------------------------------------------ outbox
+    def drain(self) -> Outbox:
+        """Take the events and the changed entry states decided since the last drain.
+
+        Call it once per loop iteration: it is also where done entries' memory is reclaimed.
+        """
+        records = self._direct_records
+        self._direct_records = []
+        touched = self._touched
+        for seq in sorted(self._dirty):
+            records.append(self._record(seq))
+            if self._table.state_of(seq) >= ACKED:
+                touched.pop(seq, None)
+        self._dirty.clear()
+        events = self._events
+        self._events = []
+        self._trim()
+        return Outbox(events, records)
+
+    def _record(self, seq: int) -> EntryRecord:
+        table = self._table
+        state = table.state_of(seq)
+        touched = self._touched.get(seq)
+        if touched is None:
+            return EntryRecord(table.bookmark(seq), _STATES[state])
+        leased = state == LEASED
+        return EntryRecord(
+            touched.bookmark,
+            _STATES[state],
+            touched.delivery_count,
+            touched.cancel_count,
+            touched.consumer_id if leased else None,
+            touched.session_id if leased else None,
+            touched.token if leased else None,
+            touched.deadline if leased else None,
+            touched.available_at if state == DELAYED else None,
+            touched.reason if state == EXPIRED else None,
+        )
+
+    def _trim(self) -> None:
+        table = self._table
+        if self._policy.key_groups and self._policy.at_most_once and self._leased:
+            # A delivered at-most-once entry still holds its key group until its backlog slot
+            # is freed; its slot (and key chain link) must outlive it.
+            held = min(touched.seq for touched in self._leased.values())
+            if held < table.advance_first_live():
+                return
+        table.trim()
+        self._inactive_from = max(self._inactive_from, table.base)
+
+    # ------------------------------------------------------------------ restart
+    def restore(
+        self,
+        entries: Iterable[EntryRecord],
+        recovery_points: Mapping[tuple[str, int], int],
+    ) -> None:
+        """Rebuild after a restart, before the journals are replayed into :meth:`enqueue`.
+
+        ``recovery_points`` are where each partition's replay starts (offsets below are done).
+        ``entries`` are the persisted touched entries: replayed records that are ACKED or
+        EXPIRED are skipped, LEASED ones keep their lease until its deadline, and counts
+        are preserved. No events are emitted for what is restored.
+        """
+        for (topic, partition), offset in recovery_points.items():
+            self._table.source(topic, partition, offset)
+        for record in entries:
+            self._restoring[record.bookmark] = record
+
+    def expire_before(self, topic: str, partition: int, offset: int, now: float) -> int:
+        """Records below ``offset`` were deleted from the journal (Kafka retention).
+
+        Their live entries leave the queue as EXPIRED (reason retention), since nothing is
+        left to deliver or dead-letter; returns how many.
+        """
+        table = self._table
+        source = table.sources_by_name.get((topic, partition))
+        count = 0
+        for bookmark in [b for b in self._restoring if b[:2] == (topic, partition)]:
+            if bookmark.offset < offset:
+                record = self._restoring.pop(bookmark)
+                if not record.state.done:
+                    self._direct_records.append(
+                        record._replace(state=EntryState.EXPIRED, reason=ExpiryReason.RETENTION)
+                    )
+                    count += 1
+        if source is None:
+            table.source(topic, partition, offset)
+            return count
+        doomed: list[int] = []
+        for index in range(source.head, len(source.offsets)):
+            if source.offsets[index] >= offset:
+                break
+            seq = source.seqs[index]
+            if seq >= table.base and table.state[seq - table.base] < ACKED:
+                doomed.append(seq)
+        for seq in doomed:
+            touched = self._touched.get(seq)
+            if touched is not None and touched.bookmark in self._leased:
+                self._drop_lease(touched)
+            self._expire(seq, ExpiryReason.RETENTION, None, None, now)
+            count += 1
+        source.next_offset = max(source.next_offset, offset)
+        return count
+
+    # ------------------------------------------------------------------ enqueue
+    def enqueue(self, records: Iterable[JournalRecord], now: float) -> int:
+        """Offer journal records to the queue; returns how many became entries.
+
+        Records must come in offset order per partition. A record at an offset already
+        offered (a replay, a duplicate) is ignored, and so is one the queue's ``filter``
+        refuses. A record's ``deliver_at`` in the future makes it DELAYED; beyond
+        ``target_queue_depth`` it is INACTIVE.
+        """
+        table = self._table
+        sources = table.sources_by_name
+        queue_filter = self._policy.filter
+        accepted: dict[Source, list[int]] = {}
+        # EntriesEnqueued goes before the events of the entries it announces (delays, acks).
+        mark = len(self._events)
+        for record in records:
+            topic, partition, offset, key, doc, timestamp, deliver_at = record
+            source = sources.get((topic, partition))
+            if source is None:
+                source = table.source(topic, partition, offset)
+            if offset < source.next_offset:
+                continue
+            source.next_offset = offset + 1
+            if queue_filter is not None and not queue_filter.matches(doc):
+                continue
+            if self._admit(source, offset, key, doc, timestamp, deliver_at, now):
+                offsets = accepted.get(source)
+                if offsets is None:
+                    accepted[source] = [offset]
+                else:
+                    offsets.append(offset)
+        announced = [
+            EntriesEnqueued(self._name, source.topic, source.partition, tuple(offsets), now)
+            for source, offsets in accepted.items()
+        ]
+        self._events[mark:mark] = announced
+        return sum(len(event.offsets) for event in announced)
+
+    def _admit(
+        self,
+        source: Source,
+        offset: int,
+        key: bytes | None,
+        doc: object,
+        timestamp: float | None,
+        deliver_at: float | None,
+        now: float,
+    ) -> bool:
+        """Add one accepted record as an entry (or settle it at once); False if not new."""
+        policy = self._policy
+        restored: EntryRecord | None = None
+        if self._restoring:
+            restored = self._restoring.pop(Bookmark(source.topic, source.partition, offset), None)
+            if restored is not None and restored.state.done:
+                return False  # settled before the restart
+        if self._early_acks:
+            bookmark = Bookmark(source.topic, source.partition, offset)
+            if bookmark in self._early_acks:
+                self._early_acks.discard(bookmark)
+                self._settle_early_ack(bookmark, now)
+                return True
+        if restored is not None and restored.state is EntryState.LEASED:
+            state = LEASED
+        elif policy.target_queue_depth is not None and self._active >= policy.target_queue_depth:
+            state = INACTIVE
+        else:
+            state = AVAILABLE
+        available_at = deliver_at
+        if restored is not None and restored.available_at is not None:
+            available_at = restored.available_at
+        if state == AVAILABLE and available_at is not None and available_at > now:
+            state = DELAYED
+        if not self._fifo:
+            assert policy.priority is not None
+            rank = priority_rank(policy.priority.evaluate(doc))
+            position = PriorityOrder.encode(rank, self._table.end)
+        else:
+            position = 0
+        table = self._table
+        seq = table.append(
+            source,
+            offset,
+            now if timestamp is None else timestamp,
+            doc,
+            key if policy.key_groups else None,
+            state,
+            position,
+        )
+        self._order.add(seq, position)
+        if state != INACTIVE:
+            self._active += 1
+        elif available_at is not None and available_at > now:
+            self._not_before[seq] = available_at
+        if policy.barrier is not None and policy.barrier.matches(doc):
+            self._barriers.append(seq)
+            self._pending_barriers.add(seq)
+        if policy.key_groups and key is not None:
+            self._link_key(seq, key)
+        if restored is not None:
+            self._restore_entry(seq, restored, state)
+        if state == DELAYED:
+            assert available_at is not None
+            heapq.heappush(self._delays, (available_at, seq))
+            if restored is None:
+                self._events.append(
+                    EntryDelayed(self._name, table.bookmark(seq), available_at, now)
+                )
+        elif state == AVAILABLE and not self._fifo:
+            # A new entry may rank before entries consumers have already looked past.
+            self._rewind(position)
+        return True
+
+    def _link_key(self, seq: int, key: bytes) -> None:
+        key_next = self._table.key_next
+        assert key_next is not None
+        tail = self._key_tail.get(key)
+        if tail is None:
+            self._key_head[key] = seq
+        else:
+            key_next[tail - self._table.base] = seq
+        self._key_tail[key] = seq
+
+    def _restore_entry(self, seq: int, record: EntryRecord, state: int) -> None:
+        touched = Touched(seq, record.bookmark)
+        touched.delivery_count = record.delivery_count
+        touched.cancel_count = record.cancel_count
+        self._touched[seq] = touched
+        if state == DELAYED:
+            touched.available_at = record.available_at
+        if state != LEASED:
+            return
+        touched.consumer_id = record.consumer_id
+        touched.session_id = record.session_id
+        touched.token = record.token
+        touched.deadline = record.deadline if record.deadline is not None else 0.0
+        touched.restored = True
+        self._leased[record.bookmark] = touched
+        heapq.heappush(self._restored_deadlines, (touched.deadline, seq))
+        consumer = self._consumers.get(record.consumer_id or "")
+        if consumer is not None and consumer.session_id == record.session_id:
+            consumer.leases[record.bookmark] = None
+        else:
+            self._orphans.setdefault(record.consumer_id or "", {})[record.bookmark] = None
+
+    # ------------------------------------------------------------------ consumers
+    def subscribe(
+        self,
+        consumer_id: str,
+        session_id: str,
+        now: float,
+        *,
+        delivery_topic: str,
+        max_backlog: int | None = None,
+        filter: str | Expression | None = None,
+        session_timeout: float | None = None,
+    ) -> ConsumerSubscribed | ConsumerReplaced:
+        """Add a consumer; its backlog limit is min(``max_backlog`` or 1, the queue's).
+
+        Subscribing again with the same session is an idempotent replace. A new session for a
+        known consumer id means the old session is gone: its leases are broken first.
+        Raises ExpressionError for a bad filter (nothing changes then).
+        """
+        expression = _compiled(filter)
+        limit = effective_backlog(max_backlog, self._policy.max_per_subscription_backlog)
+        existing = self._consumers.get(consumer_id)
+        if existing is not None:
+            if existing.session_id == session_id:
+                return self.replace(
+                    consumer_id,
+                    now,
+                    delivery_topic=delivery_topic,
+                    max_backlog=max_backlog,
+                    filter=expression,
+                )
+            self._leave(existing, LeaveReason.SESSION_REPLACED, now)
+        consumer = Consumer(
+            consumer_id,
+            session_id,
+            self._next_order,
+            requested_backlog=max_backlog,
+            limit=limit,
+            filter=expression,
+            delivery_topic=delivery_topic,
+            last_seen=now,
+            session_timeout=self._session_timeout if session_timeout is None else session_timeout,
+            position=self._order.start(),
+        )
+        self._next_order += 1
+        self._consumers[consumer_id] = consumer
+        self._adopt_orphans(consumer, now)
+        event = ConsumerSubscribed(
+            self._name,
+            consumer_id,
+            session_id,
+            limit,
+            expression.text if expression is not None else None,
+            delivery_topic,
+            now,
+        )
+        self._events.append(event)
+        return event
+
+    def _adopt_orphans(self, consumer: Consumer, now: float) -> None:
+        """Restored leases of this consumer id: kept for its session, broken for an old one."""
+        orphans = self._orphans.pop(consumer.consumer_id, None)
+        if not orphans:
+            return
+        for bookmark in orphans:
+            touched = self._leased.get(bookmark)
+            if touched is None:
+                continue
+            if touched.session_id == consumer.session_id:
+                consumer.leases[bookmark] = None
+            else:
+                self._break_lease(touched, LeaveReason.SESSION_REPLACED, now)
+
+    def replace(
+        self,
+        consumer_id: str,
+        now: float,
+        *,
+        max_backlog: int | None = None,
+        filter: str | Expression | None = None,
+        delivery_topic: str | None = None,
+    ) -> ConsumerReplaced:
+        """Atomically replace a subscription's filter, backlog and delivery topic.
+
+        Leases are kept even if they no longer match, and may exceed the new limit (then
+        nothing is delivered until the backlog drops below it). Otherwise it behaves like a
+        new subscription (AMPS "Replacing Queue Subscriptions"): ``max_backlog`` None means
+        1 and ``filter`` None means no filter; ``delivery_topic`` None keeps the current one.
+        """
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            raise UnknownConsumerError(consumer_id)
+        expression = _compiled(filter)
+        consumer.limit = effective_backlog(max_backlog, self._policy.max_per_subscription_backlog)
+        consumer.requested_backlog = max_backlog
+        consumer.filter = expression
+        if delivery_topic is not None:
+            consumer.delivery_topic = delivery_topic
+        consumer.last_seen = now
+        # Entries the old filter refused may match the new one: look at the queue afresh.
+        consumer.position = self._order.start()
+        consumer.position_matched = False
+        event = ConsumerReplaced(
+            self._name,
+            consumer_id,
+            consumer.session_id,
+            consumer.limit,
+            expression.text if expression is not None else None,
+            consumer.delivery_topic,
+            now,
+        )
+        self._events.append(event)
+        return event
+
+    def heartbeat(self, consumer_id: str, now: float, session_id: str | None = None) -> bool:
+        """Keep a consumer's session alive; False if the engine does not know that session
+        (the consumer should subscribe again)."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None or (session_id is not None and consumer.session_id != session_id):
+            return False
+        consumer.last_seen = max(consumer.last_seen, now)
+        return True
+
+    def unsubscribe(
+        self, consumer_id: str, now: float, reason: LeaveReason = LeaveReason.UNSUBSCRIBED
+    ) -> bool:
+        """Remove a consumer and break all its leases at once; False if it was unknown."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            return False
+        self._leave(consumer, reason, now)
+        return True
+
+    def _leave(self, consumer: Consumer, reason: LeaveReason, now: float) -> None:
+        """A consumer's session ended: every lease is broken, every backlog slot freed."""
+        del self._consumers[consumer.consumer_id]
+        broken = 0
+        for bookmark in list(consumer.leases):
+            touched = self._leased[bookmark]
+            if touched.slot_only:
+                self._free_slot(touched, now)
+            else:
+                self._break_lease(touched, reason, now)
+                broken += 1
+        self._events.append(
+            ConsumerLeft(self._name, consumer.consumer_id, consumer.session_id, reason, broken, now)
+        )
+
+    # ------------------------------------------------------------------ acknowledgements
+    def ack(self, items: Iterable[AckItem], now: float) -> list[AckResult]:
+        """Apply acknowledgement items in order; one result per item.
+
+        A wrong token, an unknown bookmark or a duplicate changes nothing and says so.
+        Strict leasing: only the holder's token may ACCEPT, RELEASE, REJECT or RENEW.
+        Permissive: anyone may ACCEPT or REJECT an entry still in the queue (leased or not);
+        RELEASE and RENEW still need the holder's token. At-most-once: every type but RENEW
+        just frees the consumer's backlog slot (the entry left the queue on delivery).
+        """
+        results: list[AckResult] = []
+        append = results.append
+        leased = self._leased
+        strict = self._policy.strict
+        for item in items:
+            bookmark, token, kind, delay, reason = item
+            touched = leased.get(bookmark)
+            if touched is None:
+                append(self._ack_unleased(bookmark, token, kind, reason, now))
+                continue
+            holder = token is not None and token == touched.token
+            if touched.slot_only:
+                if strict and not holder:
+                    append(AckResult.WRONG_TOKEN)
+                elif kind == _RENEW:
+                    self._renew(touched, now)
+                    append(AckResult.APPLIED)
+                else:
+                    self._free_slot(touched, now)
+                    append(AckResult.APPLIED)
+            elif kind == _ACCEPT:
+                if holder or not strict:
+                    self._accept(touched, now)
+                    append(AckResult.APPLIED)
+                else:
+                    append(AckResult.WRONG_TOKEN)
+            elif kind == _RELEASE:
+                if holder:
+                    self._release(touched, delay, now)
+                    append(AckResult.APPLIED)
+                else:
+                    append(AckResult.WRONG_TOKEN)
+            elif kind == _REJECT:
+                if holder or not strict:
+                    self._reject(touched, reason, now)
+                    append(AckResult.APPLIED)
+                else:
+                    append(AckResult.WRONG_TOKEN)
+            elif kind == _RENEW:
+                if holder:
+                    self._renew(touched, now)
+                    append(AckResult.APPLIED)
+                else:
+                    append(AckResult.WRONG_TOKEN)
+            else:
+                raise ValueError(f"unknown ack type {kind!r}")
+        return results
+
+    def _ack_unleased(
+        self,
+        bookmark: Bookmark,
+        token: str | None,
+        kind: int,
+        reason: str | None,
+        now: float,
+    ) -> AckResult:
+        policy = self._policy
+        location, seq = self._table.locate(bookmark)
+        if location is Location.DONE:
+            return AckResult.ALREADY_DONE
+        if location is Location.UNKNOWN:
+            if (
+                policy.target_queue_depth is not None
+                and not policy.strict
+                and kind == _ACCEPT
+                and self._not_read_yet(bookmark)
+            ):
+                # AMPS keeps "a list of acknowledgments ... for messages that are not in the
+                # queue" so an entry beyond the active depth, acked early, never enters it.
+                self._early_acks.add(bookmark)
+                return AckResult.REMEMBERED
+            return AckResult.UNKNOWN_BOOKMARK
+        state = self._table.state_of(seq)
+        if state >= ACKED:
+            return AckResult.ALREADY_DONE
+        if policy.strict:
+            return AckResult.NOT_LEASED
+        if kind == _ACCEPT:
+            source = AckSource.EARLY if state == INACTIVE else AckSource.CONSUMER
+            self._accept_unleased(seq, source, now)
+            return AckResult.APPLIED
+        if kind == _REJECT:
+            self._expire(seq, ExpiryReason.REJECTED, reason, None, now)
+            return AckResult.APPLIED
+        return AckResult.NOT_LEASED
+
+    def _not_read_yet(self, bookmark: Bookmark) -> bool:
+        source = self._table.sources_by_name.get((bookmark[0], bookmark[1]))
+        return source is None or bookmark[2] >= source.next_offset
+
+    def ack_matching(self, filter: str | Expression | None, now: float) -> int:
+        """Admin acknowledgement: ACK every active entry matching ``filter`` (None: all).
+
+        Like AMPS ``sow_delete`` with a filter: it applies whether or not the entry is
+        leased (a lease is ended, freeing its holder's backlog), but only to entries that
+        are currently deliverable, not to those beyond ``target_queue_depth``.
+        """
+        expression = _compiled(filter)
+        table = self._table
+        base = table.base
+        state = table.state
+        matching: list[int] = []
+        for slot in range(max(table.advance_first_live() - base, 0), len(state)):
+            current = state[slot]
+            if current >= ACKED or current == INACTIVE:
+                continue
+            if expression is None or expression.matches(table.docs[slot]):
+                matching.append(base + slot)
+        for seq in matching:
+            touched = self._touched.get(seq)
+            if touched is not None and touched.bookmark in self._leased:
+                self._drop_lease(touched)
+            self._accept_unleased(seq, AckSource.ADMIN, now)
+        return len(matching)
+
+    # ------------------------------------------------------------------ timers
+    def tick(self, now: float) -> None:
+        """Run the timers due at ``now``: lease expiry, delayed entries becoming available,
+        expiration of unleased entries, and consumer session timeouts."""
+        self._expire_due_leases(now)
+        delays = self._delays
+        while delays and delays[0][0] <= now:
+            _, seq = heapq.heappop(delays)
+            if seq >= self._table.base and self._table.state[seq - self._table.base] == DELAYED:
+                self._promote(seq, now)
+        if self._policy.expiration is not None:
+            self._expire_old_entries(now)
+        for consumer in list(self._consumers.values()):
+            if now >= consumer.last_seen + consumer.session_timeout:
+                self._leave(consumer, LeaveReason.SESSION_TIMEOUT, now)
+
+    def _expire_due_leases(self, now: float) -> None:
+        due: list[Touched] = []
+        for touched in self._leased.values():
+            if touched.restored:
+                continue
+            if touched.deadline > now:
+                break
+            due.append(touched)
+        restored = self._restored_deadlines
+        while restored and restored[0][0] <= now:
+            _, seq = heapq.heappop(restored)
+            touched_or_none = self._touched.get(seq)
+            if (
+                touched_or_none is not None
+                and touched_or_none.restored
+                and touched_or_none.bookmark in self._leased
+            ):
+                due.append(touched_or_none)
+        for touched in due:
+            if touched.slot_only:
+                self._free_slot(touched, now)
+            else:
+                self._expire_lease(touched, now)
+
+    def _expire_old_entries(self, now: float) -> None:
+        """AMPS Expiration: an entry older than ``expiration`` that is not leased leaves.
+
+        Each partition is scanned in offset order from where the last tick stopped; a
+        leased entry is passed over (it is checked when its lease ends), the scan stops at
+        the first entry that is young enough.
+        """
+        expiration = self._policy.expiration
+        assert expiration is not None
+        table = self._table
+        for source in table.sources:
+            seqs = source.seqs
+            index = source.expiry_index
+            end = len(seqs)
+            while index < end:
+                seq = seqs[index]
+                if seq >= table.base:
+                    slot = seq - table.base
+                    current = table.state[slot]
+                    if current < ACKED and current != LEASED:
+                        if table.times[slot] + expiration > now:
+                            break
+                        self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
+                index += 1
+            source.expiry_index = index
+
+    def _too_old(self, seq: int, now: float) -> bool:
+        expiration = self._policy.expiration
+        return (
+            expiration is not None and self._table.times[seq - self._table.base] + expiration <= now
+        )
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, now: float) -> list[Delivery]:
+        """Match AVAILABLE entries to consumers with backlog room, and lease them.
+
+        An entry goes to a consumer when it is the first entry in queue order (priority,
+        then age) that the consumer's filter matches and that may be delivered (barriers,
+        key groups, target depth), and the consumer is the one the queue's fairness picks
+        among those for which it is that first entry. Barrier messages that are due go
+        first. Returns the deliveries for the coordinator to persist, then produce.
+        """
+        deliveries: list[Delivery] = []
+        if self._barriers:
+            self._deliver_due_barriers(now, deliveries)
+        consumers = self._consumers
+        if not consumers:
+            return deliveries
+        deliver = self._deliver_at_most_once if self._policy.at_most_once else self._lease
+        needy = [c for c in consumers.values() if len(c.leases) < c.limit]
+        candidate = self._candidate
+        while needy:
+            if len(needy) == 1:
+                consumer = needy[0]
+                leases = consumer.leases
+                limit = consumer.limit
+                served = len(deliveries)
+                while len(leases) < limit:
+                    seq = candidate(consumer)
+                    if seq < 0:
+                        break
+                    deliveries.append(deliver(seq, consumer, now))
+                if len(deliveries) > served:
+                    self._last_served = consumer.order
+                break
+            best = -1
+            chosen: list[Consumer] = []
+            hungry: list[Consumer] = []
+            for consumer in needy:
+                if candidate(consumer) < 0:
+                    continue
+                hungry.append(consumer)
+                position = consumer.position
+                if best < 0 or position < best:
+                    best = position
+                    chosen = [consumer]
+                elif position == best:
+                    chosen.append(consumer)
+            if not chosen:
+                break
+            winner = self._choose(chosen)
+            deliveries.append(deliver(self._order.seq_at(best), winner, now))
+            self._last_served = winner.order
+            needy = [c for c in hungry if len(c.leases) < c.limit]
+        return deliveries
+
+    def _choose(self, candidates: list[Consumer]) -> Consumer:
+        if len(candidates) == 1:
+            return candidates[0]
+        fairness = self._policy.fairness
+        if fairness is Fairness.PROPORTIONAL:
+            return choose_proportional(candidates)
+        if fairness is Fairness.ROUND_ROBIN:
+            return choose_round_robin(candidates, self._last_served)
+        return choose_fast(candidates)
+
+    def _candidate(self, consumer: Consumer) -> int:
+        """The first entry in queue order this consumer may get now, or -1.
+
+        Moves the consumer's pointer to it: entries passed over are not deliverable to this
+        consumer, and the engine rewinds pointers when that changes.
+        """
+        table = self._table
+        state = table.state
+        base = table.base
+        fence = self._barriers[0] if self._barriers else _NO_FENCE
+        expression = consumer.filter
+        keys = table.keys
+        docs = table.docs
+        key_head = self._key_head
+        matched_at = consumer.position if consumer.position_matched else -1
+        if self._fifo:
+            slot = consumer.position - base
+            if slot < 0:
+                slot = 0
+            while True:
+                slot = state.find(AVAILABLE, slot)
+                if slot < 0:
+                    consumer.position = table.end
+                    consumer.position_matched = False
+                    return -1
+                seq = base + slot
+                if seq >= fence:
+                    # Everything after a barrier waits until the barrier is delivered.
+                    consumer.position = seq
+                    consumer.position_matched = False
+                    return -1
+                if keys is not None:
+                    key = keys[slot]
+                    if key is not None and key_head[key] != seq:
+                        slot += 1
+                        continue
+                if (
+                    expression is not None
+                    and seq != matched_at
+                    and not expression.matches(docs[slot])
+                ):
+                    slot += 1
+                    continue
+                consumer.position = seq
+                consumer.position_matched = True
+                return seq
+        order = self._order
+        for seq in order.scan(consumer.position):
+            if seq >= fence:
+                continue
+            slot = seq - base
+            if keys is not None:
+                key = keys[slot]
+                if key is not None and key_head[key] != seq:
+                    continue
+            position = order.position(seq)
+            if (
+                expression is not None
+                and position != matched_at
+                and not expression.matches(docs[slot])
+            ):
+                continue
+            consumer.position = position
+            consumer.position_matched = True
+            return seq
+        consumer.position = order.end()
+        consumer.position_matched = False
+        return -1
+
+    def _rewind(self, position: int) -> None:
+        """An entry at ``position`` became deliverable: no consumer may be past it."""
+        for consumer in self._consumers.values():
+            if position < consumer.position:
+                consumer.position = position
+                consumer.position_matched = False
+
+    def _rewind_all(self) -> None:
+        start = self._order.start()
+        for consumer in self._consumers.values():
+            consumer.position = start
+            consumer.position_matched = False
+
+    # ------------------------------------------------------------------ barriers
+    def _deliver_due_barriers(self, now: float, deliveries: list[Delivery]) -> None:
+        """AMPS barrier messages: delivered once every earlier entry is acknowledged."""
+        table = self._table
+        while self._barriers:
+            seq = self._barriers[0]
+            if table.advance_first_live() != seq:
+                return  # an earlier entry is still in the queue
+            if self._policy.at_most_once and any(t.seq < seq for t in self._leased.values()):
+                return  # an earlier at-most-once delivery is not acknowledged yet
+            if not self._consumers:
+                return  # "all current subscribers": wait for at least one
+            if table.state[seq - table.base] != AVAILABLE:
+                return  # delayed (deliver-at) barriers wait for their time
+            deliveries.append(self._deliver_barrier(seq, now))
+
+    def _deliver_barrier(self, seq: int, now: float) -> BarrierDelivered:
+        """AVAILABLE → ACKED: to every consumer whose filter matches, ignoring backlog."""
+        table = self._table
+        doc = table.docs[seq - table.base]
+        recipients = tuple(
+            Recipient(c.consumer_id, c.delivery_topic)
+            for c in self._consumers.values()
+            if c.filter is None or c.filter.matches(doc)
+        )
+        table.state[seq - table.base] = ACKED
+        bookmark = table.bookmark(seq)
+        event = BarrierDelivered(self._name, bookmark, recipients, now)
+        self._events.append(event)
+        self._events.append(EntryAcked(self._name, bookmark, None, AckSource.BARRIER, now))
+        self._dirty.add(seq)
+        self._on_done(seq, AVAILABLE, now)
+        return event
+
+    # ------------------------------------------------------------------ transitions
+    def _touch(self, seq: int) -> Touched:
+        touched = self._touched.get(seq)
+        if touched is None:
+            touched = Touched(seq, self._table.bookmark(seq))
+            self._touched[seq] = touched
+        return touched
+
+    def _lease(self, seq: int, consumer: Consumer, now: float) -> EntryLeased:
+        """AVAILABLE → LEASED (at-least-once): the consumer holds it until the deadline."""
+        table = self._table
+        table.state[seq - table.base] = LEASED
+        touched = self._touched.get(seq)
+        if touched is None:
+            touched = Touched(seq, table.bookmark(seq))
+            self._touched[seq] = touched
+        touched.delivery_count += 1
+        token = self._tokens()
+        deadline = now + self._policy.lease_period
+        touched.token = token
+        touched.deadline = deadline
+        touched.consumer_id = consumer.consumer_id
+        touched.session_id = consumer.session_id
+        bookmark = touched.bookmark
+        self._leased[bookmark] = touched
+        consumer.leases[bookmark] = None
+        self._dirty.add(seq)
+        event = EntryLeased(
+            self._name,
+            bookmark,
+            consumer.consumer_id,
+            consumer.delivery_topic,
+            token,
+            deadline,
+            touched.delivery_count,
+            now,
+        )
+        self._events.append(event)
+        return event
+
+    def _deliver_at_most_once(self, seq: int, consumer: Consumer, now: float) -> EntryLeased:
+        """AVAILABLE → ACKED (at-most-once): removed on delivery; the consumer's backlog
+        slot stays taken until it acknowledges (or the lease period passes)."""
+        event = self._lease(seq, consumer, now)
+        table = self._table
+        table.state[seq - table.base] = ACKED
+        touched = self._touched[seq]
+        touched.slot_only = True
+        self._events.append(
+            EntryAcked(self._name, touched.bookmark, consumer.consumer_id, AckSource.DELIVERY, now)
+        )
+        self._on_done(seq, LEASED, now, release_key=False)
+        return event
+
+    def _accept(self, touched: Touched, now: float) -> None:
+        """LEASED → ACKED: processed (ACCEPT; AMPS ack without options)."""
+        consumer_id = touched.consumer_id
+        self._drop_lease(touched)
+        seq = touched.seq
+        table = self._table
+        table.state[seq - table.base] = ACKED
+        self._dirty.add(seq)
+        self._events.append(
+            EntryAcked(self._name, touched.bookmark, consumer_id, AckSource.CONSUMER, now)
+        )
+        self._on_done(seq, LEASED, now)
+
+    def _accept_unleased(self, seq: int, source: AckSource, now: float) -> None:
+        """AVAILABLE / DELAYED / INACTIVE → ACKED: by filter, permissively, or remembered."""
+        table = self._table
+        slot = seq - table.base
+        was = table.state[slot]
+        table.state[slot] = ACKED
+        self._dirty.add(seq)
+        self._events.append(EntryAcked(self._name, table.bookmark(seq), None, source, now))
+        self._on_done(seq, was, now)
+
+    def _settle_early_ack(self, bookmark: Bookmark, now: float) -> None:
+        """An entry acknowledged before it was read enters the queue ACKED (and so never)."""
+        self._direct_records.append(EntryRecord(bookmark, EntryState.ACKED))
+        self._events.append(EntryAcked(self._name, bookmark, None, AckSource.EARLY, now))
+
+    def _release(self, touched: Touched, delay: float | None, now: float) -> None:
+        """LEASED → AVAILABLE / DELAYED, or EXPIRED past a limit (RELEASE; AMPS cancel).
+
+        AMPS: "the count of cancels for this message is incremented, and if the count is
+        greater than the configured MaxCancels ... the message is expired"; its Jobs example
+        expires "on the 3rd time" with MaxCancels 3, so the n-th cancel of MaxCancels n
+        expires (see docs/engine.md). A cancel also ends a delivery, so MaxDeliveries and
+        Expiration apply as for a lease that ran out.
+        """
+        consumer_id = touched.consumer_id or ""
+        self._drop_lease(touched)
+        touched.cancel_count += 1
+        policy = self._policy
+        seq = touched.seq
+        reason: ExpiryReason | None = None
+        if policy.max_cancels and touched.cancel_count >= policy.max_cancels:
+            reason = ExpiryReason.MAX_CANCELS
+        elif policy.max_deliveries and touched.delivery_count >= policy.max_deliveries:
+            reason = ExpiryReason.MAX_DELIVERIES
+        elif self._too_old(seq, now):
+            reason = ExpiryReason.EXPIRATION
+        if reason is not None:
+            self._events.append(
+                EntryReleased(
+                    self._name, touched.bookmark, consumer_id, touched.cancel_count, None, now
+                )
+            )
+            self._expire(seq, reason, None, consumer_id, now)
+            return
+        wait = delay if delay is not None else self._backoff(touched.delivery_count)
+        available_at = now + wait if wait > 0 else now
+        self._events.append(
+            EntryReleased(
+                self._name, touched.bookmark, consumer_id, touched.cancel_count, available_at, now
+            )
+        )
+        self._return(touched, available_at if wait > 0 else None, now)
+
+    def _expire_lease(self, touched: Touched, now: float) -> None:
+        """LEASED → AVAILABLE / DELAYED, or EXPIRED past a limit: the deadline passed.
+
+        AMPS: the message returns "if the message has been in the queue less than the
+        Expiration time, and it has been delivered fewer than the MaxDeliveries limit".
+        """
+        consumer_id = touched.consumer_id or ""
+        self._drop_lease(touched)
+        reason = self._return_limit(touched, now)
+        if reason is not None:
+            self._events.append(LeaseExpired(self._name, touched.bookmark, consumer_id, None, now))
+            self._expire(touched.seq, reason, None, consumer_id, now)
+            return
+        wait = self._backoff(touched.delivery_count)
+        available_at = now + wait if wait > 0 else now
+        self._events.append(
+            LeaseExpired(self._name, touched.bookmark, consumer_id, available_at, now)
+        )
+        self._return(touched, available_at if wait > 0 else None, now)
+
+    def _break_lease(self, touched: Touched, reason: LeaveReason, now: float) -> None:
+        """LEASED → AVAILABLE, or EXPIRED past a limit: the holder left.
+
+        AMPS: leases are broken when the holder disconnects "so the message can immediately
+        be processed by another message processor" (no back-off). The delivery still counts
+        toward MaxDeliveries (a consumer that crashes on a message must not loop forever).
+        """
+        consumer_id = touched.consumer_id or ""
+        self._drop_lease(touched)
+        self._events.append(LeaseBroken(self._name, touched.bookmark, consumer_id, reason, now))
+        limit = self._return_limit(touched, now)
+        if limit is not None:
+            self._expire(touched.seq, limit, None, consumer_id, now)
+            return
+        self._return(touched, None, now)
+
+    def _return_limit(self, touched: Touched, now: float) -> ExpiryReason | None:
+        max_deliveries = self._policy.max_deliveries
+        if max_deliveries and touched.delivery_count >= max_deliveries:
+            return ExpiryReason.MAX_DELIVERIES
+        if self._too_old(touched.seq, now):
+            return ExpiryReason.EXPIRATION
+        return None
+
+    def _backoff(self, delivery_count: int) -> float:
+        backoff = self._policy.backoff
+        return backoff(delivery_count) if backoff is not None else 0.0
+
+    def _return(self, touched: Touched, available_at: float | None, now: float) -> None:
+        """Back in the queue at its original place (Qpid: order is kept through the entry's
+        lifetime), at once or after a delay."""
+        seq = touched.seq
+        table = self._table
+        self._dirty.add(seq)
+        if available_at is None:
+            table.state[seq - table.base] = AVAILABLE
+            touched.available_at = None
+            self._rewind(self._order.position(seq))
+        else:
+            table.state[seq - table.base] = DELAYED
+            touched.available_at = available_at
+            heapq.heappush(self._delays, (available_at, seq))
+
+    def _reject(self, touched: Touched, reason: str | None, now: float) -> None:
+        """LEASED → EXPIRED (REJECT; AMPS expire): dead-lettered, never redelivered."""
+        consumer_id = touched.consumer_id
+        self._drop_lease(touched)
+        self._expire(touched.seq, ExpiryReason.REJECTED, reason, consumer_id, now)
+
+    def _renew(self, touched: Touched, now: float) -> None:
+        """LEASED → LEASED with a later deadline (RENEW)."""
+        touched.deadline = now + self._policy.lease_period
+        touched.restored = False
+        # Re-inserting keeps ``_leased`` in deadline order.
+        del self._leased[touched.bookmark]
+        self._leased[touched.bookmark] = touched
+        if not touched.slot_only:
+            self._dirty.add(touched.seq)
+        self._events.append(
+            LeaseRenewed(
+                self._name, touched.bookmark, touched.consumer_id or "", touched.deadline, now
+            )
+        )
+
+    def _free_slot(self, touched: Touched, now: float) -> None:
+        """At-most-once: the consumer's backlog slot for a delivered entry is free again."""
+        consumer_id = touched.consumer_id or ""
+        self._drop_lease(touched)
+        self._events.append(BacklogFreed(self._name, touched.bookmark, consumer_id, now))
+        if self._policy.key_groups:
+            self._release_key(touched.seq)
+
+    def _promote(self, seq: int, now: float) -> None:
+        """DELAYED → AVAILABLE (or EXPIRED if it got too old meanwhile)."""
+        if self._too_old(seq, now):
+            self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
+            return
+        table = self._table
+        table.state[seq - table.base] = AVAILABLE
+        touched = self._touched.get(seq)
+        if touched is not None:
+            touched.available_at = None
+            self._dirty.add(seq)
+        self._rewind(self._order.position(seq))
+
+    def _activate(self, seq: int, now: float) -> None:
+        """INACTIVE → AVAILABLE / DELAYED: room below ``target_queue_depth``."""
+        table = self._table
+        self._active += 1
+        not_before = self._not_before.pop(seq, None)
+        if self._too_old(seq, now):
+            self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
+            return
+        if not_before is not None and not_before > now:
+            table.state[seq - table.base] = DELAYED
+            heapq.heappush(self._delays, (not_before, seq))
+            return
+        table.state[seq - table.base] = AVAILABLE
+        self._rewind(self._order.position(seq))
+
+    def _expire(
+        self,
+        seq: int,
+        reason: ExpiryReason,
+        detail: str | None,
+        consumer_id: str | None,
+        now: float,
+    ) -> None:
+        """Any live state → EXPIRED: the entry leaves the queue unprocessed."""
+        table = self._table
+        slot = seq - table.base
+        was = table.state[slot]
+        table.state[slot] = EXPIRED
+        touched = self._touch(seq)
+        touched.reason = reason
+        self._dirty.add(seq)
+        dead_letter = reason.dead_letter or (
+            reason is ExpiryReason.EXPIRATION and self._policy.dead_letter_expired
+        )
+        self._events.append(
+            EntryExpired(
+                self._name,
+                touched.bookmark,
+                reason,
+                dead_letter,
+                touched.delivery_count,
+                touched.cancel_count,
+                consumer_id,
+                detail,
+                now,
+            )
+        )
+        self._on_done(seq, was, now)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _drop_lease(self, touched: Touched) -> None:
+        """Forget a lease (or backlog slot): frees the holder's backlog."""
+        bookmark = touched.bookmark
+        del self._leased[bookmark]
+        consumer = self._consumers.get(touched.consumer_id or "")
+        if consumer is not None and consumer.session_id == touched.session_id:
+            consumer.leases.pop(bookmark, None)
+        else:
+            orphans = self._orphans.get(touched.consumer_id or "")
+            if orphans is not None:
+                orphans.pop(bookmark, None)
+        touched.token = None
+        touched.restored = False
+
+    def _on_done(self, seq: int, was: int, now: float, *, release_key: bool = True) -> None:
+        """An entry became ACKED or EXPIRED: update depth, key groups and barriers."""
+        self._order.discard(seq)
+        policy = self._policy
+        if policy.target_queue_depth is not None and was != INACTIVE:
+            self._active -= 1
+            self._activate_more(now)
+        if policy.key_groups and release_key:
+            self._release_key(seq)
+        if seq in self._pending_barriers:
+            self._pending_barriers.discard(seq)
+            barriers = self._barriers
+            if barriers[0] == seq:
+                while barriers and barriers[0] not in self._pending_barriers:
+                    barriers.popleft()
+                # Entries after the barrier were held back: every consumer looks again.
+                self._rewind_all()
+
+    def _activate_more(self, now: float) -> None:
+        depth = self._policy.target_queue_depth
+        assert depth is not None
+        table = self._table
+        while self._active < depth:
+            slot = table.state.find(INACTIVE, max(self._inactive_from - table.base, 0))
+            if slot < 0:
+                self._inactive_from = table.end
+                return
+            seq = table.base + slot
+            self._inactive_from = seq + 1
+            self._activate(seq, now)
+
+    def _release_key(self, seq: int) -> None:
+        """The entry no longer holds its key group: the key's next live entry may go."""
+        table = self._table
+        keys = table.keys
+        key_next = table.key_next
+        assert keys is not None and key_next is not None
+        base = table.base
+        key = keys[seq - base]
+        if key is None or self._key_head.get(key) != seq:
+            return
+        following = key_next[seq - base]
+        while following >= 0 and table.state[following - base] >= ACKED:
+            following = key_next[following - base]
+        if following < 0:
+            del self._key_head[key]
+            del self._key_tail[key]
+            return
+        self._key_head[key] = following
+        if table.state[following - base] == AVAILABLE:
+            self._rewind(self._order.position(following))
+
+
+def _compiled(filter: str | Expression | None) -> Expression | None:
+    if filter is None or isinstance(filter, Expression):
+        return filter
+    return compile_expression(filter)
