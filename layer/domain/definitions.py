@@ -114,7 +114,8 @@ def _expression_text(value: object) -> str | None:
     if not text:
         return None
     try:
-        compile_expression(text)
+        # Compiled as written, so error columns count from what the user typed.
+        compile_expression(value)
     except ExpressionError as exc:
         raise ValueError(exc.message) from None
     return text
@@ -554,7 +555,8 @@ def _validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
             problems.append((field, message))
             continue
         if error["type"] == "missing":
-            problems.append((field, "is required"))
+            if field not in ("name", "underlying_topic"):  # both reported as a missing name
+                problems.append((field, "is required"))
             continue
         message = str(cause) if cause is not None else error["msg"]
         problems.append((field, message))
