@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -381,6 +382,40 @@ def _any_element_test(test: Callable[[object], bool | None]) -> Callable[[object
     return test_arrays
 
 
+_SAME_KIND_COMPARISONS: Final[dict[str, Callable[[object, object], bool]]] = {
+    "=": operator.eq,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<>": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+
+
+def _compare_with_constant(
+    left: Evaluator,
+    same_kind: Callable[[object, object], bool],
+    compare: Callable[[object, object], bool | None],
+    constant: object,
+) -> Evaluator:
+    """``/field <op> literal``, the shape of most filters: when the field holds a value of the
+    literal's own kind (str against str, int against int ...), the full rules reduce to
+    Python's comparison, so that case skips the coercion and array logic."""
+    kind = type(constant)
+    if kind not in (str, int, float):
+        return lambda doc: compare(left(doc), constant)
+
+    def compare_fast(doc: Document) -> object:
+        value = left(doc)
+        if type(value) is kind:
+            return same_kind(value, constant)
+        return compare(value, constant)
+
+    return compare_fast
+
+
 def _not(value: object) -> bool | None:
     if value is True:
         return False
@@ -672,7 +707,12 @@ class _Compiler:
 
     def _rule_compare(self, left: Tree[Token], op: Token, right: Tree[Token]) -> _Compiled:
         compare = _any_element(_COMPARISONS[str(op)])
-        return _binary(compare, self.compile(left), self.compile(right))
+        compiled_left, compiled_right = self.compile(left), self.compile(right)
+        if isinstance(compiled_left, _Const) or not isinstance(compiled_right, _Const):
+            return _binary(compare, compiled_left, compiled_right)
+        return _compare_with_constant(
+            compiled_left, _SAME_KIND_COMPARISONS[str(op)], compare, compiled_right.value
+        )
 
     def _rule_not_op(self, _not_token: Token, operand: Tree[Token]) -> _Compiled:
         return _unary(_not, self.compile(operand))

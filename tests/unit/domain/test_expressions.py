@@ -712,3 +712,22 @@ def test_compile_raises_only_expression_errors(text: str) -> None:
     else:
         assert isinstance(expression, Expression)
         expression.evaluate({"a": 1, "b": [1, "x"]})
+
+
+MIRRORED = {"=": "=", "!=": "!=", "<>": "<>", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    path=paths,
+    op=st.sampled_from(sorted(MIRRORED)),
+    literal=literals | st.integers(-5, 5).map(str) | st.sampled_from(["'a'", "'2'", "'EU'"]),
+    doc=documents,
+)
+def test_comparison_is_symmetric_under_mirroring(
+    path: str, op: str, literal: str, doc: object
+) -> None:
+    # "/a < 3" and "3 > /a" must agree (the first takes the field-against-literal fast path).
+    forward = compile_expression(f"{path} {op} {literal}").evaluate(doc)
+    mirrored = compile_expression(f"{literal} {MIRRORED[op]} {path}").evaluate(doc)
+    assert forward is mirrored
