@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
@@ -382,7 +382,7 @@ def _any_element_test(test: Callable[[object], bool | None]) -> Callable[[object
     return test_arrays
 
 
-_SAME_KIND_COMPARISONS: Final[dict[str, Callable[[object, object], bool]]] = {
+_SAME_KIND_COMPARISONS: Final[dict[str, Callable[[Any, Any], Any]]] = {
     "=": operator.eq,
     "==": operator.eq,
     "!=": operator.ne,
@@ -396,7 +396,7 @@ _SAME_KIND_COMPARISONS: Final[dict[str, Callable[[object, object], bool]]] = {
 
 def _compare_with_constant(
     left: Evaluator,
-    same_kind: Callable[[object, object], bool],
+    same_kind: Callable[[Any, Any], Any],
     compare: Callable[[object, object], bool | None],
     constant: object,
 ) -> Evaluator:
