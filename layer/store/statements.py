@@ -70,12 +70,12 @@ def _names_param(name: str) -> BindParameter[Any]:
 # same owner id (a restarted process reusing its id fences its previous incarnation too). The
 # epoch counts up on every takeover; a first acquisition starts at 1.
 _acquire_insert = pg_insert(ownership).values(
-    shard=bindparam("shard"),
-    owner_id=bindparam("owner_id"),
+    shard=bindparam("the_shard"),
+    owner_id=bindparam("the_owner_id"),
     epoch=1,
     acquired_at=bindparam("now"),
     heartbeat_at=bindparam("now"),
-    expires_at=bindparam("expires_at"),
+    expires_at=bindparam("new_expires_at"),
 )
 ACQUIRE: Final = _acquire_insert.on_conflict_do_update(
     index_elements=[ownership.c.shard],
@@ -93,10 +93,11 @@ ACQUIRE: Final = _acquire_insert.on_conflict_do_update(
     ),
 ).returning(ownership.c.epoch)
 
+# Bind names differ from column names: SQLAlchemy reserves those in UPDATE statements.
 _holder = (
-    (ownership.c.shard == bindparam("shard"))
-    & (ownership.c.owner_id == bindparam("owner_id"))
-    & (ownership.c.epoch == bindparam("epoch"))
+    (ownership.c.shard == bindparam("the_shard"))
+    & (ownership.c.owner_id == bindparam("the_owner_id"))
+    & (ownership.c.epoch == bindparam("the_epoch"))
 )
 
 # Renewal needs no expiry check: while the epoch is unchanged nobody took over, so extending is
@@ -104,7 +105,7 @@ _holder = (
 RENEW: Final = (
     update(ownership)
     .where(_holder)
-    .values(heartbeat_at=bindparam("now"), expires_at=bindparam("expires_at"))
+    .values(heartbeat_at=bindparam("now"), expires_at=bindparam("new_expires_at"))
     .returning(ownership.c.epoch)
 )
 
@@ -128,7 +129,7 @@ GUARD: Final = (
 )
 
 SELECT_OWNER: Final = select(ownership).where(
-    ownership.c.shard == bindparam("shard"), ownership.c.owner_id.is_not(None)
+    ownership.c.shard == bindparam("the_shard"), ownership.c.owner_id.is_not(None)
 )
 SELECT_OWNERS: Final = (
     select(ownership).where(ownership.c.owner_id.is_not(None)).order_by(ownership.c.shard)
@@ -243,10 +244,11 @@ UPSERT_CONSUMERS: Final = _consumers_insert.on_conflict_do_update(
 
 # Heartbeats are the most frequent consumer write and change one column: UPDATE ... FROM a batch.
 # GREATEST keeps the time monotonic when a late heartbeat arrives after a newer subscribe.
-_beats = _unnest("beats", {"consumer_id": Text(), "at": _TIMESTAMP})
+# (Batch column names differ from the table's: SQLAlchemy reserves those in UPDATE statements.)
+_beats = _unnest("beats", {"consumer": Text(), "at": _TIMESTAMP})
 HEARTBEAT_CONSUMERS: Final = (
     update(consumers)
-    .where(consumers.c.consumer_id == _beats.c.consumer_id)
+    .where(consumers.c.consumer_id == _beats.c.consumer)
     .values(last_heartbeat_at=func.greatest(consumers.c.last_heartbeat_at, _beats.c.at))
 )
 
@@ -270,10 +272,10 @@ INCREMENT_COUNTERS: Final = _counters_insert.on_conflict_do_update(
     },
 )
 
-_purges = _unnest("purges", {"name": Text(), "requested_at": _TIMESTAMP})
+_purges = _unnest("purges", {"queue": Text(), "requested_at": _TIMESTAMP})
 MARK_PURGED: Final = (
     update(queues)
-    .where(queues.c.name == _purges.c.name)
+    .where(queues.c.name == _purges.c.queue)
     .values(purged_at=func.greatest(queues.c.purged_at, _purges.c.requested_at))
 )
 
@@ -338,13 +340,13 @@ DELETE_DONE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
 
 SELECT_QUEUES: Final = select(queues).order_by(queues.c.name)
 SELECT_QUEUE_FOR_UPDATE: Final = (
-    select(queues).where(queues.c.name == bindparam("name")).with_for_update()
+    select(queues).where(queues.c.name == bindparam("queue_name")).with_for_update()
 )
 INSERT_QUEUE: Final = (
     pg_insert(queues)
     .values(
-        name=bindparam("name"),
-        definition=bindparam("definition", type_=JSONB),
+        name=bindparam("queue_name"),
+        definition=bindparam("new_definition", type_=JSONB),
         version=1,
         created_at=bindparam("now"),
         updated_at=bindparam("now"),
@@ -354,9 +356,9 @@ INSERT_QUEUE: Final = (
 )
 UPDATE_QUEUE_DEFINITION: Final = (
     update(queues)
-    .where(queues.c.name == bindparam("name"))
+    .where(queues.c.name == bindparam("queue_name"))
     .values(
-        definition=bindparam("definition", type_=JSONB),
+        definition=bindparam("new_definition", type_=JSONB),
         version=queues.c.version + 1,
         updated_at=bindparam("now"),
     )
@@ -365,9 +367,9 @@ UPDATE_QUEUE_DEFINITION: Final = (
 # A deleted queue created again is a new queue: fresh created_at, no purge history.
 RECREATE_QUEUE: Final = (
     update(queues)
-    .where(queues.c.name == bindparam("name"))
+    .where(queues.c.name == bindparam("queue_name"))
     .values(
-        definition=bindparam("definition", type_=JSONB),
+        definition=bindparam("new_definition", type_=JSONB),
         version=queues.c.version + 1,
         created_at=bindparam("now"),
         updated_at=bindparam("now"),
@@ -379,7 +381,7 @@ RECREATE_QUEUE: Final = (
 )
 SOFT_DELETE_QUEUE: Final = (
     update(queues)
-    .where(queues.c.name == bindparam("name"))
+    .where(queues.c.name == bindparam("queue_name"))
     .values(
         version=queues.c.version + 1,
         updated_at=bindparam("now"),
@@ -389,7 +391,7 @@ SOFT_DELETE_QUEUE: Final = (
 )
 REQUEST_PURGE: Final = (
     update(queues)
-    .where(queues.c.name == bindparam("name"))
+    .where(queues.c.name == bindparam("queue_name"))
     .values(
         version=queues.c.version + 1,
         updated_at=bindparam("now"),

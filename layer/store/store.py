@@ -124,10 +124,10 @@ class Store:
             epoch = conn.execute(
                 sql.ACQUIRE,
                 {
-                    "shard": shard,
-                    "owner_id": owner_id,
+                    "the_shard": shard,
+                    "the_owner_id": owner_id,
                     "now": _to_datetime(now),
-                    "expires_at": _to_datetime(now + ttl),
+                    "new_expires_at": _to_datetime(now + ttl),
                 },
             ).scalar_one_or_none()
         return None if epoch is None else int(epoch)
@@ -138,11 +138,11 @@ class Store:
             renewed = conn.execute(
                 sql.RENEW,
                 {
-                    "shard": shard,
-                    "owner_id": owner_id,
-                    "epoch": epoch,
+                    "the_shard": shard,
+                    "the_owner_id": owner_id,
+                    "the_epoch": epoch,
                     "now": _to_datetime(now),
-                    "expires_at": _to_datetime(now + ttl),
+                    "new_expires_at": _to_datetime(now + ttl),
                 },
             ).scalar_one_or_none()
         return renewed is not None
@@ -152,14 +152,14 @@ class Store:
         with translate_errors(f"releasing shard {shard!r}"), self._engine.begin() as conn:
             released = conn.execute(
                 sql.RELEASE,
-                {"shard": shard, "owner_id": owner_id, "epoch": epoch, "now": _to_datetime(now)},
+                _holder_params(shard, owner_id, epoch, _to_datetime(now)),
             ).scalar_one_or_none()
         return released is not None
 
     def owner(self, shard: str) -> Ownership | None:
         """The shard's current holder (possibly expired: compare with `Ownership.expired`)."""
         with translate_errors(f"reading owner of shard {shard!r}"), self._engine.connect() as conn:
-            row = conn.execute(sql.SELECT_OWNER, {"shard": shard}).one_or_none()
+            row = conn.execute(sql.SELECT_OWNER, {"the_shard": shard}).one_or_none()
         return None if row is None else _ownership(row)
 
     def owners(self) -> list[Ownership]:
@@ -185,7 +185,7 @@ class Store:
         ):
             holder = conn.execute(
                 sql.GUARD,
-                {"shard": shard, "owner_id": owner_id, "epoch": epoch, "now": moment},
+                _holder_params(shard, owner_id, epoch, moment),
             ).scalar_one_or_none()
             statements += 1
             if holder is None:
@@ -329,12 +329,12 @@ class Store:
         (raises `QueueVersionConflictError` otherwise).
         """
         wanted = _json_roundtrip(definition)
-        params = {"name": name, "definition": wanted, "now": _to_datetime(now)}
+        params = {"queue_name": name, "new_definition": wanted, "now": _to_datetime(now)}
         with translate_errors(f"writing queue {name!r}"), self._engine.begin() as conn:
             # Two rounds at most: a concurrent creator can win the INSERT race, after which the
             # row exists and the update path applies.
             for _ in range(2):
-                current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+                current = _lock_queue(conn, name)
                 live = current is not None and current.deleted_at is None
                 if expected_version is not None:
                     actual = current.version if current is not None and live else None
@@ -363,7 +363,7 @@ class Store:
         batch (which also removes anything it wrote for the queue in between).
         """
         with translate_errors(f"deleting queue {name!r}"), self._engine.begin() as conn:
-            current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+            current = _lock_queue(conn, name)
             if current is None or current.deleted_at is not None:
                 raise UnknownQueueError(name)
             if expected_version is not None and current.version != expected_version:
@@ -371,7 +371,7 @@ class Store:
             self._forget(conn, {name})
             return int(
                 conn.execute(
-                    sql.SOFT_DELETE_QUEUE, {"name": name, "now": _to_datetime(now)}
+                    sql.SOFT_DELETE_QUEUE, {"queue_name": name, "now": _to_datetime(now)}
                 ).scalar_one()
             )
 
@@ -383,12 +383,12 @@ class Store:
         `WriteBatch.forget_queue` + new recovery points + `WriteBatch.purge_done`.
         """
         with translate_errors(f"purging queue {name!r}"), self._engine.begin() as conn:
-            current = conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"name": name}).one_or_none()
+            current = _lock_queue(conn, name)
             if current is None or current.deleted_at is not None:
                 raise UnknownQueueError(name)
             return int(
                 conn.execute(
-                    sql.REQUEST_PURGE, {"name": name, "now": _to_datetime(now)}
+                    sql.REQUEST_PURGE, {"queue_name": name, "now": _to_datetime(now)}
                 ).scalar_one()
             )
 
@@ -518,7 +518,7 @@ def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
         conn.execute(
             sql.HEARTBEAT_CONSUMERS,
             {
-                "consumer_id": [consumer_id for consumer_id, _ in beats],
+                "consumer": [consumer_id for consumer_id, _ in beats],
                 "at": [_to_datetime(at) for _, at in beats],
             },
         )
@@ -547,11 +547,20 @@ def _mark_purged(conn: Connection, purges: Mapping[str, float]) -> int:
     conn.execute(
         sql.MARK_PURGED,
         {
-            "name": [name for name, _ in ordered],
+            "queue": [name for name, _ in ordered],
             "requested_at": [_to_datetime(at) for _, at in ordered],
         },
     )
     return 1
+
+
+def _lock_queue(conn: Connection, name: str) -> Row[Any] | None:
+    """The queue's row, locked until commit so concurrent CLI writes serialise."""
+    return conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"queue_name": name}).one_or_none()
+
+
+def _holder_params(shard: str, owner_id: str, epoch: int, now: datetime) -> dict[str, Any]:
+    return {"the_shard": shard, "the_owner_id": owner_id, "the_epoch": epoch, "now": now}
 
 
 def _columns(keys: list[Any], names: tuple[str, ...]) -> dict[str, list[Any]]:

@@ -1,0 +1,185 @@
+"""Shard ownership with an epoch: takeover after expiry, and fencing of the old owner's writes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import Engine, event
+
+from layer.store.batch import WriteBatch
+from layer.store.errors import FencedError
+from layer.store.rows import EntryKey, EntryRow, PartitionKey
+from layer.store.store import Store
+from layer.store.tables import metadata
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_700_000_000.0
+TTL = 10.0
+SHARD = "Work"
+
+
+def _leased(offset: int, consumer: str, now: float) -> EntryRow:
+    return EntryRow(
+        queue="Work", topic="orders", partition=0, offset=offset, state="LEASED",
+        delivery_count=1, lease_consumer=consumer, lease_token=f"tok-{offset}",
+        lease_deadline=now + 30,
+    )
+
+
+def _snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every qlayer table, to prove a refused write changed nothing at all."""
+    with engine.connect() as conn:
+        return {
+            table.name: sorted(tuple(row) for row in conn.execute(sa.select(table)))
+            for table in metadata.sorted_tables
+        }
+
+
+@pytest.fixture
+def other_store(database_url: str) -> Iterator[Store]:
+    """A second coordinator: its own engine and connections, same database."""
+    store = Store(database_url)
+    yield store
+    store.close()
+
+
+def test_first_acquire_gets_epoch_one_and_a_live_lease_keeps_others_out(
+    store: Store, other_store: Store
+) -> None:
+    assert store.owner(SHARD) is None
+    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    assert other_store.acquire(SHARD, "b", TTL, T0 + TTL - 0.5) is None
+
+    owner = other_store.owner(SHARD)
+    assert owner is not None
+    assert (owner.owner_id, owner.epoch) == ("a", 1)
+    assert owner.expires_at == T0 + TTL
+    assert not owner.expired(T0 + TTL - 0.5)
+    assert owner.expired(T0 + TTL)
+
+
+def test_takeover_after_expiry_fences_the_old_owner(
+    store: Store, other_store: Store, engine: Engine
+) -> None:
+    epoch_a = store.acquire(SHARD, "a", TTL, T0)
+    assert epoch_a == 1
+    written = WriteBatch()
+    written.put_entry(_leased(0, "c1", T0))
+    written.set_recovery_point("Work", "orders", 0, 0)
+    store.commit(written, SHARD, "a", epoch_a, T0 + 1)
+
+    # A stops heartbeating (a GC pause, a partition); B takes over once the TTL has lapsed.
+    epoch_b = other_store.acquire(SHARD, "b", TTL, T0 + TTL)
+    assert epoch_b == 2
+    before = _snapshot(engine)
+
+    zombie = WriteBatch()
+    zombie.put_entry(_leased(1, "c2", T0 + TTL))
+    zombie.delete_entry(EntryKey("Work", "orders", 0, 0))
+    zombie.set_recovery_point("Work", "orders", 0, 1)
+    zombie.count("Work", "delivered", 1)
+    with pytest.raises(FencedError) as fenced:
+        store.commit(zombie, SHARD, "a", epoch_a, T0 + TTL + 1)
+    assert (fenced.value.shard, fenced.value.owner_id, fenced.value.epoch) == (SHARD, "a", 1)
+    assert _snapshot(engine) == before
+
+    assert store.renew(SHARD, "a", epoch_a, TTL, T0 + TTL + 2) is False
+    assert store.release(SHARD, "a", epoch_a, T0 + TTL + 2) is False
+    owner = store.owner(SHARD)
+    assert owner is not None
+    assert (owner.owner_id, owner.epoch) == ("b", 2)
+
+    # The new owner sees what A committed before the takeover, and can write.
+    assert other_store.load_entries("Work") == [_leased(0, "c1", T0)]
+    mine = WriteBatch()
+    mine.put_entry(_leased(1, "c2", T0 + TTL))
+    other_store.commit(mine, SHARD, "b", 2, T0 + TTL + 1)
+    assert [row.offset for row in other_store.load_entries("Work")] == [0, 1]
+
+
+def test_renewal_keeps_the_shard_and_release_hands_it_over_at_once(
+    store: Store, other_store: Store
+) -> None:
+    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    assert store.renew(SHARD, "a", 1, TTL, T0 + 8) is True
+    assert other_store.acquire(SHARD, "b", TTL, T0 + 15) is None  # renewed until T0 + 18
+    assert other_store.acquire(SHARD, "b", TTL, T0 + 18) == 2
+
+    assert other_store.release(SHARD, "b", 2, T0 + 19) is True
+    assert store.owner(SHARD) is None
+    # Released: free at once, long before B's TTL would have lapsed; the epoch keeps counting.
+    assert store.acquire(SHARD, "a", TTL, T0 + 19) == 3
+
+
+def test_renewing_a_lapsed_lease_is_allowed_while_nobody_took_over(store: Store) -> None:
+    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    assert store.renew(SHARD, "a", 1, TTL, T0 + TTL + 5) is True
+    owner = store.owner(SHARD)
+    assert owner is not None
+    assert owner.expires_at == T0 + 2 * TTL + 5
+
+
+def test_reacquiring_with_the_same_owner_id_fences_the_previous_incarnation(
+    store: Store,
+) -> None:
+    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    assert store.acquire(SHARD, "a", TTL, T0 + 1) == 2  # a restarted process, same id
+    with pytest.raises(FencedError):
+        store.commit(WriteBatch(), SHARD, "a", 1, T0 + 2)
+    store.commit(WriteBatch(), SHARD, "a", 2, T0 + 2)
+
+
+def test_shards_are_independent(store: Store, other_store: Store) -> None:
+    assert store.acquire("Work", "a", TTL, T0) == 1
+    assert other_store.acquire("Jobs", "b", TTL, T0) == 1
+    assert [(o.shard, o.owner_id) for o in store.owners()] == [("Jobs", "b"), ("Work", "a")]
+    with pytest.raises(FencedError):
+        store.commit(WriteBatch(), "Jobs", "a", 1, T0 + 1)
+
+
+def test_a_takeover_waits_for_the_owners_transaction_in_flight(
+    store: Store, other_store: Store, engine: Engine
+) -> None:
+    """The guard's row lock orders a takeover after a commit that already passed the guard."""
+    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    guard_passed = threading.Event()
+    may_continue = threading.Event()
+
+    def pause_after_guard(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("UPDATE ownership SET heartbeat_at") and not guard_passed.is_set():
+            guard_passed.set()
+            assert may_continue.wait(10)
+
+    event.listen(engine, "after_cursor_execute", pause_after_guard)
+    batch = WriteBatch()
+    batch.put_entry(_leased(0, "c1", T0))
+    batch.set_recovery_point("Work", "orders", 0, 0)
+    commit = threading.Thread(
+        target=store.commit, args=(batch, SHARD, "a", 1, T0 + TTL + 1)
+    )
+    commit.start()
+    try:
+        assert guard_passed.wait(10)
+        epochs: list[int | None] = []
+        takeover = threading.Thread(
+            target=lambda: epochs.append(other_store.acquire(SHARD, "b", TTL, T0 + TTL + 1))
+        )
+        takeover.start()
+        takeover.join(0.5)
+        assert takeover.is_alive(), "the takeover must wait for A's transaction"
+        may_continue.set()
+        takeover.join(10)
+        commit.join(10)
+    finally:
+        may_continue.set()
+        event.remove(engine, "after_cursor_execute", pause_after_guard)
+    assert epochs == [2]
+    # A's batch committed before the takeover, so B finds it on recovery.
+    assert other_store.load_entries("Work") == [_leased(0, "c1", T0)]
+    assert other_store.load_recovery_points("Work") == {PartitionKey("Work", "orders", 0): 0}
+
