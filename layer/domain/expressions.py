@@ -12,6 +12,7 @@ import json
 import math
 import operator
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -751,8 +752,12 @@ class _Compiler:
     ) -> _Compiled:
         pattern_text = _string_literal(pattern)
         try:
-            regex = re.compile(pattern_text)
-        except re.error as exc:
+            with warnings.catch_warnings():
+                # re warns (FutureWarning) about PCRE/POSIX syntax it reads differently, such as
+                # [[:alpha:]]; refusing it beats silently matching something else.
+                warnings.simplefilter("error")
+                regex = re.compile(pattern_text)
+        except (re.error, FutureWarning, DeprecationWarning) as exc:
             raise self._error(f"invalid regular expression for LIKE ({exc})", pattern) from exc
         search = regex.search
 

@@ -504,6 +504,12 @@ def test_invalid_like_pattern_is_reported_at_the_pattern() -> None:
     assert "regular expression" in str(caught.value)
 
 
+@pytest.mark.parametrize("pattern", ["[[:alpha:]]+", "a\\K", "(?R)"])
+def test_pcre_only_like_syntax_is_refused_rather_than_misread(pattern: str) -> None:
+    with pytest.raises(ExpressionError, match="regular expression"):
+        compile_expression(f"/name LIKE '{pattern}'")
+
+
 @pytest.mark.parametrize("text", ["", "   ", "\n"])
 def test_empty_expression_is_an_error(text: str) -> None:
     with pytest.raises(ExpressionError, match="empty"):
