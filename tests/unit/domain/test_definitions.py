@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -713,3 +714,17 @@ def test_publishing_anywhere_reaches_only_queues_that_read_the_journal(topic: st
     for queue in queues_for_topic(queues, journal):
         assert queue.matches_topic(journal)
     assert journal not in {queue.name for queue in queues}
+
+
+def test_the_examples_in_the_configuration_guide_load() -> None:
+    guide = Path(__file__).parents[3] / "docs" / "queue-configuration.md"
+    blocks = re.findall(r"```yaml\n(.*?)```", guide.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) == 3
+    names = [[queue.name for queue in load_queue_file(block)] for block in blocks]
+    assert names == [
+        ["Jobs", "FailedJobs", "WorkToDo", "OrderPriority", "ORDERS_ANALYTICS"],
+        ["ORDERS_ANALYTICS", "ORDERS_RISK"],
+        ["Jobs", "FailedJobs"],
+    ]
+    # The guide's ORDERS block is the same configuration as the AMPS one tested above.
+    assert load_queue_file(blocks[1]) == load_queue_file(ORDERS_CONFIG)
