@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from enum import StrEnum
 from functools import cached_property
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -472,6 +472,18 @@ class QueueDefinition(BaseModel):
             return matcher.search(topic) is not None
         return matcher.fullmatch(topic) is not None
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A changed copy, validated like a new definition (raises QueueConfigError).
+
+        pydantic's own ``model_copy(update=...)`` skips validation and would carry over the
+        compiled expressions cached for the old values.
+        """
+        if not update:
+            return super().model_copy(deep=deep)
+        changed = type(self).from_mapping({**self.model_dump(), **update})
+        assert isinstance(changed, type(self))
+        return changed
+
     @classmethod
     def from_mapping(cls, data: Mapping[str, object]) -> QueueDefinition:
         """Validate a mapping (a YAML queue, a stored row); raises :class:`QueueConfigError`.
@@ -617,10 +629,13 @@ def load_queue_file(text: str) -> list[QueueDefinition]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise QueueConfigError([("", f"not valid YAML{where}: {problem}")]) from None
+        raise QueueConfigError(
+            [("", f"not valid YAML{where}: {problem}")], subject="queue file"
+        ) from None
     if not isinstance(document, Mapping) or "queues" not in document:
         raise QueueConfigError(
-            [("", f"expected a mapping with a 'queues:' list at the top, got {_kind(document)}")]
+            [("", f"expected a mapping with a 'queues:' list at the top, got {_kind(document)}")],
+            subject="queue file",
         )
     problems: list[tuple[str, str]] = []
     for key in document:
@@ -630,7 +645,9 @@ def load_queue_file(text: str) -> list[QueueDefinition]:
     if entries is None:
         entries = []
     if not isinstance(entries, list):
-        raise QueueConfigError([("queues", f"must be a list of queues, got {_kind(entries)}")])
+        raise QueueConfigError(
+            [("queues", f"must be a list of queues, got {_kind(entries)}")], subject="queue file"
+        )
     definitions: list[QueueDefinition] = []
     first_index: dict[str, int] = {}
     for index, entry in enumerate(entries):
@@ -664,7 +681,7 @@ def load_queue_file(text: str) -> list[QueueDefinition]:
                 )
             )
     if problems:
-        raise QueueConfigError(problems)
+        raise QueueConfigError(problems, subject="queue file")
     return definitions
 
 

@@ -53,17 +53,20 @@ class QueueConfigError(QlayerError, ValueError):
     ``"queues[2].lease_period"`` style paths for a queue file, or ``""`` for the whole document.
     """
 
-    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+    def __init__(
+        self, problems: Iterable[tuple[str, str]], *, subject: str = "queue definition"
+    ) -> None:
         self.problems: list[tuple[str, str]] = list(problems)
+        self.subject = subject
         super().__init__(self._render())
 
     def _render(self) -> str:
         if not self.problems:
-            return "invalid queue definition"
+            return f"invalid {self.subject}"
         lines = [_render_problem(field, message) for field, message in self.problems]
         if len(lines) == 1:
             return lines[0]
-        return f"{len(lines)} problems in queue definition:\n" + "\n".join(
+        return f"{len(lines)} problems in {self.subject}:\n" + "\n".join(
             f"  - {line}" for line in lines
         )
 

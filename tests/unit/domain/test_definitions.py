@@ -445,6 +445,18 @@ def test_definitions_are_frozen_hashable_and_equal_by_value() -> None:
         first.name = "R"  # type: ignore[misc]
 
 
+def test_model_copy_with_changes_is_validated_and_recompiles_expressions() -> None:
+    queue = QueueDefinition.from_mapping({"name": "Q", "filter": "/x = 1"})
+    assert queue.filter_expression is not None
+    changed = queue.model_copy(update={"filter": "/y = 2", "lease_period": "10s"})
+    assert changed.filter_expression is not None
+    assert changed.filter_expression.text == "/y = 2"
+    assert changed.lease_period == 10.0
+    with pytest.raises(QueueConfigError, match="cannot be combined with priority"):
+        queue.model_copy(update={"priority": "/p", "target_queue_depth": 5})
+    assert queue.model_copy() == queue
+
+
 def test_a_stored_definition_reads_back_identically() -> None:
     queue = QueueDefinition.from_mapping(
         {
@@ -548,7 +560,7 @@ queues:
         ("queues[1].name", "is required (the queue's name, e.g. Jobs)"),
         ("Other.target_queue_depth", "cannot be combined with priority; remove one of them"),
     ]
-    assert "3 problems" in str(caught.value)
+    assert "3 problems in queue file" in str(caught.value)
     assert "Jobs.lease_period: must be positive (e.g. 30s), got 0" in str(caught.value)
 
 
