@@ -100,6 +100,9 @@ _RELEASE: Final = int(AckType.RELEASE)
 _REJECT: Final = int(AckType.REJECT)
 _RENEW: Final = int(AckType.RENEW)
 _NO_FENCE: Final = 1 << 62  # a sequence number no entry reaches
+# NamedTuple(...) goes through a generated Python __new__; the few records made once per
+# lease or ack are built with tuple.__new__ directly (half the cost; fields in class order).
+_new: Final = tuple.__new__
 
 
 def random_tokens(rng: random.Random) -> TokenSource:
@@ -238,6 +241,15 @@ class QueueEngine:
             PriorityOrder(self._table) if policy.priority is not None else FifoOrder(self._table)
         )
         self._fifo = policy.priority is None
+        self._lease_period = policy.lease_period
+        self._done_hooks = (
+            policy.priority is not None
+            or policy.target_queue_depth is not None
+            or policy.key_groups
+            or policy.barrier is not None
+        )
+        # The plain enqueue path: nothing to evaluate or track per record.
+        self._plain = not self._done_hooks and policy.filter is None
         # Entries delivered at least once and still in the queue (plus done ones not drained).
         self._touched: dict[int, Touched] = {}
         # Current leases and at-most-once backlog slots, by bookmark, in lease order: with a
@@ -396,11 +408,42 @@ class QueueEngine:
         """
         records = self._direct_records
         self._direct_records = []
-        touched = self._touched
+        all_touched = self._touched
+        state = self._table.state
+        base = self._table.base
+        record = self._record
+        append = records.append
+        acked = EntryState.ACKED
         for seq in sorted(self._dirty):
-            records.append(self._record(seq))
-            if self._table.state_of(seq) >= ACKED:
-                touched.pop(seq, None)
+            current = state[seq - base]
+            if current < ACKED:
+                append(record(seq))
+                continue
+            touched = all_touched.pop(seq, None)
+            if touched is not None and current == ACKED:
+                # The common case (a delivered entry was acknowledged), built inline.
+                append(
+                    _new(
+                        EntryRecord,
+                        (
+                            touched.bookmark,
+                            acked,
+                            touched.delivery_count,
+                            touched.cancel_count,
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                        ),
+                    )
+                )
+                continue
+            if touched is not None:
+                all_touched[seq] = touched  # _record reads it
+            append(record(seq))
+            all_touched.pop(seq, None)
         self._dirty.clear()
         events = self._events
         self._events = []
@@ -507,6 +550,9 @@ class QueueEngine:
         accepted: dict[Source, list[int]] = {}
         # EntriesEnqueued goes before the events of the entries it announces (delays, acks).
         mark = len(self._events)
+        # Most queues need nothing but the columns: append to them inline.
+        plain = self._plain and not self._restoring and not self._early_acks
+        append_plain = table.append_plain
         for record in records:
             topic, partition, offset, key, doc, timestamp, deliver_at = record
             source = sources.get((topic, partition))
@@ -515,14 +561,17 @@ class QueueEngine:
             if offset < source.next_offset:
                 continue
             source.next_offset = offset + 1
-            if queue_filter is not None and not queue_filter.matches(doc):
+            if plain and (deliver_at is None or deliver_at <= now):
+                append_plain(source, offset, now if timestamp is None else timestamp, doc)
+            elif (queue_filter is not None and not queue_filter.matches(doc)) or not self._admit(
+                source, offset, key, doc, timestamp, deliver_at, now
+            ):
                 continue
-            if self._admit(source, offset, key, doc, timestamp, deliver_at, now):
-                offsets = accepted.get(source)
-                if offsets is None:
-                    accepted[source] = [offset]
-                else:
-                    offsets.append(offset)
+            offsets = accepted.get(source)
+            if offsets is None:
+                accepted[source] = [offset]
+            else:
+                offsets.append(offset)
         announced = [
             EntriesEnqueued(self._name, source.topic, source.partition, tuple(offsets), now)
             for source, offsets in accepted.items()
@@ -623,8 +672,8 @@ class QueueEngine:
             touched.available_at = record.available_at
         if state != LEASED:
             return
-        touched.consumer_id = record.consumer_id
-        touched.session_id = record.session_id
+        touched.consumer_id = record.consumer_id or ""
+        touched.session_id = record.session_id or ""
         touched.token = record.token
         touched.deadline = record.deadline if record.deadline is not None else 0.0
         touched.restored = True
@@ -998,26 +1047,21 @@ class QueueEngine:
             return deliveries
         deliver = self._deliver_at_most_once if self._policy.at_most_once else self._lease
         needy = [c for c in consumers.values() if len(c.leases) < c.limit]
-        candidate = self._candidate
+        candidates = self._candidates
         while needy:
             if len(needy) == 1:
+                # One consumer with room: it takes the first entries it may get, in order.
                 consumer = needy[0]
-                leases = consumer.leases
-                limit = consumer.limit
-                served = len(deliveries)
-                while len(leases) < limit:
-                    seq = candidate(consumer)
-                    if seq < 0:
-                        break
-                    deliveries.append(deliver(seq, consumer, now))
-                if len(deliveries) > served:
+                seqs = candidates(consumer, consumer.limit - len(consumer.leases))
+                if seqs:
+                    deliveries.extend(deliver(seqs, consumer, now))
                     self._last_served = consumer.order
                 break
             best = -1
             chosen: list[Consumer] = []
             hungry: list[Consumer] = []
             for consumer in needy:
-                if candidate(consumer) < 0:
+                if not candidates(consumer, 1):
                     continue
                 hungry.append(consumer)
                 position = consumer.position
@@ -1029,7 +1073,7 @@ class QueueEngine:
             if not chosen:
                 break
             winner = self._choose(chosen)
-            deliveries.append(deliver(self._order.seq_at(best), winner, now))
+            deliveries.extend(deliver([self._order.seq_at(best)], winner, now))
             self._last_served = winner.order
             needy = [c for c in hungry if len(c.leases) < c.limit]
         return deliveries
@@ -1044,11 +1088,13 @@ class QueueEngine:
             return choose_round_robin(candidates, self._last_served)
         return choose_fast(candidates)
 
-    def _candidate(self, consumer: Consumer) -> int:
-        """The first entry in queue order this consumer may get now, or -1.
+    def _candidates(self, consumer: Consumer, room: int) -> list[int]:
+        """The first ``room`` entries in queue order this consumer may get now.
 
-        Moves the consumer's pointer to it: entries passed over are not deliverable to this
-        consumer, and the engine rewinds pointers when that changes.
+        Moves the consumer's pointer to the last of them (or past everything looked at):
+        entries passed over are not deliverable to this consumer, and the engine rewinds
+        pointers when that changes. Leasing one entry never makes another one deliverable
+        or not, so a batch is the same as asking ``room`` times.
         """
         table = self._table
         state = table.state
@@ -1059,22 +1105,25 @@ class QueueEngine:
         docs = table.docs
         key_head = self._key_head
         matched_at = consumer.position if consumer.position_matched else -1
+        found: list[int] = []
         if self._fifo:
             slot = consumer.position - base
             if slot < 0:
                 slot = 0
-            while True:
+            while len(found) < room:
                 slot = state.find(AVAILABLE, slot)
                 if slot < 0:
-                    consumer.position = table.end
-                    consumer.position_matched = False
-                    return -1
+                    if not found:
+                        consumer.position = table.end
+                        consumer.position_matched = False
+                    return found
                 seq = base + slot
                 if seq >= fence:
                     # Everything after a barrier waits until the barrier is delivered.
-                    consumer.position = seq
-                    consumer.position_matched = False
-                    return -1
+                    if not found:
+                        consumer.position = seq
+                        consumer.position_matched = False
+                    return found
                 if keys is not None:
                     key = keys[slot]
                     if key is not None and key_head[key] != seq:
@@ -1087,9 +1136,11 @@ class QueueEngine:
                 ):
                     slot += 1
                     continue
+                found.append(seq)
                 consumer.position = seq
                 consumer.position_matched = True
-                return seq
+                slot += 1
+            return found
         order = self._order
         for seq in order.scan(consumer.position):
             if seq >= fence:
@@ -1106,12 +1157,15 @@ class QueueEngine:
                 and not expression.matches(docs[slot])
             ):
                 continue
+            found.append(seq)
             consumer.position = position
             consumer.position_matched = True
-            return seq
-        consumer.position = order.end()
-        consumer.position_matched = False
-        return -1
+            if len(found) >= room:
+                return found
+        if not found:
+            consumer.position = order.end()
+            consumer.position_matched = False
+        return found
 
     def _rewind(self, position: int) -> None:
         """An entry at ``position`` became deliverable: no consumer may be past it."""
@@ -1168,51 +1222,70 @@ class QueueEngine:
             self._touched[seq] = touched
         return touched
 
-    def _lease(self, seq: int, consumer: Consumer, now: float) -> EntryLeased:
-        """AVAILABLE → LEASED (at-least-once): the consumer holds it until the deadline."""
-        table = self._table
-        table.state[seq - table.base] = LEASED
-        touched = self._touched.get(seq)
-        if touched is None:
-            touched = Touched(seq, table.bookmark(seq))
-            self._touched[seq] = touched
-        touched.delivery_count += 1
-        token = self._tokens()
-        deadline = now + self._policy.lease_period
-        touched.token = token
-        touched.deadline = deadline
-        touched.consumer_id = consumer.consumer_id
-        touched.session_id = consumer.session_id
-        bookmark = touched.bookmark
-        self._leased[bookmark] = touched
-        consumer.leases[bookmark] = None
-        self._dirty.add(seq)
-        event = EntryLeased(
-            self._name,
-            bookmark,
-            consumer.consumer_id,
-            consumer.delivery_topic,
-            token,
-            deadline,
-            touched.delivery_count,
-            now,
-        )
-        self._events.append(event)
-        return event
+    def _lease(self, seqs: list[int], consumer: Consumer, now: float) -> list[EntryLeased]:
+        """AVAILABLE → LEASED (at-least-once): the consumer holds each entry until the deadline.
 
-    def _deliver_at_most_once(self, seq: int, consumer: Consumer, now: float) -> EntryLeased:
+        Takes a batch (what one dispatch gives one consumer) so the per-entry work is only
+        the entry's own.
+        """
+        table = self._table
+        state = table.state
+        base = table.base
+        all_touched = self._touched
+        leased = self._leased
+        leases = consumer.leases
+        tokens = self._tokens
+        name = self._name
+        consumer_id = consumer.consumer_id
+        session_id = consumer.session_id
+        delivery_topic = consumer.delivery_topic
+        deadline = now + self._lease_period
+        events: list[EntryLeased] = []
+        for seq in seqs:
+            state[seq - base] = LEASED
+            touched = all_touched.get(seq)
+            if touched is None:
+                touched = Touched(seq, table.bookmark(seq))
+                all_touched[seq] = touched
+            count = touched.delivery_count + 1
+            touched.delivery_count = count
+            token = tokens()
+            touched.token = token
+            touched.deadline = deadline
+            touched.consumer_id = consumer_id
+            touched.session_id = session_id
+            bookmark = touched.bookmark
+            leased[bookmark] = touched
+            leases[bookmark] = None
+            events.append(
+                _new(
+                    EntryLeased,
+                    (name, bookmark, consumer_id, delivery_topic, token, deadline, count, now),
+                )
+            )
+        self._dirty.update(seqs)
+        self._events.extend(events)
+        return events
+
+    def _deliver_at_most_once(
+        self, seqs: list[int], consumer: Consumer, now: float
+    ) -> list[EntryLeased]:
         """AVAILABLE → ACKED (at-most-once): removed on delivery; the consumer's backlog
         slot stays taken until it acknowledges (or the lease period passes)."""
-        event = self._lease(seq, consumer, now)
-        table = self._table
-        table.state[seq - table.base] = ACKED
-        touched = self._touched[seq]
-        touched.slot_only = True
-        self._events.append(
-            EntryAcked(self._name, touched.bookmark, consumer.consumer_id, AckSource.DELIVERY, now)
-        )
-        self._on_done(seq, LEASED, now, release_key=False)
-        return event
+        events: list[EntryLeased] = []
+        for seq in seqs:
+            events.extend(self._lease([seq], consumer, now))
+            table = self._table
+            table.state[seq - table.base] = ACKED
+            touched = self._touched[seq]
+            touched.slot_only = True
+            self._events.append(
+                EntryAcked(
+                    self._name, touched.bookmark, consumer.consumer_id, AckSource.DELIVERY, now
+                )
+            )
+            self._on_done(seq, LEASED, now, release_key=False)
+        return events
 
     def _accept(self, touched: Touched, now: float) -> None:
         """LEASED → ACKED: processed (ACCEPT; AMPS ack without options)."""
@@ -1223,9 +1296,10 @@ class QueueEngine:
         table.state[seq - table.base] = ACKED
         self._dirty.add(seq)
         self._events.append(
-            EntryAcked(self._name, touched.bookmark, consumer_id, AckSource.CONSUMER, now)
+            _new(EntryAcked, (self._name, touched.bookmark, consumer_id, AckSource.CONSUMER, now))
         )
-        self._on_done(seq, LEASED, now)
+        if self._done_hooks:
+            self._on_done(seq, LEASED, now)
 
     def _accept_unleased(self, seq: int, source: AckSource, now: float) -> None:
         """AVAILABLE / DELAYED / INACTIVE → ACKED: by filter, permissively, or remembered."""
@@ -1439,18 +1513,22 @@ class QueueEngine:
         """Forget a lease (or backlog slot): frees the holder's backlog."""
         bookmark = touched.bookmark
         del self._leased[bookmark]
-        consumer = self._consumers.get(touched.consumer_id or "")
+        consumer = self._consumers.get(touched.consumer_id)
         if consumer is not None and consumer.session_id == touched.session_id:
             consumer.leases.pop(bookmark, None)
         else:
-            orphans = self._orphans.get(touched.consumer_id or "")
+            orphans = self._orphans.get(touched.consumer_id)
             if orphans is not None:
                 orphans.pop(bookmark, None)
         touched.token = None
         touched.restored = False
 
     def _on_done(self, seq: int, was: int, now: float, *, release_key: bool = True) -> None:
-        """An entry became ACKED or EXPIRED: update depth, key groups and barriers."""
+        """An entry became ACKED or EXPIRED: update order, depth, key groups and barriers.
+
+        Only queues that use one of those need it (``_done_hooks``); callers on hot paths
+        skip the call otherwise.
+        """
         self._order.discard(seq)
         policy = self._policy
         if policy.target_queue_depth is not None and was != INACTIVE:

@@ -114,8 +114,8 @@ class Touched:
         self.bookmark = bookmark
         self.delivery_count = 0
         self.cancel_count = 0
-        self.consumer_id: str | None = None
-        self.session_id: str | None = None
+        self.consumer_id = ""  # the lease holder ("" when not leased)
+        self.session_id = ""
         self.token: str | None = None
         self.deadline: float = 0.0
         self.available_at: float | None = None
@@ -279,10 +279,21 @@ class EntryTable:
         source.seqs.append(seq)
         return seq
 
+    def append_plain(self, source: Source, offset: int, timestamp: float, doc: object) -> None:
+        """Append an AVAILABLE entry to a table without key or priority columns (hot path)."""
+        source.seqs.append(self.base + len(self.state))
+        source.offsets.append(offset)
+        self.state.append(AVAILABLE)
+        self.source_ids.append(source.index)
+        self.offsets.append(offset)
+        self.times.append(timestamp)
+        self.docs.append(doc)
+
     def bookmark(self, seq: int) -> Bookmark:
         slot = seq - self.base
         source = self.sources[self.source_ids[slot]]
-        return Bookmark(source.topic, source.partition, self.offsets[slot])
+        # tuple.__new__ skips NamedTuple's generated Python __new__: this runs once per lease.
+        return tuple.__new__(Bookmark, (source.topic, source.partition, self.offsets[slot]))
 
     def locate(self, bookmark: Bookmark) -> tuple[Location, int]:
         source = self.sources_by_name.get((bookmark[0], bookmark[1]))
