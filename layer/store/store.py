@@ -235,7 +235,8 @@ class Store:
             translate_errors(f"loading entries of queue {queue!r}"),
             self._engine.connect() as conn,
         ):
-            result = conn.execute(sql.SELECT_ENTRIES_TO_RECOVER, {"queue": queue})
+            # fetchall, then build: iterating the result would fetch row by row (~2x slower).
+            result = conn.execute(sql.SELECT_ENTRIES_TO_RECOVER, {"queue": queue}).all()
             return [
                 EntryRow(
                     queue=row[0],
