@@ -540,6 +540,12 @@ def _normalise_keys(
             continue
         key = raw_key.strip()
         field = _AMPS_NAMES.get(key) or key.replace("-", "_").lower()
+        if field in ("messagetype", "message_type"):
+            # AMPS configurations name the message type of every queue; qlayer reads JSON, so
+            # "json" is accepted (and ignored) to let an AMPS <Queue> carry over unchanged.
+            if not (isinstance(value, str) and value.strip().lower() == "json"):
+                problems.append((key, f"only json is supported, got {value!r}; remove it"))
+            continue
         if field not in QueueDefinition.model_fields:
             problems.append((key, _suggest(key, _FIELDS)))
             continue

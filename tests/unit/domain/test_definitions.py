@@ -391,6 +391,13 @@ def test_amps_element_names_and_kebab_case_are_accepted() -> None:
     ]
 
 
+def test_amps_message_type_json_is_accepted_and_others_refused() -> None:
+    assert QueueDefinition.from_mapping({"Name": "Q", "MessageType": "json"}).name == "Q"
+    assert problems_of({"name": "Q", "MessageType": "fix"}) == [
+        ("MessageType", "only json is supported, got 'fix'; remove it")
+    ]
+
+
 def test_every_problem_is_reported_at_once() -> None:
     problems = problems_of(
         {
@@ -614,9 +621,11 @@ def test_empty_queue_list_is_no_queues() -> None:
 ORDERS_CONFIG = """
 queues:
   - Name: ORDERS_ANALYTICS
+    MessageType: json
     UnderlyingTopic: ^ORDERS$|^ORDERS_ANALYTICS_DIRECT$
     DefaultPublishTarget: ORDERS_ANALYTICS_DIRECT
   - Name: ORDERS_RISK
+    MessageType: json
     UnderlyingTopic: ^ORDERS$|^ORDERS_RISK_DIRECT$
     DefaultPublishTarget: ORDERS_RISK_DIRECT
 """
@@ -672,10 +681,12 @@ def test_jobs_and_failed_jobs_example() -> None:
         """
 queues:
   - Name: Jobs
+    MessageType: json
     MaxCancels: 3
     MaxDeliveries: 10
     dead_letter_topic: FailedJobs
   - Name: FailedJobs
+    MessageType: json
 """
     )
     jobs, failed = queues
@@ -693,6 +704,7 @@ def test_order_priority_example() -> None:
         """
 queues:
   - Name: OrderPriority
+    MessageType: json
     Semantics: at-least-once
     UnderlyingTopic: Orders
     Priority: /price * /qty
