@@ -29,6 +29,7 @@ __all__ = [
     "as_number",
     "compile_expression",
     "parse_document",
+    "parse_path",
     "project",
 ]
 
