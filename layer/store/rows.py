@@ -8,20 +8,40 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
+
+from layer.domain.states import EntryState
 
 __all__ = [
     "ConsumerRow",
     "EntryKey",
     "EntryRow",
-    "EntryState",
     "Ownership",
     "PartitionKey",
     "QueueCounters",
     "QueueRecord",
+    "StoredState",
+    "stored_state",
 ]
 
-EntryState = Literal["AVAILABLE", "LEASED", "ACKED", "EXPIRED"]
+StoredState = Literal["AVAILABLE", "LEASED", "ACKED", "EXPIRED"]
+
+_STORED: Final[dict[EntryState, StoredState]] = {
+    EntryState.AVAILABLE: "AVAILABLE",
+    # DELAYED and INACTIVE are AVAILABLE entries the engine may not deliver yet: the row says
+    # AVAILABLE and `available_at` (for DELAYED) says when; INACTIVE follows from the queue's
+    # target_queue_depth on reload.
+    EntryState.DELAYED: "AVAILABLE",
+    EntryState.INACTIVE: "AVAILABLE",
+    EntryState.LEASED: "LEASED",
+    EntryState.ACKED: "ACKED",
+    EntryState.EXPIRED: "EXPIRED",
+}
+
+
+def stored_state(state: EntryState) -> StoredState:
+    """The `entries.state` value for an engine state (the DESIGN §1 states only)."""
+    return _STORED[state]
 
 
 class EntryKey(NamedTuple):
@@ -49,7 +69,7 @@ class EntryRow:
     topic: str
     partition: int
     offset: int
-    state: EntryState
+    state: StoredState
     delivery_count: int = 0
     cancel_count: int = 0
     lease_consumer: str | None = None

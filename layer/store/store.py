@@ -92,9 +92,10 @@ class Store:
             self._engine = engine_or_url
             self._owns_engine = False
         else:
-            # pre_ping: a coordinator outlives server restarts; a dead pooled connection should
-            # be replaced before a batch is sent on it, not surface as a failed commit.
-            self._engine = create_engine(engine_or_url, pool_pre_ping=True)
+            # No pool_pre_ping: it would add a round trip to every loop iteration. A connection
+            # that died with the server fails one call with a retryable StoreError, and
+            # SQLAlchemy then drops the stale pool, so the next call reconnects.
+            self._engine = create_engine(engine_or_url)
             self._owns_engine = True
 
     @property
@@ -452,7 +453,7 @@ def _upsert_entries(conn: Connection, rows: Iterable[EntryRow], moment: datetime
             "topic": [row.topic for row in ordered],
             "partition": [row.partition for row in ordered],
             "offset": [row.offset for row in ordered],
-            "state": [str(row.state) for row in ordered],
+            "state": [row.state for row in ordered],
             "delivery_count": [row.delivery_count for row in ordered],
             "cancel_count": [row.cancel_count for row in ordered],
             "lease_consumer": [row.lease_consumer for row in ordered],

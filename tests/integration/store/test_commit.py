@@ -137,7 +137,7 @@ def test_the_recovery_point_prunes_done_entries_and_keeps_the_rest(
         acks.put_entry(_acked(0, offset))
     acks.put_entry(
         EntryRow(queue="Work", topic="orders", partition=0, offset=5, state="EXPIRED",
-                 delivery_count=5, reason="max_deliveries")
+                 delivery_count=5, reason="max-deliveries")
     )
     acks.set_recovery_point("Work", "orders", 0, 4)
     result = store.commit(acks, SHARD, OWNER, epoch, T0 + 2)

@@ -10,11 +10,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
+from layer.domain.states import EntryState
 from layer.store.batch import WriteBatch
 from layer.store.errors import StoreError
-from layer.store.rows import ConsumerRow, EntryRow
+from layer.store.rows import ConsumerRow, EntryRow, stored_state
 from layer.store.store import Store
-from layer.store.tables import entries
+from layer.store.tables import ENTRY_STATES, entries
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +52,7 @@ VALID = [
            available_at=NOW + 5),
     _entry(state="ACKED", lease_consumer=None, lease_token=None, lease_deadline=None),
     _entry(state="EXPIRED", lease_consumer=None, lease_token=None, lease_deadline=None,
-           reason="max_deliveries"),
+           reason="max-deliveries"),
 ]
 
 INVALID = {
@@ -129,3 +130,23 @@ def test_consumer_limits_are_checked(
     with pytest.raises(StoreError, match="violates check constraint"):
         store.commit(batch, SHARD, "coordinator-a", epoch, NOW)
     assert store.load_consumers() == []
+
+
+@pytest.mark.parametrize("state", list(EntryState), ids=lambda state: state.name)
+def test_every_engine_state_has_a_storable_name(
+    store: Store, epoch: int, state: EntryState
+) -> None:
+    name = stored_state(state)
+    leased = name == "LEASED"
+    row = EntryRow(
+        queue="Work", topic="orders", partition=0, offset=1, state=name,
+        lease_consumer="c1" if leased else None, lease_token="t" if leased else None,
+        lease_deadline=NOW + 30 if leased else None,
+        available_at=NOW + 5 if state is EntryState.DELAYED else None,
+        reason="rejected" if name == "EXPIRED" else None,
+    )
+    batch = WriteBatch()
+    batch.put_entry(row)
+    store.commit(batch, SHARD, "coordinator-a", epoch, NOW)
+    assert store.load_entries("Work") == [row]
+    assert name == (state.name if state.name in ENTRY_STATES else "AVAILABLE")

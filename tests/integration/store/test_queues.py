@@ -18,7 +18,7 @@ WORK = {
     "underlying_topic": "Work",
     "semantics": "at-least-once",
     "lease_period": 30.0,
-    "max_deliveries": 0,
+    "max-deliveries": 0,
     "filter": "/region = 'EU' AND /note LIKE 'é%'",
     "fairness": "proportional",
     "dead_letter_topic": None,
@@ -44,12 +44,12 @@ def test_versions_count_changes_and_identical_writes_change_nothing(store: Store
 
 def test_expected_version_guards_concurrent_edits(store: Store) -> None:
     store.put_queue("Jobs", WORK, T0)
-    assert store.put_queue("Jobs", {**WORK, "max_deliveries": 3}, T0 + 1, expected_version=1) == 2
+    assert store.put_queue("Jobs", {**WORK, "max-deliveries": 3}, T0 + 1, expected_version=1) == 2
     with pytest.raises(QueueVersionConflictError) as conflict:
-        store.put_queue("Jobs", {**WORK, "max_deliveries": 9}, T0 + 2, expected_version=1)
+        store.put_queue("Jobs", {**WORK, "max-deliveries": 9}, T0 + 2, expected_version=1)
     assert (conflict.value.expected, conflict.value.actual) == (1, 2)
     stored = store.get_queue("Jobs")
-    assert stored is not None and stored.definition["max_deliveries"] == 3
+    assert stored is not None and stored.definition["max-deliveries"] == 3
     with pytest.raises(QueueVersionConflictError):
         store.put_queue("Fresh", WORK, T0, expected_version=1)
     assert store.get_queue("Fresh") is None

@@ -24,7 +24,7 @@ def _written_state() -> tuple[list[EntryRow], dict[PartitionKey, int], list[Cons
                  available_at=T0 + 60.25),
         EntryRow("Work", "orders", 0, 12, "ACKED", delivery_count=1),
         EntryRow("Work", "orders", 1, 3, "EXPIRED", delivery_count=5,
-                 reason="max_deliveries"),
+                 reason="max-deliveries"),
         EntryRow("Work", "orders", 1, 4, "LEASED", delivery_count=1, lease_consumer="c2",
                  lease_token="t-ü", lease_deadline=T0 + 0.75),
         EntryRow("Work", "orders", 2, 2**40, "ACKED", delivery_count=1),
