@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from layer.domain.errors import QlayerError, UnknownQueueError
+from layer.domain.errors import UnknownQueueError
 from layer.store.batch import WriteBatch
-from layer.store.errors import QueueVersionConflictError, StoreError
+from layer.store.errors import QueueVersionConflictError
 from layer.store.rows import EntryRow, PartitionKey
 from layer.store.store import Store
 
@@ -127,10 +127,3 @@ def test_definitions_must_be_json_objects(store: Store) -> None:
     with pytest.raises(TypeError):
         store.put_queue("Bad", ["not", "an", "object"], T0)  # type: ignore[arg-type]
 
-
-def test_an_unreachable_server_is_a_retryable_store_error() -> None:
-    url = "postgresql+psycopg://postgres@127.0.0.1:1/qlayer?connect_timeout=2"
-    with Store(url) as store, pytest.raises(StoreError) as failed:
-        store.list_queues()
-    assert failed.value.retryable is True
-    assert isinstance(failed.value, QlayerError)
