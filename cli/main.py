@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli import db, dev
+from cli import coordinator, db, dev
 from cli.errors import run_friendly
 
 app = typer.Typer(
@@ -18,6 +18,7 @@ app = typer.Typer(
 )
 app.add_typer(dev.app, name="dev")
 app.add_typer(db.app, name="db")
+app.add_typer(coordinator.app, name="coordinator")
 
 
 @app.callback()

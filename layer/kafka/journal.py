@@ -83,5 +83,28 @@ class JournalReader:
                                  m.headers()))  # type: ignore[arg-type]
         return out
 
+    def committed(self, pairs: list[tuple[str, int]],
+                  timeout: float = 10.0) -> dict[tuple[str, int], int | None]:
+        """The group's committed offsets for these partitions (None where nothing was)."""
+        if not pairs:
+            return {}
+        try:
+            found = self._consumer.committed([TopicPartition(t, p) for t, p in pairs], timeout)
+        except Exception as exc:
+            raise KafkaAdapterError(f"reading committed offsets failed: {exc}") from exc
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
+                for tp in found}
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Commit next-offsets to read (asynchronously; a lost commit means a harmless re-read)."""
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                asynchronous=True)
+        except Exception as exc:
+            raise KafkaAdapterError(f"committing offsets failed: {exc}") from exc
+
     def close(self) -> None:
         self._consumer.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-Headers = list[tuple[str, bytes]]
+# confluent-kafka accepts None header values and returns them as None.
+Headers = list[tuple[str, bytes | None]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +29,6 @@ class OutgoingRecord:
     topic: str
     value: bytes | None
     key: bytes | None = None
-    headers: Headers | None = None
+    headers: Sequence[tuple[str, bytes | None]] | None = None
     timestamp_ms: int | None = None
     partition: int | None = None

@@ -1,0 +1,49 @@
+"""`qlayer coordinator run`: the service that turns journals into queues."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from layer.settings import Settings
+
+app = typer.Typer(help="Run the qlayer coordinator.", no_args_is_help=True)
+
+
+@app.command()
+def run(
+    bootstrap_servers: Annotated[str | None, typer.Option(
+        help="Kafka bootstrap servers [env: QLAYER_BOOTSTRAP_SERVERS]")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="PostgreSQL URL [env: QLAYER_DATABASE_URL]")] = None,
+    topic_prefix: Annotated[str | None, typer.Option(
+        help="Prefix of qlayer's internal topics [env: QLAYER_TOPIC_PREFIX]")] = None,
+    owner_id: Annotated[str | None, typer.Option(
+        help="This process's name in the ownership table (default: host-pid-random)")] = None,
+    ownership_ttl: Annotated[float, typer.Option(
+        help="Seconds after the owner's last renewal before a standby takes over")] = 6.0,
+    session_timeout: Annotated[float, typer.Option(
+        help="Session timeout (s) for consumers that do not give one")] = 30.0,
+    no_transactions: Annotated[bool, typer.Option(
+        "--no-transactions", help="Do not use Kafka transactions (no zombie-producer fencing; "
+        "lower latency)")] = False,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+) -> None:
+    """Run a coordinator until SIGTERM or Ctrl-C.
+
+    The first coordinator to start owns the queues; any other one started against the same
+    database is a hot standby that takes over when the owner stops renewing its ownership.
+    """
+    from layer.coordinator.service import Coordinator, CoordinatorOptions, default_owner_id
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings.load(bootstrap_servers=bootstrap_servers, database_url=database_url,
+                             topic_prefix=topic_prefix)
+    options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),
+                                 ownership_ttl=ownership_ttl,
+                                 default_session_timeout=session_timeout,
+                                 transactional=not no_transactions)
+    Coordinator(settings, options).run()

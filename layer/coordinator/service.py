@@ -1,0 +1,904 @@
+"""The coordinator: turns journals into queues (DESIGN §2, §6).
+
+One process, one thread, one loop. Each iteration (:meth:`Coordinator.run_once`):
+
+1. poll journals, the control topic and the ack topic in one batch;
+2. hand control records, acks and journal records to the pure queue engines, then run their
+   timers (``tick``) and matching (``dispatch``), and take what they decided (``drain``);
+3. write dead letters to Kafka and wait for them (an entry leaves only once its dead letter
+   is safe);
+4. one PostgreSQL transaction for everything decided, guarded by the owner's epoch;
+5. only then produce deliveries, replies and events, and wait for them;
+6. commit the input topics' offsets.
+
+Postgres before Kafka is the safety argument: a crash between 4 and 5 leaves leases without
+deliveries, which expire and are redelivered (at-least-once). :meth:`Coordinator.run` wraps
+this in the lifecycle: ownership (hot standby), signals, shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+
+from layer.coordinator.payloads import PayloadCache
+from layer.coordinator.translate import (
+    add_outbox,
+    engine_bookmark,
+    entry_record,
+    ms,
+    wire_bookmark,
+    wire_events,
+    wire_reason,
+)
+from layer.domain import events as ev
+from layer.domain.definitions import QueueDefinition, Semantics
+from layer.domain.engine import AckItem as EngineAckItem
+from layer.domain.engine import QueueEngine
+from layer.domain.entries import JournalRecord as EngineRecord
+from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError
+from layer.domain.expressions import compile_expression, parse_document
+from layer.domain.states import AckResult as EngineAckResult
+from layer.domain.states import AckType as EngineAckType
+from layer.domain.states import Bookmark, LeaveReason
+from layer.kafka import (
+    BEGINNING,
+    JournalReader,
+    JournalRecord,
+    KafkaAdmin,
+    OutgoingRecord,
+    RecordWriter,
+    TopicSpec,
+)
+from layer.protocol import (
+    AckItemResult,
+    AckRecord,
+    AckResult,
+    AckStatus,
+    Codec,
+    DeadLetterInfo,
+    DeliveryInfo,
+    Heartbeat,
+    ProtocolError,
+    QueueGrant,
+    Replace,
+    RequestKind,
+    SessionEnded,
+    SessionEndReason,
+    Subscribe,
+    SubscribeResult,
+    SubscribeStatus,
+    TopicNames,
+    Unsubscribe,
+    dead_letter_headers,
+    parse_deliver_at,
+    reply_headers,
+    with_delivery_headers,
+)
+from layer.protocol import AckType as WireAckType
+from layer.protocol import Bookmark as WireBookmark
+from layer.protocol import Semantics as WireSemantics
+from layer.settings import Settings
+from layer.store.batch import WriteBatch
+from layer.store.errors import FencedError
+from layer.store.rows import ConsumerRow, PartitionKey
+from layer.store.store import Store
+
+log = logging.getLogger(__name__)
+
+_ACK_STATUS = {
+    EngineAckResult.APPLIED: AckStatus.OK,
+    EngineAckResult.REMEMBERED: AckStatus.OK,
+    EngineAckResult.WRONG_TOKEN: AckStatus.WRONG_TOKEN,
+    EngineAckResult.NOT_LEASED: AckStatus.LEASE_LOST,
+    EngineAckResult.ALREADY_DONE: AckStatus.DUPLICATE,
+    EngineAckResult.UNKNOWN_BOOKMARK: AckStatus.UNKNOWN_ENTRY,
+}
+
+
+def default_owner_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """How one coordinator process behaves; every field has a sane default."""
+
+    owner_id: str = field(default_factory=default_owner_id)
+    #: The ownership shard. One shard holds every queue; a second coordinator is a standby.
+    shard: str = "default"
+    #: A standby takes over this long after the owner's last renewal.
+    ownership_ttl: float = 6.0
+    #: Session timeout for consumers that give none.
+    default_session_timeout: float = 30.0
+    poll_timeout: float = 0.02
+    max_batch: int = 20_000
+    #: How often queue definitions and journal topics are looked up again.
+    refresh_interval: float = 2.0
+    #: How often recovery points are committed as each queue's consumer-group offsets.
+    group_commit_interval: float = 5.0
+    #: Kafka transactions fence a zombie coordinator's producer (DESIGN §6).
+    transactional: bool = True
+    standby_poll_interval: float = 0.5
+
+
+@dataclass
+class LoopStats:
+    """What one iteration did (for logs, tests and benchmarks)."""
+
+    journal_records: int = 0
+    control_records: int = 0
+    ack_items: int = 0
+    deliveries: int = 0
+    dead_letters: int = 0
+    replies: int = 0
+    events: int = 0
+    statements: int = 0
+
+
+@dataclass
+class _Session:
+    """A consumer's subscription as the coordinator knows it (it may span several queues)."""
+
+    consumer_id: str
+    session_id: str
+    queue: str
+    is_regex: bool
+    max_backlog: int | None
+    filter: str | None
+    delivery_topic: str
+    session_timeout: float
+    subscribed_at: float
+    queues: list[str]
+
+    def matches(self, queue: str) -> bool:
+        if self.is_regex:
+            return re.fullmatch(self.queue, queue) is not None
+        return self.queue == queue
+
+
+class Coordinator:
+    """Owns the queues of one shard while it holds the shard's ownership in PostgreSQL."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: CoordinatorOptions | None = None,
+        *,
+        store: Store | None = None,
+        tokens: Callable[[], str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.options = options or CoordinatorOptions()
+        self.store = store if store is not None else Store(settings.database_url)
+        self.topics = TopicNames(settings.topic_prefix)
+        self.codec = Codec()
+        self._tokens = tokens or (lambda: secrets.token_hex(16))
+        self.counters: Counter[str] = Counter()
+        self.epoch: int | None = None
+        self._stop = threading.Event()
+        self._reset_state()
+
+    # ------------------------------------------------------------------ state
+    def _reset_state(self) -> None:
+        self.engines: dict[str, QueueEngine] = {}
+        self._versions: dict[str, int] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._payloads = PayloadCache()
+        self._queues_by_topic: dict[str, list[QueueEngine]] = {}
+        self._persisted_points: dict[PartitionKey, int] = {}
+        self._input_offsets: dict[tuple[str, int], int] = {}
+        self._reader: JournalReader | None = None
+        self._writer: RecordWriter | None = None
+        self._admin: KafkaAdmin | None = None
+        self._next_refresh = 0.0
+        self._next_renew = 0.0
+        self._next_group_commit = 0.0
+
+    @property
+    def is_owner(self) -> bool:
+        return self.epoch is not None
+
+    # ------------------------------------------------------------------ ownership
+    def try_acquire(self, now: float) -> bool:
+        """Become the owner if the shard is free or its owner stopped renewing."""
+        epoch = self.store.acquire(self.options.shard, self.options.owner_id,
+                                   self.options.ownership_ttl, now)
+        if epoch is None:
+            return False
+        self.epoch = epoch
+        log.info("coordinator %s owns shard %r at epoch %d", self.options.owner_id,
+                 self.options.shard, epoch)
+        try:
+            self._start(now)
+        except BaseException:
+            self._lose_ownership("start-up failed")
+            raise
+        return True
+
+    def _lose_ownership(self, why: str) -> None:
+        log.warning("coordinator %s gives up shard %r: %s", self.options.owner_id,
+                    self.options.shard, why)
+        self._close_clients()
+        self.epoch = None
+        self._reset_state()
+
+    def release(self, now: float) -> None:
+        """Hand the shard over at once (clean shutdown), so a standby need not wait."""
+        if self.epoch is not None:
+            try:
+                self.store.release(self.options.shard, self.options.owner_id, self.epoch, now)
+            except QlayerError as exc:
+                log.warning("releasing ownership failed: %s", exc)
+        self._close_clients()
+        self.epoch = None
+
+    def _close_clients(self) -> None:
+        for closer in (self._reader, self._writer):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception as exc:  # closing must not hide the reason we stop
+                    log.warning("closing a Kafka client failed: %s", exc)
+        self._reader = None
+        self._writer = None
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self, now: float) -> None:
+        kafka = self.settings.kafka_config()
+        self._admin = KafkaAdmin(kafka)
+        self._admin.ensure_topics([
+            TopicSpec(self.topics.control, 3),
+            TopicSpec(self.topics.ack, 6),
+            TopicSpec(self.topics.events, 6),
+        ])
+        tid = (f"{self.topics.prefix}coordinator-{self.options.shard}"
+               if self.options.transactional else None)
+        self._writer = RecordWriter(kafka, transactional_id=tid)
+        self._reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
+        session_of = {row.consumer_id: row.session_id for row in self.store.load_consumers()}
+        for record in self.store.load_queues():
+            self._add_queue(record.name, record.definition, record.version, now, session_of)
+        self._restore_sessions(now)
+        inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
+        inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
+        committed = self._reader.committed(inputs)
+        self._reader.add({tp: (o if o is not None else BEGINNING) for tp, o in committed.items()})
+        self._next_refresh = now + self.options.refresh_interval
+
+    def _partitions(self, topic: str) -> int:
+        assert self._admin is not None
+        return self._admin.topics().get(topic, 0)
+
+    def _add_queue(self, name: str, raw: object, version: int, now: float,
+                   session_of: dict[str, str]) -> None:
+        """Build a queue's engine from its stored definition and state; start reading it."""
+        assert self._admin is not None and self._reader is not None
+        try:
+            definition = QueueDefinition.from_mapping(raw)  # type: ignore[arg-type]
+        except QueueConfigError as exc:
+            self.counters["invalid_queue_definitions"] += 1
+            log.error("queue %s has an invalid stored definition, skipped: %s", name, exc)
+            return
+        engine = QueueEngine(definition, tokens=self._tokens,
+                             session_timeout=self.options.default_session_timeout)
+        stored = self.store.load_recovery_points(name)
+        partitions = self._journal_partitions(definition)
+        starts = self._start_positions(definition, partitions, stored)
+        entries = [entry_record(row, session_of) for row in self.store.load_entries(name)]
+        engine.restore(entries, starts)
+        log_starts = self._admin.log_start_offsets(list(starts))
+        for (topic, partition), start in starts.items():
+            first = log_starts.get((topic, partition), 0)
+            if first > start:
+                # Retention deleted records this queue had not finished: say so, loudly.
+                gone = engine.expire_before(topic, partition, first, now)
+                self.counters["retention_expired"] += gone
+                log.error("queue %s: %s[%d] offsets %d..%d were deleted by retention before "
+                          "the queue was done with them; %d entries expired (reason retention)",
+                          name, topic, partition, start, first - 1, gone)
+                starts[(topic, partition)] = first
+        self.engines[name] = engine
+        self._versions[name] = version
+        for topic, partition in starts:
+            self._persisted_points[PartitionKey(name, topic, partition)] = stored.get(
+                PartitionKey(name, topic, partition), -1)
+        self._admin.ensure_topics([TopicSpec(self._dead_letter_topic(definition), 1)])
+        self._read_from(starts)
+        self._queues_by_topic.clear()
+
+    def _dead_letter_topic(self, definition: QueueDefinition) -> str:
+        return definition.dead_letter_topic or self.topics.dead_letter(definition.name)
+
+    def _journal_partitions(self, definition: QueueDefinition) -> list[tuple[str, int]]:
+        assert self._admin is not None
+        return [(topic, p) for topic, count in sorted(self._admin.topics().items())
+                if not self.topics.is_internal(topic) and definition.matches_topic(topic)
+                for p in range(count)]
+
+    def _start_positions(self, definition: QueueDefinition, partitions: list[tuple[str, int]],
+                         stored: dict[PartitionKey, int]) -> dict[tuple[str, int], int]:
+        """Where each partition's replay starts: the recovery point, else the queue's
+        `recovery_point` setting (beginning, end or a timestamp)."""
+        assert self._admin is not None
+        starts: dict[tuple[str, int], int] = {}
+        fresh = []
+        for topic, partition in partitions:
+            point = stored.get(PartitionKey(definition.name, topic, partition))
+            if point is None:
+                fresh.append((topic, partition))
+            else:
+                starts[(topic, partition)] = point
+        if fresh:
+            setting = definition.recovery_point
+            if setting == "end":
+                starts.update(self._admin.end_offsets(fresh))
+            elif setting == "beginning":
+                starts.update(self._admin.log_start_offsets(fresh))
+            else:
+                moment = definition.recovery_timestamp
+                assert moment is not None
+                starts.update(self._admin.offsets_for_time(fresh, int(moment.timestamp() * 1000)))
+        return starts
+
+    def _read_from(self, starts: dict[tuple[str, int], int]) -> None:
+        """Make the reader cover these partitions from at least these offsets."""
+        assert self._reader is not None
+        assigned = set(self._reader.assignment)
+        new = {tp: o for tp, o in starts.items() if tp not in assigned}
+        self._reader.add(new)
+        for tp, offset in starts.items():
+            if tp in assigned:
+                # Another queue reads this partition further on: go back; queues skip what
+                # they have seen (the engine ignores offsets below its position).
+                self._reader.seek(tp[0], tp[1], offset)
+
+    def _restore_sessions(self, now: float) -> None:
+        """Consumers subscribed before a restart keep their sessions (and leases) for one more
+        session timeout: they heartbeat on the same topics and never noticed the change."""
+        for row in self.store.load_consumers():
+            session = _Session(row.consumer_id, row.session_id, row.queue, row.is_regex,
+                               row.max_backlog, row.filter, row.delivery_topic,
+                               row.session_timeout_ms / 1000.0, row.subscribed_at, [])
+            for name, engine in self.engines.items():
+                if session.matches(name):
+                    try:
+                        engine.subscribe(row.consumer_id, row.session_id, now,
+                                         delivery_topic=row.delivery_topic,
+                                         max_backlog=row.max_backlog, filter=row.filter,
+                                         session_timeout=session.session_timeout)
+                    except ExpressionError:
+                        continue
+                    session.queues.append(name)
+            if session.queues:
+                self._sessions[row.consumer_id] = session
+
+    # ------------------------------------------------------------------ the loop
+    def run_once(self, now: float) -> LoopStats:
+        """One iteration: poll, decide, persist, produce. Requires ownership."""
+        if self._reader is None or self._writer is None or self.epoch is None:
+            raise QlayerError("run_once needs ownership: call try_acquire first")
+        stats = LoopStats()
+        batch = WriteBatch()
+        replies: list[OutgoingRecord] = []
+        if now >= self._next_renew:
+            self._renew(now)
+        if now >= self._next_refresh:
+            self._refresh(now)
+            self._next_refresh = now + self.options.refresh_interval
+
+        records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
+        control_topic, ack_topic = self.topics.control, self.topics.ack
+        journal: list[JournalRecord] = []
+        for r in records:
+            if r.topic == ack_topic:
+                stats.ack_items += self._on_ack(r, now, replies)
+                self._input_offsets[(r.topic, r.partition)] = r.offset + 1
+            elif r.topic == control_topic:
+                stats.control_records += 1
+                self._on_control(r, now, batch, replies)
+                self._input_offsets[(r.topic, r.partition)] = r.offset + 1
+            else:
+                journal.append(r)
+        stats.journal_records = len(journal)
+        fresh = self._enqueue(journal, now) if journal else {}
+
+        deliveries: list[ev.Delivery] = []
+        outboxes: list[tuple[str, ev.Outbox]] = []
+        for name, engine in self.engines.items():
+            engine.tick(now)
+            deliveries.extend(engine.dispatch(now))
+            outbox = engine.drain()
+            outboxes.append((name, outbox))
+
+        done: list[Bookmark] = []
+        dead_letters: list[OutgoingRecord] = []
+        events: list[ev.Event] = []
+        for name, outbox in outboxes:
+            add_outbox(batch, name, outbox)
+            events.extend(outbox.events)
+            for e in outbox.events:
+                kind = type(e)
+                if kind is ev.EntriesEnqueued:
+                    self._hold(e, fresh)  # type: ignore[arg-type]
+                elif kind is ev.EntryAcked:
+                    done.append(e.bookmark)  # type: ignore[union-attr]
+                elif kind is ev.EntryExpired:
+                    done.append(e.bookmark)  # type: ignore[union-attr]
+                    if e.dead_letter:  # type: ignore[union-attr]
+                        dead_letters.extend(self._dead_letter(e, now))  # type: ignore[arg-type]
+                elif kind is ev.ConsumerLeft:
+                    self._on_consumer_left(e, batch, replies, now)  # type: ignore[arg-type]
+            self._recovery_points(name, batch)
+
+        # 3. Dead letters are safe in Kafka before their entries leave the queue.
+        if dead_letters:
+            self._writer.send(dead_letters)
+            self._writer.flush()
+            stats.dead_letters = len(dead_letters)
+
+        # 4. One guarded transaction for everything decided.
+        if not batch.is_empty():
+            try:
+                result = self.store.commit(batch, self.options.shard, self.options.owner_id,
+                                           self.epoch, now)
+            except FencedError:
+                self._lose_ownership("fenced: another coordinator took the shard over")
+                raise
+            stats.statements = result.statements
+
+        # 5. Then deliveries, replies and events.
+        out = self._deliveries(deliveries)
+        stats.deliveries = len(out)
+        stats.replies = len(replies)
+        out.extend(replies)
+        wire = wire_events(events, self.options.owner_id, self.epoch)
+        stats.events = len(wire)
+        encode = self.codec.encode_event
+        out.extend(OutgoingRecord(self.topics.events, encode(w), (w.queue or "").encode())
+                   for w in wire)
+        if out:
+            self._writer.send(out)
+            self._writer.flush()
+        for bookmark in done:
+            self._payloads.release(bookmark)
+
+        # 6. Inputs are consumed; a crash before this re-reads them (acks are idempotent).
+        if self._input_offsets:
+            self._reader.commit(self._input_offsets)
+            self._input_offsets = {}
+        if now >= self._next_group_commit:
+            self._commit_group_offsets()
+            self._next_group_commit = now + self.options.group_commit_interval
+        return stats
+
+    def _renew(self, now: float) -> None:
+        assert self.epoch is not None
+        if not self.store.renew(self.options.shard, self.options.owner_id, self.epoch,
+                                self.options.ownership_ttl, now):
+            self._lose_ownership("ownership lapsed: another coordinator took the shard over")
+            raise FencedError(self.options.shard, self.options.owner_id, -1)
+        self._next_renew = now + self.options.ownership_ttl / 4
+
+    # ------------------------------------------------------------------ journals
+    def _engines_for(self, topic: str) -> list[QueueEngine]:
+        engines = self._queues_by_topic.get(topic)
+        if engines is None:
+            engines = [e for e in self.engines.values() if e.definition.matches_topic(topic)]
+            self._queues_by_topic[topic] = engines
+        return engines
+
+    def _enqueue(self, records: list[JournalRecord], now: float) -> dict[Bookmark, JournalRecord]:
+        """Offer journal records to every queue whose underlying topic matches."""
+        by_topic: dict[str, list[JournalRecord]] = {}
+        for r in records:
+            by_topic.setdefault(r.topic, []).append(r)
+        fresh: dict[Bookmark, JournalRecord] = {}
+        for topic, rs in by_topic.items():
+            engines = self._engines_for(topic)
+            if not engines:
+                continue
+            needs_doc = any(e.fields_needed() for e in engines)
+            offered = []
+            for r in rs:
+                deliver_at_ms = parse_deliver_at(r.headers) if r.headers else None
+                offered.append(EngineRecord(
+                    r.topic, r.partition, r.offset, r.key,
+                    parse_document(r.value) if needs_doc else None,
+                    r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,
+                    deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
+                ))
+                fresh[Bookmark(r.topic, r.partition, r.offset)] = r
+            for engine in engines:
+                engine.enqueue(offered, now)
+        return fresh
+
+    def _hold(self, e: ev.EntriesEnqueued, fresh: dict[Bookmark, JournalRecord]) -> None:
+        for offset in e.offsets:
+            bookmark = Bookmark(e.topic, e.partition, offset)
+            record = fresh.get(bookmark) or self._payloads.get(bookmark)
+            if record is not None:
+                self._payloads.hold(bookmark, record)
+
+    def _recovery_points(self, name: str, batch: WriteBatch) -> None:
+        for (topic, partition), offset in self.engines[name].recovery_points().items():
+            key = PartitionKey(name, topic, partition)
+            if self._persisted_points.get(key) != offset:
+                batch.set_recovery_point(name, topic, partition, offset)
+                self._persisted_points[key] = offset
+
+    def _commit_group_offsets(self) -> None:
+        """Recovery points as consumer-group offsets: lag tools show each queue's backlog."""
+        assert self._admin is not None
+        by_queue: dict[str, dict[tuple[str, int], int]] = {}
+        for key, offset in self._persisted_points.items():
+            if offset >= 0:
+                by_queue.setdefault(key.queue, {})[(key.topic, key.partition)] = offset
+        for queue, offsets in by_queue.items():
+            try:
+                self._admin.commit_group_offsets(self.topics.queue_group(queue), offsets)
+            except QlayerError as exc:
+                # Only monitoring depends on it: log and go on.
+                log.warning("committing lag offsets of queue %s failed: %s", queue, exc)
+
+    # ------------------------------------------------------------------ produce
+    def _deliveries(self, deliveries: list[ev.Delivery]) -> list[OutgoingRecord]:
+        out: list[OutgoingRecord] = []
+        for d in deliveries:
+            record = self._payloads.get(d.bookmark)
+            if record is None:
+                # Cannot happen while the cache holds every live entry; if it does, the lease
+                # expires and the entry is offered again, so count it and go on.
+                self.counters["delivery_without_payload"] += 1
+                log.error("no payload for %s in queue %s", d.bookmark, d.queue)
+                continue
+            if isinstance(d, ev.EntryLeased):
+                session = self._sessions.get(d.consumer_id)
+                info = DeliveryInfo(queue=d.queue, bookmark=wire_bookmark(d.bookmark),
+                                    lease=d.token, lease_expires_ms=ms(d.deadline),
+                                    delivery_count=d.delivery_count, barrier=False,
+                                    consumer_id=d.consumer_id,
+                                    session_id=session.session_id if session else None)
+                out.append(OutgoingRecord(d.delivery_topic, record.value, record.key,
+                                          with_delivery_headers(record.headers or [], info),
+                                          record.timestamp_ms))
+            else:
+                for recipient in d.recipients:
+                    session = self._sessions.get(recipient.consumer_id)
+                    # A barrier needs no ack: no lease token, no deadline.
+                    info = DeliveryInfo(queue=d.queue, bookmark=wire_bookmark(d.bookmark),
+                                        lease="", lease_expires_ms=0, delivery_count=1,
+                                        barrier=True, consumer_id=recipient.consumer_id,
+                                        session_id=session.session_id if session else None)
+                    out.append(OutgoingRecord(recipient.delivery_topic, record.value,
+                                              record.key,
+                                              with_delivery_headers(record.headers or [], info),
+                                              record.timestamp_ms))
+        return out
+
+    def _dead_letter(self, e: ev.EntryExpired, now: float) -> list[OutgoingRecord]:
+        record = self._payloads.get(e.bookmark)
+        if record is None:
+            self.counters["dead_letter_without_payload"] += 1
+            log.error("no payload to dead-letter %s of queue %s", e.bookmark, e.queue)
+            return []
+        engine = self.engines[e.queue]
+        info = DeadLetterInfo(reason=wire_reason(str(e.reason)), queue=e.queue,
+                              bookmark=wire_bookmark(e.bookmark),
+                              delivery_count=e.delivery_count, dead_lettered_at_ms=ms(now),
+                              last_consumer=e.consumer_id, detail=e.detail)
+        return [OutgoingRecord(self._dead_letter_topic(engine.definition), record.value,
+                               record.key, dead_letter_headers(record.headers or [], info),
+                               record.timestamp_ms)]
+
+    def _reply(self, topic: str, message: SubscribeResult | AckResult | SessionEnded,
+               key: str) -> OutgoingRecord:
+        return OutgoingRecord(topic, self.codec.encode_reply(message), key.encode(),
+                              reply_headers(), partition=0)
+
+    # ------------------------------------------------------------------ acks
+    def _on_ack(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
+        try:
+            record = self.codec.decode_ack(r.value)
+        except ProtocolError as exc:
+            self.counters["malformed_ack_records"] += 1
+            log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
+            return 0
+        assert isinstance(record, AckRecord)
+        answers: list[AckItemResult] = []
+        for item in record.items:
+            status, expires, message = self._apply_ack(item, now)
+            self.counters[f"ack_{status.value.lower()}"] += 1
+            if status is not AckStatus.OK or item.type is WireAckType.RENEW:
+                answers.append(AckItemResult(queue=item.queue, bookmark=item.bookmark,
+                                             type=item.type, status=status,
+                                             lease_expires_ms=expires, message=message))
+        if answers:
+            session = self._sessions.get(record.consumer_id)
+            topic = (session.delivery_topic if session is not None
+                     else self.topics.delivery(record.consumer_id))
+            replies.append(self._reply(topic, AckResult(
+                consumer_id=record.consumer_id, session_id=record.session_id,
+                items=tuple(answers), sent_at_ms=ms(now)), record.consumer_id))
+        return len(record.items)
+
+    def _apply_ack(self, item: object, now: float) -> tuple[AckStatus, int | None, str | None]:
+        from layer.protocol import AckItem, ack_item_problem
+
+        assert isinstance(item, AckItem)
+        problem = ack_item_problem(item)
+        if problem is not None:
+            return AckStatus.INVALID, None, problem
+        engine = self.engines.get(item.queue)
+        if engine is None:
+            return AckStatus.UNKNOWN_ENTRY, None, f"unknown queue {item.queue!r}"
+        try:
+            bookmark = engine_bookmark(WireBookmark.parse(item.bookmark))
+        except ProtocolError as exc:
+            return AckStatus.INVALID, None, str(exc)
+        delay = item.delay_ms / 1000.0 if item.delay_ms is not None else None
+        result = engine.ack([EngineAckItem(bookmark, item.lease, EngineAckType(int(item.type)),
+                                           delay, item.reason)], now)[0]
+        status = _ACK_STATUS[result]
+        expires = None
+        if status is AckStatus.OK and item.type is WireAckType.RENEW:
+            entry = engine.entry(bookmark)
+            if entry is not None and entry.deadline is not None:
+                expires = ms(entry.deadline)
+        message = None if status is AckStatus.OK else result.value
+        return status, expires, message
+
+    # ------------------------------------------------------------------ control
+    def _on_control(self, r: JournalRecord, now: float, batch: WriteBatch,
+                    replies: list[OutgoingRecord]) -> None:
+        try:
+            message = self.codec.decode_control(r.value)
+        except ProtocolError as exc:
+            self.counters["malformed_control_records"] += 1
+            log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
+            return
+        if isinstance(message, Subscribe | Replace):
+            self._on_subscribe(message, now, batch, replies)
+        elif isinstance(message, Heartbeat):
+            session = self._sessions.get(message.consumer_id)
+            if session is None or session.session_id != message.session_id:
+                self.counters["unknown_session_heartbeats"] += 1
+                replies.append(self._session_ended(message.consumer_id, message.session_id,
+                                                   SessionEndReason.UNKNOWN_SESSION, now,
+                                                   "no such session: subscribe again"))
+                return
+            for name in session.queues:
+                self.engines[name].heartbeat(message.consumer_id, now, message.session_id)
+            batch.heartbeat(message.consumer_id, now)
+        elif isinstance(message, Unsubscribe):
+            session = self._sessions.get(message.consumer_id)
+            if session is None or session.session_id != message.session_id:
+                self.counters["unknown_session_unsubscribes"] += 1
+                return
+            for name in session.queues:
+                self.engines[name].unsubscribe(message.consumer_id, now)
+            del self._sessions[message.consumer_id]
+            batch.delete_consumer(message.consumer_id)
+
+    def _session_ended(self, consumer_id: str, session_id: str, reason: SessionEndReason,
+                       now: float, message: str | None = None) -> OutgoingRecord:
+        session = self._sessions.get(consumer_id)
+        topic = session.delivery_topic if session else self.topics.delivery(consumer_id)
+        return self._reply(topic, SessionEnded(consumer_id=consumer_id, session_id=session_id,
+                                               reason=reason, message=message,
+                                               sent_at_ms=ms(now)), consumer_id)
+
+    def _on_subscribe(self, m: Subscribe | Replace, now: float, batch: WriteBatch,
+                      replies: list[OutgoingRecord]) -> None:
+        kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
+        existing = self._sessions.get(m.consumer_id)
+        timeout = (m.session_timeout_ms / 1000.0 if isinstance(m, Subscribe)
+                   and m.session_timeout_ms > 0 else
+                   existing.session_timeout if existing is not None
+                   else self.options.default_session_timeout)
+
+        def refuse(status: SubscribeStatus, why: str) -> None:
+            self.counters[f"subscribe_{status.value.lower()}"] += 1
+            log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why)
+            replies.append(self._reply(m.delivery_topic, SubscribeResult(
+                consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
+                request=kind, status=status, message=why, queues=(),
+                session_timeout_ms=int(timeout * 1000),
+                heartbeat_interval_ms=int(timeout * 1000 / 3),
+                coordinator_id=self.options.owner_id, sent_at_ms=ms(now)), m.consumer_id))
+
+        if kind is RequestKind.REPLACE and (existing is None
+                                            or existing.session_id != m.session_id):
+            refuse(SubscribeStatus.INVALID_REQUEST, "replace of an unknown session: subscribe")
+            return
+        if m.filter:
+            try:
+                compile_expression(m.filter)
+            except ExpressionError as exc:
+                refuse(SubscribeStatus.INVALID_FILTER, str(exc))
+                return
+        session = _Session(m.consumer_id, m.session_id, m.queue, m.queue_is_regex,
+                           m.max_backlog, m.filter or None, m.delivery_topic, timeout,
+                           existing.subscribed_at if existing and kind is RequestKind.REPLACE
+                           else now, [])
+        try:
+            names = [n for n in self.engines if session.matches(n)]
+        except re.error as exc:
+            refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
+            return
+        if not names:
+            refuse(SubscribeStatus.UNKNOWN_QUEUE,
+                   f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}")
+            return
+        assert self._admin is not None
+        self._admin.ensure_topics([TopicSpec(m.delivery_topic, 1)])
+        old = existing.queues if existing is not None else []
+        for name in old:
+            if name not in names:
+                self.engines[name].unsubscribe(m.consumer_id, now)
+        grants = []
+        for name in names:
+            engine = self.engines[name]
+            event: ev.ConsumerSubscribed | ev.ConsumerReplaced
+            if kind is RequestKind.REPLACE and name in old:
+                event = engine.replace(m.consumer_id, now, max_backlog=m.max_backlog,
+                                       filter=m.filter or None, delivery_topic=m.delivery_topic)
+            else:
+                event = engine.subscribe(m.consumer_id, m.session_id, now,
+                                         delivery_topic=m.delivery_topic,
+                                         max_backlog=m.max_backlog, filter=m.filter or None,
+                                         session_timeout=timeout)
+            definition = engine.definition
+            grants.append(QueueGrant(
+                queue=name, max_backlog=event.max_backlog,
+                lease_period_ms=int(definition.lease_period * 1000),
+                semantics=(WireSemantics.AT_MOST_ONCE
+                           if definition.semantics is Semantics.AT_MOST_ONCE
+                           else WireSemantics.AT_LEAST_ONCE)))
+        session.queues = names
+        self._sessions[m.consumer_id] = session
+        batch.put_consumer(ConsumerRow(
+            consumer_id=m.consumer_id, session_id=m.session_id, queue=m.queue,
+            is_regex=m.queue_is_regex, delivery_topic=m.delivery_topic,
+            session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
+            last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None))
+        self.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
+        replies.append(self._reply(m.delivery_topic, SubscribeResult(
+            consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
+            request=kind, status=SubscribeStatus.OK, message=None, queues=tuple(grants),
+            session_timeout_ms=int(timeout * 1000),
+            heartbeat_interval_ms=max(int(timeout * 1000 / 3), 100),
+            coordinator_id=self.options.owner_id, sent_at_ms=ms(now)), m.consumer_id))
+
+    def _on_consumer_left(self, e: ev.ConsumerLeft, batch: WriteBatch,
+                          replies: list[OutgoingRecord], now: float) -> None:
+        """An engine dropped a consumer (session timeout): drop it everywhere, tell it."""
+        if e.reason is not LeaveReason.SESSION_TIMEOUT:
+            return
+        session = self._sessions.get(e.consumer_id)
+        if session is None or session.session_id != e.session_id:
+            return
+        for name in session.queues:
+            if name != e.queue:
+                self.engines[name].unsubscribe(e.consumer_id, now, LeaveReason.SESSION_TIMEOUT)
+        replies.append(self._session_ended(e.consumer_id, e.session_id,
+                                           SessionEndReason.TIMED_OUT, now,
+                                           "no heartbeat within the session timeout"))
+        del self._sessions[e.consumer_id]
+        batch.delete_consumer(e.consumer_id)
+        self.counters["session_timeouts"] += 1
+        log.info("consumer %s timed out; its leases were broken", e.consumer_id)
+
+    # ------------------------------------------------------------------ refresh
+    def _refresh(self, now: float) -> None:
+        """Pick up queues created, changed or deleted, and journal partitions added."""
+        known = {r.name: r for r in self.store.load_queues()}
+        session_of = {s.consumer_id: s.session_id for s in self._sessions.values()}
+        for name in list(self.engines):
+            if name not in known:
+                log.info("queue %s was deleted", name)
+                self._drop_queue(name, now)
+        for name, record in known.items():
+            if name not in self.engines:
+                log.info("queue %s was created", name)
+                self._add_queue(name, record.definition, record.version, now, session_of)
+                self._subscribe_regex_sessions(name, now)
+            elif record.version != self._versions.get(name):
+                # Rebuild the queue from its persisted state under the new definition: leases
+                # are persisted, so they survive; what is in flight this iteration is not lost
+                # because the journal is re-read from the recovery points.
+                log.info("queue %s changed (version %d); rebuilding it", name, record.version)
+                self._drop_queue(name, now, keep_sessions=True)
+                self._add_queue(name, record.definition, record.version, now, session_of)
+                self._resubscribe(name, now)
+        # New partitions or topics for queues that already exist.
+        for engine in self.engines.values():
+            points = engine.recovery_points()
+            missing = [tp for tp in self._journal_partitions(engine.definition)
+                       if tp not in points]
+            if missing:
+                assert self._admin is not None
+                starts = self._admin.log_start_offsets(missing)
+                engine.restore([], starts)
+                self._read_from(starts)
+                self._queues_by_topic.clear()
+
+    def _drop_queue(self, name: str, now: float, keep_sessions: bool = False) -> None:
+        engine = self.engines.pop(name)
+        self._versions.pop(name, None)
+        for key in [k for k in self._persisted_points if k.queue == name]:
+            del self._persisted_points[key]
+        self._queues_by_topic.clear()
+        if keep_sessions:
+            return
+        for session in self._sessions.values():
+            if name in session.queues:
+                session.queues.remove(name)
+        del engine
+
+    def _resubscribe(self, name: str, now: float) -> None:
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        for s in self._sessions.values():
+            if name in s.queues:
+                engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
+                                 max_backlog=s.max_backlog, filter=s.filter,
+                                 session_timeout=s.session_timeout)
+
+    def _subscribe_regex_sessions(self, name: str, now: float) -> None:
+        """A regex subscription covers queues created after it (as AMPS regex topics do)."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        for s in self._sessions.values():
+            if s.is_regex and s.matches(name) and name not in s.queues:
+                engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
+                                 max_backlog=s.max_backlog, filter=s.filter,
+                                 session_timeout=s.session_timeout)
+                s.queues.append(name)
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, clock: Callable[[], float] = time.time, install_signals: bool = True) -> None:
+        """Run until stopped (SIGTERM / SIGINT): a hot standby until ownership is free, then
+        the owner; gives ownership up on the way out so a standby takes over at once."""
+        if install_signals:
+            def handler(signum: int, frame: FrameType | None) -> None:
+                log.info("signal %d: stopping", signum)
+                self._stop.set()
+
+            signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGINT, handler)
+        announced_standby = False
+        try:
+            while not self._stop.is_set():
+                now = clock()
+                if not self.is_owner:
+                    if not self.try_acquire(now):
+                        if not announced_standby:
+                            log.info("coordinator %s is a hot standby for shard %r",
+                                     self.options.owner_id, self.options.shard)
+                            announced_standby = True
+                        self._stop.wait(self.options.standby_poll_interval)
+                        continue
+                    announced_standby = False
+                try:
+                    self.run_once(now)
+                except FencedError:
+                    continue
+        finally:
+            self.release(clock())

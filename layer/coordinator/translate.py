@@ -1,0 +1,186 @@
+"""Pure translations between the queue engine, the store and the wire protocol.
+
+The engine speaks seconds, its own enums and NamedTuple bookmarks; the store speaks rows; the
+wire speaks milliseconds and the protocol's spellings. Keeping every mapping here keeps the
+coordinator loop about order of operations only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from layer.domain import events as ev
+from layer.domain.entries import EntryRecord
+from layer.domain.states import Bookmark, EntryState, LeaveReason
+from layer.protocol import Bookmark as WireBookmark
+from layer.protocol import Event, EventType
+from layer.store.batch import WriteBatch
+from layer.store.rows import EntryRow
+
+_STORE_STATE = {
+    EntryState.AVAILABLE: "AVAILABLE",
+    # DELAYED and INACTIVE are AVAILABLE entries that may not be delivered yet; the store
+    # keeps the time they become deliverable (available_at), the rest is rebuilt on restart.
+    EntryState.DELAYED: "AVAILABLE",
+    EntryState.INACTIVE: "AVAILABLE",
+    EntryState.LEASED: "LEASED",
+    EntryState.ACKED: "ACKED",
+    EntryState.EXPIRED: "EXPIRED",
+}
+
+_ENGINE_STATE = {"AVAILABLE": EntryState.AVAILABLE, "LEASED": EntryState.LEASED,
+                 "ACKED": EntryState.ACKED, "EXPIRED": EntryState.EXPIRED}
+
+_LEAVE_EVENT = {
+    LeaveReason.UNSUBSCRIBED: EventType.CONSUMER_UNSUBSCRIBED,
+    LeaveReason.SESSION_TIMEOUT: EventType.CONSUMER_TIMED_OUT,
+    LeaveReason.SESSION_REPLACED: EventType.CONSUMER_UNSUBSCRIBED,
+    LeaveReason.EVICTED: EventType.CONSUMER_EVICTED,
+}
+
+
+def ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def wire_bookmark(b: Bookmark) -> WireBookmark:
+    return WireBookmark(b.topic, b.partition, b.offset)
+
+
+def engine_bookmark(b: WireBookmark) -> Bookmark:
+    return Bookmark(b.topic, b.partition, b.offset)
+
+
+def wire_reason(reason: str) -> str:
+    """Engine reasons use dashes (max-deliveries); the wire uses underscores."""
+    return reason.replace("-", "_")
+
+
+def entry_row(queue: str, r: EntryRecord) -> EntryRow:
+    topic, partition, offset = r.bookmark
+    leased = r.state is EntryState.LEASED
+    return EntryRow(
+        queue=queue, topic=topic, partition=partition, offset=offset,
+        state=_STORE_STATE[r.state],  # type: ignore[arg-type]
+        delivery_count=r.delivery_count, cancel_count=r.cancel_count,
+        lease_consumer=r.consumer_id if leased else None,
+        lease_token=r.token if leased else None,
+        lease_deadline=r.deadline if leased else None,
+        available_at=r.available_at,
+        reason=str(r.reason) if r.reason is not None else None,
+    )
+
+
+def entry_record(row: EntryRow, session_of: dict[str, str]) -> EntryRecord:
+    """A stored row back as the engine's restore input. The store does not keep the lease's
+    session id: the consumer's current session (if it is still subscribed) is assumed."""
+    from layer.domain.states import ExpiryReason
+
+    reason = None
+    if row.reason:
+        try:
+            reason = ExpiryReason(row.reason)
+        except ValueError:
+            reason = None
+    return EntryRecord(
+        Bookmark(row.topic, row.partition, row.offset),
+        _ENGINE_STATE[row.state],
+        row.delivery_count,
+        row.cancel_count,
+        row.lease_consumer,
+        session_of.get(row.lease_consumer or "") if row.lease_consumer else None,
+        row.lease_token,
+        row.lease_deadline,
+        row.available_at,
+        reason,
+    )
+
+
+def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox) -> None:
+    """The engine's changed entries and its counters into the loop's write batch."""
+    for record in outbox.entries:
+        batch.put_entry(entry_row(queue, record))
+    enqueued = acked = released = expired = dead = redelivered = 0
+    for e in outbox.events:
+        kind = type(e)
+        if kind is ev.EntriesEnqueued:
+            enqueued += len(e.offsets)  # type: ignore[union-attr]
+        elif kind is ev.EntryAcked:
+            acked += 1
+        elif kind is ev.EntryReleased:
+            released += 1
+        elif kind is ev.EntryExpired:
+            expired += 1
+            if e.dead_letter:  # type: ignore[union-attr]
+                dead += 1
+        elif kind is ev.EntryLeased and e.delivery_count > 1:  # type: ignore[union-attr]
+            redelivered += 1
+    for name, n in (("enqueued", enqueued), ("acked", acked), ("released", released),
+                    ("expired", expired), ("dead_lettered", dead),
+                    ("redelivered", redelivered)):
+        if n:
+            batch.count(queue, name, n)
+
+
+def wire_events(events: Iterable[ev.Event], coordinator_id: str, epoch: int) -> list[Event]:
+    """Engine events as events-topic records (one per entry change)."""
+    out: list[Event] = []
+    for e in events:
+        base: dict[str, Any] = {"coordinator_id": coordinator_id, "coordinator_epoch": epoch,
+                                "queue": e.queue, "timestamp_ms": ms(e.at)}
+        if isinstance(e, ev.EntriesEnqueued):
+            out.extend(Event(type=EventType.ENQUEUED,
+                             bookmark=WireBookmark(e.topic, e.partition, o), **base)
+                       for o in e.offsets)
+        elif isinstance(e, ev.EntryLeased):
+            out.append(Event(type=EventType.LEASED, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id, delivery_count=e.delivery_count,
+                             lease_expires_ms=ms(e.deadline), **base))
+        elif isinstance(e, ev.EntryAcked):
+            kind = (EventType.DELIVERED_AT_MOST_ONCE if e.source == "delivery"
+                    else EventType.ACKED)
+            if e.source == "barrier":
+                continue  # the BarrierDelivered event is the outcome
+            out.append(Event(type=kind, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id, reason=str(e.source), **base))
+        elif isinstance(e, ev.EntryReleased):
+            out.append(Event(type=EventType.RELEASED, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id,
+                             available_at_ms=ms(e.available_at) if e.available_at else None,
+                             **base))
+        elif isinstance(e, ev.LeaseRenewed):
+            out.append(Event(type=EventType.RENEWED, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id, lease_expires_ms=ms(e.deadline),
+                             **base))
+        elif isinstance(e, ev.LeaseExpired):
+            out.append(Event(type=EventType.LEASE_EXPIRED, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id, reason="deadline",
+                             available_at_ms=ms(e.available_at) if e.available_at else None,
+                             **base))
+        elif isinstance(e, ev.LeaseBroken):
+            out.append(Event(type=EventType.LEASE_EXPIRED, bookmark=wire_bookmark(e.bookmark),
+                             consumer_id=e.consumer_id, reason=wire_reason(str(e.reason)),
+                             **base))
+        elif isinstance(e, ev.EntryExpired):
+            out.append(Event(type=EventType.DEAD_LETTERED if e.dead_letter
+                             else EventType.EXPIRED,
+                             bookmark=wire_bookmark(e.bookmark), consumer_id=e.consumer_id,
+                             delivery_count=e.delivery_count,
+                             reason=wire_reason(str(e.reason)), **base))
+        elif isinstance(e, ev.BarrierDelivered):
+            out.append(Event(type=EventType.BARRIER_DELIVERED,
+                             bookmark=wire_bookmark(e.bookmark),
+                             reason=",".join(r.consumer_id for r in e.recipients), **base))
+        elif isinstance(e, ev.ConsumerSubscribed):
+            out.append(Event(type=EventType.CONSUMER_SUBSCRIBED, consumer_id=e.consumer_id,
+                             session_id=e.session_id, **base))
+        elif isinstance(e, ev.ConsumerReplaced):
+            out.append(Event(type=EventType.CONSUMER_REPLACED, consumer_id=e.consumer_id,
+                             session_id=e.session_id, **base))
+        elif isinstance(e, ev.ConsumerLeft):
+            out.append(Event(type=_LEAVE_EVENT[e.reason], consumer_id=e.consumer_id,
+                             session_id=e.session_id, reason=wire_reason(str(e.reason)),
+                             **base))
+        # EntryDelayed and BacklogFreed are internal bookkeeping: not part of the audit trail.
+    return out
