@@ -10,21 +10,26 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from layer.coordinator.service import Coordinator, CoordinatorOptions
 from layer.protocol import (
     AckItem,
+    AckItemResult,
     AckRecord,
+    AckResult,
     AckType,
     Codec,
+    Event,
     Heartbeat,
     Subscribe,
     SubscribeResult,
+    SubscribeStatus,
     TopicNames,
     Unsubscribe,
     is_reply,
@@ -156,6 +161,56 @@ class RawConsumer:
                               key=self.consumer_id.encode())
         self.producer.flush(10)
 
+    def send_items(self, items: Iterable[AckItem]) -> None:
+        """One ack record with these items as given (forged tokens, unknown bookmarks...)."""
+        record = AckRecord(consumer_id=self.consumer_id, session_id=self.session_id,
+                           sent_at_ms=int(time.time() * 1000), items=tuple(items))
+        self.producer.produce(self.topics.ack, self.codec.encode_ack(record),
+                              key=self.consumer_id.encode())
+        self.producer.flush(10)
+
+    def send_raw(self, topic: str, value: bytes | None) -> None:
+        """Bytes written as they are (garbage on the ack or control topic)."""
+        self.producer.produce(topic, value, key=self.consumer_id.encode())
+        self.producer.flush(10)
+
+    def receive(self, count: int, timeout: float = 20.0) -> list[Delivered]:
+        """Exactly the next ``count`` deliveries, polling (and heartbeating) until they came;
+        deliveries beyond ``count`` are kept for the next call."""
+        got: list[Delivered] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count and time.monotonic() < deadline:
+            got.extend(self.poll(0.1))
+        if len(got) < count:
+            raise TimeoutError(f"{self.consumer_id} received {len(got)} of {count} deliveries "
+                               f"within {timeout}s")
+        self._early = got[count:] + self._early
+        return got[:count]
+
+    def idle(self, seconds: float) -> list[Delivered]:
+        """Keep the session alive for ``seconds``; whatever was delivered meanwhile."""
+        got: list[Delivered] = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            got.extend(self.poll(min(0.1, max(deadline - time.monotonic(), 0.0))))
+        return got
+
+    def ack_results(self) -> list[AckItemResult]:
+        """Every AckResult item answered to this consumer so far, in order."""
+        return [item for reply in self.replies if isinstance(reply, AckResult)
+                for item in reply.items]
+
+    def wait_for_ack_results(self, count: int, timeout: float = 20.0) -> list[AckItemResult]:
+        """Poll until at least ``count`` AckResult items came; deliveries are kept."""
+        deadline = time.monotonic() + timeout
+        while len(self.ack_results()) < count and time.monotonic() < deadline:
+            self._early.extend(self.poll(0.1))
+        results = self.ack_results()
+        if len(results) < count:
+            raise TimeoutError(f"{self.consumer_id} got {len(results)} of {count} ack results "
+                               f"within {timeout}s: {results}")
+        return results
+
     def heartbeat(self) -> None:
         self._send_control(Heartbeat(consumer_id=self.consumer_id, session_id=self.session_id,
                                      sent_at_ms=int(time.time() * 1000)))
@@ -167,3 +222,177 @@ class RawConsumer:
     def close(self) -> None:
         self.consumer.close()
         self.producer.flush(5)
+
+
+# --------------------------------------------------------------------------- helpers
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.1,
+               what: str = "condition") -> T:
+    """Call ``probe`` until it returns something truthy; that value, or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s (last: {value!r})")
+        time.sleep(interval)
+
+
+def produce(bootstrap_servers: str, topic: str, values: Iterable[bytes | None], *,
+            keys: Iterable[bytes | None] | None = None,
+            headers: list[tuple[str, bytes]] | None = None,
+            partition: int | None = None) -> None:
+    """Write records with a plain producer, as any application would; waits until written."""
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 5})
+    key_list = list(keys) if keys is not None else None
+    for i, value in enumerate(values):
+        kwargs: dict[str, object] = {}
+        if key_list is not None:
+            kwargs["key"] = key_list[i]
+        if headers:
+            kwargs["headers"] = headers
+        if partition is not None:
+            kwargs["partition"] = partition
+        producer.produce(topic, value, **kwargs)  # type: ignore[arg-type]
+    remaining = producer.flush(30)
+    assert remaining == 0, f"{remaining} records not written to {topic}"
+
+
+@dataclass
+class TopicRecord:
+    """A record read back from a topic (dead letters, events)."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+    timestamp_ms: int
+
+
+class TopicReader:
+    """Reads every partition of a topic from the beginning, accumulating what it saw."""
+
+    def __init__(self, bootstrap_servers: str, topic: str) -> None:
+        self.topic = topic
+        self.records: list[TopicRecord] = []
+        self._consumer = Consumer({"bootstrap.servers": bootstrap_servers,
+                                   "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+                                   "enable.auto.commit": False,
+                                   "auto.offset.reset": "earliest",
+                                   "isolation.level": "read_committed"})
+        self._assigned: set[int] = set()
+
+    def _assign(self) -> None:
+        topic = self._consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+        if topic is None or topic.error is not None:
+            return
+        new = [p for p in topic.partitions if p not in self._assigned]
+        if new:
+            self._consumer.incremental_assign(
+                [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in new])
+            self._assigned.update(new)
+
+    def read(self, timeout: float = 0.3) -> list[TopicRecord]:
+        """What arrived since the last read (waiting at most ``timeout``)."""
+        self._assign()
+        fresh = []
+        for m in self._consumer.consume(1000, timeout):
+            if m.error() is not None:
+                continue
+            fresh.append(TopicRecord(m.partition(), m.offset(), m.key(), m.value(),  # type: ignore[arg-type]
+                                     list(m.headers() or []), m.timestamp()[1]))
+        self.records.extend(fresh)
+        return fresh
+
+    def read_until(self, done: Callable[[list[TopicRecord]], bool],
+                   timeout: float = 20.0) -> list[TopicRecord]:
+        """Read until ``done(all records so far)``; all records, or TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while not done(self.records):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.topic}: condition not met within {timeout}s with "
+                                   f"{len(self.records)} records")
+            self.read()
+        return self.records
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class EventReader:
+    """The coordinator's events topic, decoded with the protocol's codec."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._reader = TopicReader(settings.bootstrap_servers,
+                                   TopicNames(settings.topic_prefix).events)
+        self._codec = Codec()
+        self.events: list[Event] = []
+
+    def read_until(self, done: Callable[[list[Event]], bool], timeout: float = 20.0
+                   ) -> list[Event]:
+        deadline = time.monotonic() + timeout
+        while not done(self.events):
+            if time.monotonic() >= deadline:
+                kinds = [e.type.value for e in self.events]
+                raise TimeoutError(f"events: condition not met within {timeout}s; saw {kinds}")
+            self.events.extend(self._codec.decode_event(r.value) for r in self._reader.read())
+        return self.events
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def forged(delivery: Delivered, lease: str) -> Delivered:
+    """The same delivery with another lease token (to ack with a token one never got)."""
+    return replace(delivery, lease=lease)
+
+
+def counters(settings: Settings, queue: str) -> dict[str, int]:
+    """The queue's running totals as PostgreSQL has them (all zero before the first commit)."""
+    with Store(settings.database_url) as store:
+        found = store.load_counters(queue).get(queue)
+    if found is None:
+        return {}
+    return {name: getattr(found, name) for name in ("enqueued", "delivered", "redelivered",
+                                                     "acked", "released", "lease_expired",
+                                                     "dead_lettered", "expired")}
+
+
+def recovery_points(settings: Settings, queue: str) -> dict[tuple[str, int], int]:
+    with Store(settings.database_url) as store:
+        return {(k.topic, k.partition): offset
+                for k, offset in store.load_recovery_points(queue).items()}
+
+
+class Consumers:
+    """RawConsumers for one test: each subscribed (and checked OK) on creation, all closed
+    when the block ends."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.all: list[RawConsumer] = []
+
+    def subscribe(self, queue: str, **options: object) -> RawConsumer:
+        consumer = self.new(queue, **options)
+        result = consumer.subscribe()
+        assert result.status is SubscribeStatus.OK, (result.status, result.message)
+        return consumer
+
+    def new(self, queue: str, **options: object) -> RawConsumer:
+        """A consumer that has not subscribed yet."""
+        consumer = RawConsumer(self.settings.bootstrap_servers, self.settings.topic_prefix,
+                               queue, **options)  # type: ignore[arg-type]
+        self.all.append(consumer)
+        return consumer
+
+    def __enter__(self) -> Consumers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for consumer in self.all:
+            consumer.close()
