@@ -14,7 +14,7 @@ from layer.domain import events as ev
 from layer.domain.entries import EntryRecord
 from layer.domain.states import Bookmark, EntryState, LeaveReason
 from layer.protocol import Bookmark as WireBookmark
-from layer.protocol import Event, EventType
+from layer.protocol import Event, EventType, LeaseEndReason
 from layer.store.batch import WriteBatch
 from layer.store.rows import EntryRow
 
@@ -31,6 +31,15 @@ _STORE_STATE = {
 
 _ENGINE_STATE = {"AVAILABLE": EntryState.AVAILABLE, "LEASED": EntryState.LEASED,
                  "ACKED": EntryState.ACKED, "EXPIRED": EntryState.EXPIRED}
+
+# Why a lease was broken, as docs/protocol.md §11 spells it on LEASE_EXPIRED events. A new
+# session of the same consumer id ends the old session as an unsubscribe would.
+_LEASE_END = {
+    LeaveReason.UNSUBSCRIBED: LeaseEndReason.UNSUBSCRIBED,
+    LeaveReason.SESSION_TIMEOUT: LeaseEndReason.SESSION_TIMED_OUT,
+    LeaveReason.SESSION_REPLACED: LeaseEndReason.UNSUBSCRIBED,
+    LeaveReason.EVICTED: LeaseEndReason.EVICTED,
+}
 
 _LEAVE_EVENT = {
     LeaveReason.UNSUBSCRIBED: EventType.CONSUMER_UNSUBSCRIBED,
@@ -101,24 +110,29 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox) -> None:
     """The engine's changed entries and its counters into the loop's write batch."""
     for record in outbox.entries:
         batch.put_entry(entry_row(queue, record))
-    enqueued = acked = released = expired = dead = redelivered = 0
+    enqueued = delivered = acked = released = ended = expired = dead = redelivered = 0
     for e in outbox.events:
         kind = type(e)
         if kind is ev.EntriesEnqueued:
             enqueued += len(e.offsets)  # type: ignore[union-attr]
+        elif kind is ev.EntryLeased:
+            delivered += 1
+            if e.delivery_count > 1:  # type: ignore[union-attr]
+                redelivered += 1
         elif kind is ev.EntryAcked:
             acked += 1
         elif kind is ev.EntryReleased:
             released += 1
+        elif kind is ev.LeaseExpired or kind is ev.LeaseBroken:
+            # Both end a lease without a settlement: one LEASE_EXPIRED event each.
+            ended += 1
         elif kind is ev.EntryExpired:
             expired += 1
             if e.dead_letter:  # type: ignore[union-attr]
                 dead += 1
-        elif kind is ev.EntryLeased and e.delivery_count > 1:  # type: ignore[union-attr]
-            redelivered += 1
-    for name, n in (("enqueued", enqueued), ("acked", acked), ("released", released),
-                    ("expired", expired), ("dead_lettered", dead),
-                    ("redelivered", redelivered)):
+    for name, n in (("enqueued", enqueued), ("delivered", delivered), ("acked", acked),
+                    ("released", released), ("lease_expired", ended), ("expired", expired),
+                    ("dead_lettered", dead), ("redelivered", redelivered)):
         if n:
             batch.count(queue, name, n)
 
@@ -155,12 +169,12 @@ def wire_events(events: Iterable[ev.Event], coordinator_id: str, epoch: int) -> 
                              **base))
         elif isinstance(e, ev.LeaseExpired):
             out.append(Event(type=EventType.LEASE_EXPIRED, bookmark=wire_bookmark(e.bookmark),
-                             consumer_id=e.consumer_id, reason="deadline",
+                             consumer_id=e.consumer_id, reason=LeaseEndReason.DEADLINE.value,
                              available_at_ms=ms(e.available_at) if e.available_at else None,
                              **base))
         elif isinstance(e, ev.LeaseBroken):
             out.append(Event(type=EventType.LEASE_EXPIRED, bookmark=wire_bookmark(e.bookmark),
-                             consumer_id=e.consumer_id, reason=wire_reason(str(e.reason)),
+                             consumer_id=e.consumer_id, reason=_LEASE_END[e.reason].value,
                              **base))
         elif isinstance(e, ev.EntryExpired):
             out.append(Event(type=EventType.DEAD_LETTERED if e.dead_letter
