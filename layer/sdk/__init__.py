@@ -1,0 +1,56 @@
+"""The consumer SDK: QueueConsumer and QueuePublisher (DESIGN §7). Needs only Kafka.
+
+Guide with examples: ``docs/sdk.md``; the wire protocol underneath: ``docs/protocol.md``.
+"""
+
+from layer.sdk.acks import AckBatcher
+from layer.sdk.config import ClientConfig
+from layer.sdk.consumer import ConsumerStats, OnError, QueueConsumer
+from layer.sdk.directory import (
+    QueueDirectory,
+    QueueDirectoryWriter,
+    delete_queue_definition,
+    publish_queue_definitions,
+    sync_queue_definitions,
+)
+from layer.sdk.errors import (
+    AckFailure,
+    ConsumerClosedError,
+    InvalidFilterError,
+    InvalidSubscriptionError,
+    LeaseLostError,
+    MessageSettledError,
+    NoCoordinatorError,
+    NoPublishTargetError,
+    PublishError,
+    SessionEndedError,
+    UnknownQueueError,
+)
+from layer.sdk.message import Message
+from layer.sdk.publisher import QueuePublisher
+
+__all__ = [
+    "AckBatcher",
+    "AckFailure",
+    "ClientConfig",
+    "ConsumerClosedError",
+    "ConsumerStats",
+    "InvalidFilterError",
+    "InvalidSubscriptionError",
+    "LeaseLostError",
+    "Message",
+    "MessageSettledError",
+    "NoCoordinatorError",
+    "NoPublishTargetError",
+    "OnError",
+    "PublishError",
+    "QueueConsumer",
+    "QueueDirectory",
+    "QueueDirectoryWriter",
+    "QueuePublisher",
+    "SessionEndedError",
+    "UnknownQueueError",
+    "delete_queue_definition",
+    "publish_queue_definitions",
+    "sync_queue_definitions",
+]

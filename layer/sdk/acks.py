@@ -1,0 +1,76 @@
+"""Ack batching policy: when buffered acknowledgement items go out as one AckRecord. Pure.
+
+One AckRecord per message would double the records on the ack topic and the coordinator's
+work, so items are buffered and sent together when
+
+- ``max_items`` are waiting (a full batch), or
+- the oldest has waited ``max_delay`` seconds (settlement is never held up for long), or
+- the consumer is about to wait for new messages (nothing more will be acknowledged until
+  one comes; with ``max_backlog=1`` waiting any longer would stall the queue), or
+- the consumer closes, or a RENEW needs its answer now.
+
+The last three are decided by the consumer, which calls :meth:`AckBatcher.drain`; the first
+two are decided here, with ``now`` (monotonic seconds) passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from layer.protocol.records import AckItem
+
+__all__ = ["DEFAULT_ACK_BATCH_SIZE", "DEFAULT_ACK_INTERVAL", "AckBatcher"]
+
+DEFAULT_ACK_BATCH_SIZE = 500
+DEFAULT_ACK_INTERVAL = 0.1
+
+
+@dataclass(slots=True)
+class AckBatcher:
+    """Buffered acknowledgement items of one session, in the order they were given."""
+
+    max_items: int = DEFAULT_ACK_BATCH_SIZE
+    max_delay: float = DEFAULT_ACK_INTERVAL
+    _items: list[AckItem] = field(default_factory=list)
+    _oldest_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1:
+            raise ValueError(f"ack batch size must be at least 1, got {self.max_items}")
+        if self.max_delay < 0:
+            raise ValueError(f"ack interval must not be negative, got {self.max_delay}")
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: AckItem, now: float) -> bool:
+        """Buffer ``item``; True when the batch should be sent now."""
+        if not self._items:
+            self._oldest_at = now
+        self._items.append(item)
+        return self.is_due(now)
+
+    def is_due(self, now: float) -> bool:
+        """True when the buffered items should be sent (full, or the oldest waited enough)."""
+        if not self._items:
+            return False
+        if len(self._items) >= self.max_items:
+            return True
+        return self._oldest_at is not None and now - self._oldest_at >= self.max_delay
+
+    def due_at(self) -> float | None:
+        """When the buffered items become due by age (None when nothing is buffered)."""
+        if self._oldest_at is None or not self._items:
+            return None
+        return self._oldest_at + self.max_delay
+
+    def drain(self) -> list[AckItem]:
+        """Take every buffered item, oldest first, leaving the batcher empty."""
+        items, self._items = self._items, []
+        self._oldest_at = None
+        return items
+
+    def batches(self) -> list[list[AckItem]]:
+        """Take every buffered item split into batches of at most ``max_items``."""
+        items = self.drain()
+        return [items[i : i + self.max_items] for i in range(0, len(items), self.max_items)]

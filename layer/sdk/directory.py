@@ -1,0 +1,373 @@
+"""The queue directory: queue definitions on a compacted Kafka topic, for clients without Postgres.
+
+Publishers route a publish to a queue's name to its ``default_publish_target`` (AMPS: a
+publish to ``ORDERS_ANALYTICS`` goes to ``ORDERS_ANALYTICS_DIRECT``), so they need the queue
+definitions. Postgres is their source of truth, but SDK clients know only Kafka: the
+coordinator (and ``qlayer queue ...``) mirror every definition onto ``P`` + ``queues``:
+
+- key: the queue name, UTF-8;
+- value: JSON of ``QueueDefinition.model_dump(mode="json")``;
+- a tombstone (null value): the queue was deleted.
+
+The topic is compacted, so it holds the latest definition of every queue however long it
+has existed. :class:`QueueDirectory` reads it; :class:`QueueDirectoryWriter` (and the
+``publish_queue_definitions`` / ``delete_queue_definition`` / ``sync_queue_definitions``
+helpers) write it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from layer.domain.definitions import QueueDefinition
+from layer.domain.definitions import publish_target as route
+from layer.domain.errors import QueueConfigError
+from layer.kafka.errors import KafkaAdapterError
+from layer.sdk.config import ClientConfig
+from layer.sdk.errors import NoPublishTargetError
+from layer.sdk.transport import SdkProducer, ensure_topic
+
+__all__ = [
+    "DIRECTORY_TOPIC_CONFIG",
+    "QueueDirectory",
+    "QueueDirectoryWriter",
+    "decode_definition",
+    "delete_queue_definition",
+    "encode_definition",
+    "publish_queue_definitions",
+    "sync_queue_definitions",
+]
+
+log = logging.getLogger(__name__)
+
+#: One partition keeps every change in one order; compaction keeps the latest per queue.
+DIRECTORY_TOPIC_CONFIG: Mapping[str, str] = {"cleanup.policy": "compact"}
+
+
+def encode_definition(definition: QueueDefinition) -> tuple[bytes, bytes]:
+    """The directory record (key, value) of one queue definition."""
+    value = json.dumps(definition.model_dump(mode="json"), sort_keys=True,
+                       separators=(",", ":"))
+    return definition.name.encode(), value.encode()
+
+
+def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, QueueDefinition | None]:
+    """``(queue name, definition)`` of a directory record; the definition is None for a
+    tombstone. Raises ``ValueError`` (``QueueConfigError`` for a definition this version
+    cannot accept) when the record is not a valid directory record."""
+    if not key:
+        raise ValueError("directory record without a key (the queue name)")
+    try:
+        name = key.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"directory key is not UTF-8: {key[:40]!r}") from None
+    if value is None:
+        return name, None
+    try:
+        data = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"directory record of queue {name!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"directory record of queue {name!r} is not a JSON object")
+    definition = QueueDefinition.from_mapping(data)
+    if definition.name != name:
+        raise ValueError(
+            f"directory record keyed {name!r} defines queue {definition.name!r}"
+        )
+    return name, definition
+
+
+class QueueDirectory:
+    """Queue definitions read from the directory topic; refreshed as needed. Thread-safe.
+
+    The topic is read to its end on first use, again every ``refresh_interval`` seconds, and
+    when a name is not found (at most once per ``miss_refresh_interval`` seconds, so that
+    publishing to plain topics does not cost a round trip each). A missing directory topic
+    (no coordinator has run yet) is an empty directory.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str | None = None,
+        *,
+        topic_prefix: str | None = None,
+        kafka_config: Mapping[str, Any] | None = None,
+        refresh_interval: float = 30.0,
+        miss_refresh_interval: float = 1.0,
+        timeout: float = 10.0,
+        config: ClientConfig | None = None,
+    ) -> None:
+        self._config = config or ClientConfig.resolve(bootstrap_servers, topic_prefix,
+                                                      kafka_config)
+        self.topic = self._config.topics.queues
+        self._refresh_interval = refresh_interval
+        self._miss_refresh_interval = miss_refresh_interval
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._definitions: dict[str, QueueDefinition] = {}
+        self._positions: dict[int, int] = {}
+        self._loaded_at: float | None = None
+        self._consumer: Any = None
+        self.malformed = 0
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read the directory topic up to its current end."""
+        with self._lock:
+            self._read_to_end()
+
+    def get(self, name: str) -> QueueDefinition | None:
+        """The definition of queue ``name``, or None when there is no such queue."""
+        with self._lock:
+            self._ensure_fresh(miss=False)
+            found = self._definitions.get(name)
+            if found is None and self._ensure_fresh(miss=True):
+                found = self._definitions.get(name)
+            return found
+
+    def definitions(self) -> list[QueueDefinition]:
+        """Every known queue definition, by name."""
+        with self._lock:
+            self._ensure_fresh(miss=False)
+            return [self._definitions[name] for name in sorted(self._definitions)]
+
+    def publish_target(self, name: str) -> str:
+        """The topic a publish to ``name`` goes to (``layer.domain.definitions.publish_target``):
+        a queue's ``default_publish_target``, or its one journal; any other name as it is.
+
+        Raises ``NoPublishTargetError`` for a queue over a regex without a default target.
+        """
+        definition = self.get(name)
+        if definition is None:
+            return name
+        try:
+            return route([definition], name)
+        except QueueConfigError as exc:
+            raise NoPublishTargetError(name, exc.problems[0][1]) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- internals (lock held) --------------------------------------------------------------
+
+    def _ensure_fresh(self, *, miss: bool) -> bool:
+        """Refresh when stale (or, for a miss, when the last read is old enough); True when
+        the topic was read."""
+        now = time.monotonic()
+        if self._loaded_at is not None:
+            age = now - self._loaded_at
+            limit = self._miss_refresh_interval if miss else self._refresh_interval
+            if age < limit:
+                return False
+        self._read_to_end()
+        return True
+
+    def _reader(self) -> Any:
+        if self._consumer is None:
+            self._consumer = Consumer(self._config.client(**{
+                "group.id": self._config.topics.prefix + "sdk.directory",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                "enable.partition.eof": True,
+                "allow.auto.create.topics": False,
+                "fetch.wait.max.ms": 50,
+            }))
+        return self._consumer
+
+    def _read_to_end(self) -> None:
+        consumer = self._reader()
+        deadline = time.monotonic() + self._timeout
+        try:
+            metadata = consumer.list_topics(topic=self.topic, timeout=self._timeout)
+            topic = metadata.topics.get(self.topic)
+            if topic is None or topic.error is not None:
+                # No directory yet: every name is a plain topic until a coordinator writes one.
+                self._loaded_at = time.monotonic()
+                return
+            new = [p for p in topic.partitions if p not in self._positions]
+            if new:
+                for partition in new:
+                    self._positions[partition] = 0
+                consumer.incremental_assign(
+                    [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in new])
+            ends = {
+                p: consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, p), timeout=self._timeout, cached=False)[1]
+                for p in self._positions
+            }
+            pending = {p for p, end in ends.items() if self._positions[p] < end}
+            while pending:
+                if time.monotonic() >= deadline:
+                    raise KafkaAdapterError(
+                        f"could not read queue directory topic {self.topic} to its end within "
+                        f"{self._timeout:g}s"
+                    )
+                for message in consumer.consume(500, 0.1):
+                    partition = message.partition()
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            # The end as the broker sees it (also past compacted gaps).
+                            self._positions[partition] = max(self._positions[partition],
+                                                             message.offset())
+                            pending.discard(partition)
+                        else:
+                            log.warning("queue directory %s: %s", self.topic, error)
+                        continue
+                    self._apply(message.key(), message.value())
+                    self._positions[partition] = message.offset() + 1
+                    if self._positions[partition] >= ends[partition]:
+                        pending.discard(partition)
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"cannot read queue directory {self.topic}: {exc}") from exc
+        self._loaded_at = time.monotonic()
+
+    def _apply(self, key: bytes | None, value: bytes | None) -> None:
+        try:
+            name, definition = decode_definition(key, value)
+        except ValueError as exc:  # QueueConfigError is a ValueError too
+            self.malformed += 1
+            log.warning("ignoring queue directory record on %s: %s", self.topic, exc)
+            if key:
+                # Better unknown than stale: a queue whose latest definition cannot be read
+                # routes as a plain topic.
+                self._definitions.pop(key.decode(errors="replace"), None)
+            return
+        if definition is None:
+            self._definitions.pop(name, None)
+        else:
+            self._definitions[name] = definition
+
+
+class QueueDirectoryWriter:
+    """Writes queue definitions to the directory topic (the coordinator and CLI use it)."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str | None = None,
+        *,
+        topic_prefix: str | None = None,
+        kafka_config: Mapping[str, Any] | None = None,
+        config: ClientConfig | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self._config = config or ClientConfig.resolve(bootstrap_servers, topic_prefix,
+                                                      kafka_config)
+        self.topic = self._config.topics.queues
+        self._timeout = timeout
+        self._producer = SdkProducer(self._config)
+        self._ensured = False
+
+    def _ensure_topic(self) -> None:
+        if not self._ensured:
+            ensure_topic(self._config, self.topic, partitions=1,
+                         topic_config=dict(DIRECTORY_TOPIC_CONFIG), timeout=self._timeout)
+            self._ensured = True
+
+    def publish(self, definitions: Iterable[QueueDefinition]) -> int:
+        """Write each definition (the newest wins); waits until Kafka has them. Returns how
+        many were written."""
+        self._ensure_topic()
+        count = 0
+        for definition in definitions:
+            key, value = encode_definition(definition)
+            self._producer.send(self.topic, key, value)
+            count += 1
+        self._producer.wait(self._timeout)
+        return count
+
+    def delete(self, names: Iterable[str]) -> int:
+        """Write a tombstone for each queue name; waits until Kafka has them."""
+        self._ensure_topic()
+        count = 0
+        for name in names:
+            self._producer.send(self.topic, name.encode(), None)
+            count += 1
+        self._producer.wait(self._timeout)
+        return count
+
+    def sync(self, definitions: Iterable[QueueDefinition]) -> tuple[int, int]:
+        """Make the directory hold exactly ``definitions``: write them, and tombstone every
+        queue the directory has that is not among them. Returns (written, deleted)."""
+        wanted = list(definitions)
+        names = {d.name for d in wanted}
+        with QueueDirectory(config=self._config, timeout=self._timeout) as directory:
+            stale = [d.name for d in directory.definitions() if d.name not in names]
+        return self.publish(wanted), self.delete(stale)
+
+    def close(self) -> None:
+        self._producer.wait(self._timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def publish_queue_definitions(
+    definitions: Iterable[QueueDefinition],
+    bootstrap_servers: str | None = None,
+    *,
+    topic_prefix: str | None = None,
+    kafka_config: Mapping[str, Any] | None = None,
+) -> int:
+    """Write queue definitions to the directory topic (creating it if needed)."""
+    with QueueDirectoryWriter(bootstrap_servers, topic_prefix=topic_prefix,
+                              kafka_config=kafka_config) as writer:
+        return writer.publish(definitions)
+
+
+def delete_queue_definition(
+    names: str | Iterable[str],
+    bootstrap_servers: str | None = None,
+    *,
+    topic_prefix: str | None = None,
+    kafka_config: Mapping[str, Any] | None = None,
+) -> int:
+    """Remove queues from the directory topic (tombstones)."""
+    with QueueDirectoryWriter(bootstrap_servers, topic_prefix=topic_prefix,
+                              kafka_config=kafka_config) as writer:
+        return writer.delete([names] if isinstance(names, str) else names)
+
+
+def sync_queue_definitions(
+    definitions: Iterable[QueueDefinition],
+    bootstrap_servers: str | None = None,
+    *,
+    topic_prefix: str | None = None,
+    kafka_config: Mapping[str, Any] | None = None,
+) -> tuple[int, int]:
+    """Make the directory topic hold exactly these definitions; returns (written, deleted)."""
+    with QueueDirectoryWriter(bootstrap_servers, topic_prefix=topic_prefix,
+                              kafka_config=kafka_config) as writer:
+        return writer.sync(definitions)

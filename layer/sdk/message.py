@@ -1,0 +1,230 @@
+"""A delivered message: the journal record as its producer wrote it, plus its lease.
+
+The coordinator delivers the original record (key, value, timestamp, headers) with ``qlayer.*``
+delivery headers appended. :class:`Message` gives the original headers back untouched and the
+lease fields as properties, and settles the lease through the consumer that received it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from layer.protocol.bookmark import Bookmark
+from layer.protocol.headers import (
+    DELIVERY_HEADER_KEYS,
+    DeliveryInfo,
+    InputHeaders,
+    RecordHeaders,
+    header_value,
+    parse_delivery_headers,
+)
+from layer.protocol.records import AckType
+from layer.sdk.errors import MessageSettledError
+
+__all__ = ["Message", "Settler", "delay_ms", "from_epoch_ms"]
+
+
+class Settler(Protocol):
+    """What a message needs from the consumer that received it (implemented by QueueConsumer)."""
+
+    def _settle(
+        self, message: Message, ack_type: AckType, delay_ms: int | None, reason: str | None
+    ) -> None: ...
+
+    def _renew(self, message: Message, timeout: float | None) -> datetime: ...
+
+
+def from_epoch_ms(epoch_ms: int) -> datetime:
+    """Milliseconds since the Unix epoch as an aware UTC datetime."""
+    return datetime.fromtimestamp(epoch_ms / 1000, tz=UTC)
+
+
+def delay_ms(delay: float | timedelta | None) -> int | None:
+    """A release delay (seconds or a timedelta) in whole milliseconds; None stays None."""
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if not seconds >= 0:  # also refuses NaN
+        raise ValueError(f"release delay must be zero or more seconds, got {delay!r}")
+    return round(seconds * 1000)
+
+
+class Message:
+    """One leased delivery. Settle it exactly once: :meth:`ack`, :meth:`release` or
+    :meth:`reject`; :meth:`renew` extends the lease while you work on it.
+
+    ``headers`` are the record's own headers, as its producer wrote them; the lease is in
+    ``queue``, ``bookmark``, ``lease``, ``lease_expires_at`` and ``delivery_count``.
+    """
+
+    __slots__ = (
+        "_info",
+        "_lease_expires_at",
+        "_settled",
+        "_settler",
+        "headers",
+        "key",
+        "timestamp",
+        "value",
+    )
+
+    def __init__(
+        self,
+        *,
+        key: bytes | None,
+        value: bytes | None,
+        headers: RecordHeaders,
+        timestamp: datetime | None,
+        info: DeliveryInfo,
+        settler: Settler,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.headers = headers
+        self.timestamp = timestamp
+        self._info = info
+        self._lease_expires_at = from_epoch_ms(info.lease_expires_ms)
+        self._settler = settler
+        self._settled: AckType | None = None
+
+    @classmethod
+    def from_record(
+        cls,
+        *,
+        key: bytes | None,
+        value: bytes | None,
+        headers: InputHeaders,
+        timestamp_ms: int | None,
+        settler: Settler,
+    ) -> Message:
+        """Build a message from a delivery record; raises ``ProtocolError`` when its
+        ``qlayer.*`` headers are missing or malformed (such a record cannot be settled)."""
+        info = parse_delivery_headers(headers)
+        original = [(k, v) for k, v in headers or () if k not in DELIVERY_HEADER_KEYS]
+        timestamp = None if timestamp_ms is None or timestamp_ms < 0 else from_epoch_ms(
+            timestamp_ms
+        )
+        return cls(
+            key=key,
+            value=value,
+            headers=original,
+            timestamp=timestamp,
+            info=info,
+            settler=settler,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Message {self.queue} {self.bookmark} delivery {self.delivery_count}"
+            f"{' barrier' if self.is_barrier else ''}{' settled' if self._settled else ''}>"
+        )
+
+    # --- the record ---------------------------------------------------------------------------
+
+    def header(self, name: str) -> bytes | None:
+        """The value of the record header ``name`` (the last one when repeated), or None."""
+        return header_value(self.headers, name)
+
+    def json(self) -> Any:
+        """The value parsed as JSON (``ValueError`` when it is not)."""
+        if self.value is None:
+            raise ValueError(f"message {self.bookmark} has no value (a null record)")
+        return json.loads(self.value)
+
+    @property
+    def topic(self) -> str:
+        """The journal the record was published to."""
+        return self._info.bookmark.topic
+
+    @property
+    def partition(self) -> int:
+        return self._info.bookmark.partition
+
+    @property
+    def offset(self) -> int:
+        return self._info.bookmark.offset
+
+    # --- the lease ----------------------------------------------------------------------------
+
+    @property
+    def queue(self) -> str:
+        return self._info.queue
+
+    @property
+    def bookmark(self) -> Bookmark:
+        """``topic/partition/offset`` of the record: the entry's identity (``str()`` it)."""
+        return self._info.bookmark
+
+    @property
+    def lease(self) -> str:
+        """The lease token the coordinator checks on acknowledgement."""
+        return self._info.lease
+
+    @property
+    def lease_expires_at(self) -> datetime:
+        """The lease deadline (UTC, the coordinator's clock); moved by :meth:`renew`."""
+        return self._lease_expires_at
+
+    @property
+    def delivery_count(self) -> int:
+        """1 on the first delivery, 2 on the first redelivery, ..."""
+        return self._info.delivery_count
+
+    @property
+    def is_barrier(self) -> bool:
+        """A barrier message: delivered to every consumer, needs no acknowledgement."""
+        return self._info.barrier
+
+    @property
+    def session_id(self) -> str | None:
+        return self._info.session_id
+
+    @property
+    def settled(self) -> AckType | None:
+        """How the message was settled (ACCEPT, RELEASE, REJECT), or None while it is not."""
+        return self._settled
+
+    # --- settling -----------------------------------------------------------------------------
+
+    def ack(self) -> None:
+        """Processing succeeded: the entry leaves the queue (ACCEPT)."""
+        self._settle(AckType.ACCEPT, None, None)
+
+    def release(self, delay: float | timedelta | None = None) -> None:
+        """Give the entry back for redelivery (RELEASE), after ``delay`` seconds if given.
+
+        Counts towards the queue's ``max_cancels``; a later delivery has a higher
+        ``delivery_count``.
+        """
+        self._settle(AckType.RELEASE, delay_ms(delay), None)
+
+    def reject(self, reason: str | None = None) -> None:
+        """The entry cannot be processed: it is dead-lettered with ``reason`` (REJECT)."""
+        self._settle(AckType.REJECT, None, reason)
+
+    def renew(self, timeout: float | None = None) -> datetime:
+        """Extend the lease by the queue's lease period; returns the new deadline.
+
+        Waits for the coordinator's answer (up to ``timeout`` seconds, default the consumer's
+        ``subscribe_timeout``). Raises ``LeaseLostError`` when the lease is already gone and
+        ``NoCoordinatorError`` when no answer comes.
+        """
+        if self._settled is not None:
+            raise MessageSettledError(
+                f"message {self.bookmark} was already settled ({self._settled.name}); "
+                "only a held lease can be renewed"
+            )
+        deadline = self._settler._renew(self, timeout)
+        self._lease_expires_at = deadline
+        return deadline
+
+    def _settle(self, ack_type: AckType, delay: int | None, reason: str | None) -> None:
+        if self._settled is not None:
+            raise MessageSettledError(
+                f"message {self.bookmark} was already settled ({self._settled.name}); "
+                f"it cannot be settled again ({ack_type.name})"
+            )
+        self._settler._settle(self, ack_type, delay, reason)
+        self._settled = ack_type

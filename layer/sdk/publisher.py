@@ -1,0 +1,191 @@
+"""QueuePublisher: write records to journals, routing a queue's name to its publish target.
+
+Publishing needs nothing of qlayer but routing and the delayed-delivery header: the records
+are ordinary Kafka records, readable by anything. A publish to a queue's name goes to the
+queue's ``default_publish_target`` (or its one journal), found in the queue directory topic;
+any other name is a topic and is written as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Self
+
+from confluent_kafka import Producer
+
+from layer.protocol.headers import deliver_at_header
+from layer.protocol.topics import validate_topic_name
+from layer.sdk.config import ClientConfig
+from layer.sdk.directory import QueueDirectory
+from layer.sdk.errors import PublishError
+
+__all__ = ["QueuePublisher", "deliver_at_ms"]
+
+log = logging.getLogger(__name__)
+
+HeadersIn = Mapping[str, bytes | str | None] | Sequence[tuple[str, bytes | str | None]]
+
+
+def deliver_at_ms(deliver_at: datetime | float) -> int:
+    """A delivery time as milliseconds since the epoch: an aware datetime, or epoch seconds.
+
+    A naive datetime is refused: whose midnight it means cannot be known here.
+    """
+    if isinstance(deliver_at, datetime):
+        if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+            raise ValueError(
+                f"deliver_at {deliver_at.isoformat()} has no time zone; use an aware datetime "
+                "(e.g. datetime.now(UTC) + timedelta(minutes=5)) or epoch seconds"
+            )
+        seconds = deliver_at.timestamp()
+    elif isinstance(deliver_at, bool) or not isinstance(deliver_at, int | float):
+        raise TypeError(
+            f"deliver_at must be a datetime or epoch seconds, got {type(deliver_at).__name__}"
+        )
+    else:
+        seconds = float(deliver_at)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"deliver_at must be a time after 1970, got {deliver_at!r}")
+    return round(seconds * 1000)
+
+
+def _bytes(value: bytes | str | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise TypeError(f"{what} must be bytes, str or None, got {type(value).__name__}")
+
+
+def _headers(headers: HeadersIn | None) -> list[tuple[str, bytes | None]]:
+    if headers is None:
+        return []
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return [(str(name), _bytes(value, f"header {name!r}")) for name, value in pairs]
+
+
+class QueuePublisher:
+    """Publishes records to queues (by name) and topics. Thread-safe; use one per process.
+
+    ``publish`` is asynchronous: records are written in the background, and ``flush()`` (or
+    leaving the ``with`` block, or ``close()``) waits for them and raises ``PublishError``
+    if any could not be written.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str | None = None,
+        *,
+        topic_prefix: str | None = None,
+        kafka_config: Mapping[str, Any] | None = None,
+        directory_refresh: float = 30.0,
+        directory: QueueDirectory | None = None,
+        linger_ms: int = 5,
+    ) -> None:
+        self._config = ClientConfig.resolve(bootstrap_servers, topic_prefix, kafka_config)
+        self._own_directory = directory is None
+        self._directory = directory or QueueDirectory(
+            config=self._config, refresh_interval=directory_refresh
+        )
+        self._producer = Producer(self._config.client(**{
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": linger_ms,
+        }))
+        self._lock = threading.Lock()
+        self._failures: list[str] = []
+        self._closed = False
+
+    @property
+    def directory(self) -> QueueDirectory:
+        return self._directory
+
+    def target(self, queue_or_topic: str) -> str:
+        """The topic a publish to ``queue_or_topic`` is written to."""
+        return validate_topic_name(self._directory.publish_target(queue_or_topic))
+
+    def publish(
+        self,
+        queue_or_topic: str,
+        value: bytes | str | None,
+        key: bytes | str | None = None,
+        headers: HeadersIn | None = None,
+        deliver_at: datetime | float | None = None,
+        *,
+        partition: int | None = None,
+    ) -> str:
+        """Publish one record; returns the topic it goes to.
+
+        ``deliver_at`` (an aware datetime or epoch seconds) asks the queue to hold the message
+        until then (the ``qlayer.deliver-at`` header). Raises ``NoPublishTargetError`` for a
+        queue over a regex without a ``default_publish_target``.
+        """
+        if self._closed:
+            raise PublishError(["the publisher is closed"])
+        topic = self.target(queue_or_topic)
+        record_headers = _headers(headers)
+        if deliver_at is not None:
+            record_headers.append(deliver_at_header(deliver_at_ms(deliver_at)))
+        kwargs: dict[str, Any] = {
+            "key": _bytes(key, "key"),
+            "value": _bytes(value, "value"),
+            "on_delivery": self._on_delivery,
+        }
+        if record_headers:
+            kwargs["headers"] = record_headers
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:
+                # librdkafka's local queue is full: let it drain, then try again.
+                self._producer.poll(0.05)
+        self._producer.poll(0)
+        return topic
+
+    def _on_delivery(self, error: Any, message: Any) -> None:
+        if error is not None:
+            text = f"{message.topic()}: {error.str() if hasattr(error, 'str') else error}"
+            with self._lock:
+                self._failures.append(text)
+            log.warning("record not published: %s", text)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every record published so far is written; ``PublishError`` if any was
+        not (each failure is reported once)."""
+        remaining = self._producer.flush(timeout)
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if remaining:
+            failures.append(f"{remaining} record(s) still unwritten after {timeout:g}s")
+        if failures:
+            raise PublishError(failures)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush, then release the clients. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout)
+        finally:
+            if self._own_directory:
+                self._directory.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,214 @@
+"""The consumer's Kafka clients: its delivery topic reader and one producer for control and acks.
+
+The delivery topic is read without a consumer group: partition 0 is assigned at its end
+*before* the Subscribe is sent, so the answer and every delivery of the new session lie
+after the starting point and nothing of an earlier run of the same consumer id is re-read.
+Driver errors become qlayer errors here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka import Message as KafkaMessage
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from layer.kafka.errors import DeliveryFailed, KafkaAdapterError
+from layer.sdk.config import ClientConfig
+
+__all__ = ["DeliveryReader", "SdkProducer", "ensure_topic"]
+
+log = logging.getLogger(__name__)
+
+# Creating a topic we may not create is fine: the coordinator creates delivery topics too.
+_TOLERATED_CREATE_ERRORS = frozenset(
+    {
+        KafkaError.TOPIC_ALREADY_EXISTS,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.POLICY_VIOLATION,
+    }
+)
+
+
+def ensure_topic(
+    config: ClientConfig,
+    topic: str,
+    *,
+    partitions: int = 1,
+    topic_config: dict[str, str] | None = None,
+    timeout: float = 10.0,
+) -> bool:
+    """Create ``topic`` unless it exists and wait for its leaders; True when it is usable.
+
+    False means it does not exist and could not be created here (no permission): the caller
+    decides whether that is fatal.
+    """
+    admin = AdminClient(config.client())
+    future = admin.create_topics(
+        [NewTopic(topic, num_partitions=partitions, replication_factor=-1,
+                  config=dict(topic_config or {}))],
+        operation_timeout=timeout,
+        request_timeout=timeout,
+    )[topic]
+    try:
+        future.result(timeout=timeout)
+    except KafkaException as exc:
+        error = exc.args[0]
+        if error.code() not in _TOLERATED_CREATE_ERRORS:
+            raise KafkaAdapterError(f"cannot create topic {topic}: {error.str()}") from exc
+        if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            log.info("not allowed to create topic %s (%s); expecting it to exist", topic,
+                     error.str())
+    except Exception as exc:  # a timeout: the broker did not answer
+        raise KafkaAdapterError(f"cannot create topic {topic}: {exc}") from exc
+    return _wait_for_leaders(admin, topic, timeout)
+
+
+def _wait_for_leaders(admin: AdminClient, topic: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = admin.list_topics(topic=topic, timeout=max(0.1, deadline - time.monotonic()))
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"cannot read metadata of {topic}: {exc}") from exc
+        meta = found.topics.get(topic)
+        if meta is not None and meta.error is not None and (
+            meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+        ):
+            return False
+        if (meta is not None and meta.error is None and meta.partitions
+                and all(p.leader >= 0 for p in meta.partitions.values())):
+            return True
+        if time.monotonic() >= deadline:
+            raise KafkaAdapterError(f"topic {topic} has no partition leader after {timeout}s")
+        time.sleep(0.05)
+
+
+class DeliveryReader:
+    """Reads one consumer's delivery topic (partition 0) from the end as it was at start()."""
+
+    def __init__(self, config: ClientConfig, topic: str, group_id: str) -> None:
+        self.topic = topic
+        self._config = config
+        self._consumer = Consumer(config.client(**{
+            # librdkafka wants a group id even without subscribe(); nothing is ever committed.
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            "allow.auto.create.topics": False,
+            # The broker answers a fetch as soon as a record is there; this only bounds how
+            # long an idle fetch is held, i.e. how quickly a new delivery is seen.
+            "fetch.wait.max.ms": 100,
+        }))
+        self.errors = 0
+
+    def start(self, timeout: float) -> int:
+        """Create the topic if possible, assign partition 0 at its current end; the offset."""
+        exists = ensure_topic(self._config, self.topic, partitions=1, timeout=timeout)
+        start = OFFSET_BEGINNING
+        if exists:
+            try:
+                _, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, 0), timeout=timeout, cached=False)
+            except KafkaException as exc:
+                raise KafkaAdapterError(
+                    f"cannot read the end of delivery topic {self.topic}: {exc}") from exc
+            start = high
+        # A topic that does not exist yet will be created by the coordinator on Subscribe:
+        # everything in it is then newer than this session, so reading it from the start is
+        # the same as reading it from "now".
+        self._consumer.assign([TopicPartition(self.topic, 0, start)])
+        return int(start)
+
+    def poll(self, timeout: float, max_records: int = 500) -> list[KafkaMessage]:
+        """Records that are there, waiting up to ``timeout`` for the first one."""
+        try:
+            first = self._consumer.poll(max(0.0, timeout))
+            if first is None:
+                return []
+            batch = [first]
+            if max_records > 1:
+                batch.extend(self._consumer.consume(max_records - 1, 0))
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"reading delivery topic {self.topic} failed: {exc}") from exc
+        out: list[KafkaMessage] = []
+        for message in batch:
+            error = message.error()
+            if error is None:
+                out.append(message)
+            elif error.code() != KafkaError._PARTITION_EOF:
+                self.errors += 1
+                log.warning("delivery topic %s: %s", self.topic, error)
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class SdkProducer:
+    """One idempotent producer for the control and ack topics; thread-safe.
+
+    Delivery failures are counted and logged; ``wait`` flushes and raises when any record of
+    the batch was lost.
+    """
+
+    def __init__(self, config: ClientConfig) -> None:
+        self._producer = Producer(config.client(**{
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 2,
+        }))
+        self._lock = threading.Lock()
+        self._failures: list[str] = []
+        self.failed = 0
+
+    def _on_delivery(self, error: Any, message: Any) -> None:
+        if error is not None:
+            text = f"{message.topic()}: {error.str() if hasattr(error, 'str') else error}"
+            with self._lock:
+                self.failed += 1
+                self._failures.append(text)
+            log.warning("qlayer record not written: %s", text)
+
+    def send(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        """Queue one record (a None value is a tombstone); written by ``wait`` at the latest."""
+        while True:
+            try:
+                self._producer.produce(topic, key=key, value=value, on_delivery=self._on_delivery)
+                break
+            except BufferError:
+                # librdkafka's local queue is full: let it drain, then try again.
+                self._producer.poll(0.05)
+        self._producer.poll(0)
+
+    def poll(self) -> None:
+        self._producer.poll(0)
+
+    def failures(self) -> list[str]:
+        """Delivery failures since the last call."""
+        with self._lock:
+            found, self._failures = self._failures, []
+        return found
+
+    def wait(self, timeout: float) -> None:
+        """Wait until everything sent so far is written; DeliveryFailed if something was not."""
+        remaining = self._producer.flush(timeout)
+        failures = self.failures()
+        if remaining:
+            failures.append(f"{remaining} record(s) still unwritten after {timeout}s")
+        if failures:
+            raise DeliveryFailed("; ".join(failures))
