@@ -91,6 +91,13 @@ class TopicNames:
         """The coordinator writes every state change here."""
         return self._prefix + "events"
 
+    @property
+    def queues(self) -> str:
+        """Compacted directory of queue definitions, for clients without Postgres: key = queue
+        name (UTF-8), value = the definition as JSON, a tombstone when the queue is deleted.
+        Publishers read it to route a publish to a queue's name (``layer.sdk.directory``)."""
+        return self._prefix + "queues"
+
     def delivery(self, consumer_id: str) -> str:
         """The per-consumer topic leased messages and replies are written to."""
         return validate_topic_name(

@@ -93,3 +93,12 @@ def test_dot_names_are_illegal(name: str) -> None:
 
 def test_non_ascii_letters_are_illegal() -> None:
     assert topic_name_problem("café") is not None
+
+
+def test_queue_directory_topic_is_internal_and_follows_the_prefix() -> None:
+    assert TopicNames().queues == "qlayer.queues"
+    assert TopicNames("acme_q-").queues == "acme_q-queues"
+    assert TopicNames().is_internal(TopicNames().queues)
+    # Distinct from every other internal name, including a queue's consumer group.
+    names = TopicNames()
+    assert names.queues not in {names.control, names.ack, names.events, names.queue_group("s")}
