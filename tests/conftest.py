@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +22,16 @@ from layer.localstack.selection import Backend, choose_services, docker_answers
 
 
 @pytest.fixture(scope="session")
-def services() -> Iterator[dict[str, str]]:
+def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
     """{'bootstrap_servers': ..., 'admin_database_url': ...} for the session."""
+    terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+
+    def say(line: str) -> None:
+        # Shown in the run's log (not captured): which real services the suite talks to.
+        if terminal is not None:
+            terminal.write_line(f"[qlayer services] {line}")
+
+    started = time.monotonic()
     choice = choose_services(os.environ, docker_answers())
     found: dict[str, str] = {}
     cleanups: list[Callable[[], object]] = []
@@ -43,11 +52,16 @@ def services() -> Iterator[dict[str, str]]:
             was_running = {s.name for s in stack.status() if s.running}
             if choice.postgres == Backend.LOCALSTACK:
                 found["admin_database_url"] = stack.postgres.config.url_for("postgres")
+                say(f"starting PostgreSQL (local stack, {state}) ...")
                 stack.postgres.up()
+                say(f"PostgreSQL ready at {found['admin_database_url']} "
+                    f"(pid {stack.postgres.pid()})")
                 if "postgres" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
                     cleanups.append(stack.postgres.down)
             if choice.kafka == Backend.LOCALSTACK:
+                say("starting Kafka (local stack, KRaft) ...")
                 found["bootstrap_servers"] = stack.kafka.up()
+                say(f"Kafka ready at {found['bootstrap_servers']} (pid {stack.kafka.pid()})")
                 if "kafka" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
                     cleanups.append(stack.kafka.down)
         if Backend.TESTCONTAINERS in (choice.kafka, choice.postgres):
@@ -69,8 +83,9 @@ def services() -> Iterator[dict[str, str]]:
             found["bootstrap_servers"] = choice.bootstrap_servers
         if choice.postgres == Backend.ENV and choice.database_url:
             found["admin_database_url"] = choice.database_url
-        print(f"\nqlayer tests: kafka via {choice.kafka} at {found['bootstrap_servers']}, "
-              f"postgres via {choice.postgres} at {found['admin_database_url']}")
+        say(f"kafka via {choice.kafka} at {found['bootstrap_servers']}, postgres via "
+            f"{choice.postgres} at {found['admin_database_url']} "
+            f"({time.monotonic() - started:.1f}s)")
         yield found
     finally:
         for cleanup in reversed(cleanups):
