@@ -884,21 +884,47 @@ class Coordinator:
             signal.signal(signal.SIGTERM, handler)
             signal.signal(signal.SIGINT, handler)
         announced_standby = False
+        backoff = 0.0
         try:
             while not self._stop.is_set():
                 now = clock()
-                if not self.is_owner:
-                    if not self.try_acquire(now):
-                        if not announced_standby:
-                            log.info("coordinator %s is a hot standby for shard %r",
-                                     self.options.owner_id, self.options.shard)
-                            announced_standby = True
-                        self._stop.wait(self.options.standby_poll_interval)
-                        continue
-                    announced_standby = False
                 try:
+                    if not self.is_owner:
+                        if not self.try_acquire(now):
+                            if not announced_standby:
+                                log.info("coordinator %s is a hot standby for shard %r",
+                                         self.options.owner_id, self.options.shard)
+                                announced_standby = True
+                            self._stop.wait(self.options.standby_poll_interval)
+                            continue
+                        announced_standby = False
                     self.run_once(now)
+                    backoff = 0.0
                 except FencedError:
                     continue
+                except QlayerError as exc:
+                    # Kafka or PostgreSQL failed mid-iteration: what the engines decided may
+                    # not be persisted, so the in-memory state is not trusted. Crash-only
+                    # recovery: hand the shard back, wait, and rebuild from PostgreSQL and the
+                    # journals exactly as after a restart.
+                    backoff = min(max(backoff * 2, 0.5), 10.0)
+                    log.error("iteration failed (%s); rebuilding from stored state in %.1fs",
+                              exc, backoff)
+                    self.counters["iteration_failures"] += 1
+                    self._recover(clock())
+                    self._stop.wait(backoff)
         finally:
             self.release(clock())
+
+    def _recover(self, now: float) -> None:
+        """Drop all in-memory state after a failure; keep nothing that was not persisted."""
+        epoch = self.epoch
+        if epoch is not None:
+            try:
+                self.store.release(self.options.shard, self.options.owner_id, epoch, now)
+            except QlayerError as exc:
+                # The database may be what failed; ownership then lapses by its TTL.
+                log.warning("could not release ownership: %s", exc)
+        self._close_clients()
+        self.epoch = None
+        self._reset_state()
