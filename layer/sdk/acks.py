@@ -56,7 +56,8 @@ class AckBatcher:
             return False
         if len(self._items) >= self.max_items:
             return True
-        return self._oldest_at is not None and now - self._oldest_at >= self.max_delay
+        # Same arithmetic as due_at(), so a wake-up at due_at() finds the batch due.
+        return self._oldest_at is not None and now >= self._oldest_at + self.max_delay
 
     def due_at(self) -> float | None:
         """When the buffered items become due by age (None when nothing is buffered)."""

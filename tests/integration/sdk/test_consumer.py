@@ -17,10 +17,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from layer.domain.errors import QlayerError
 from layer.domain.errors import UnknownQueueError as DomainUnknownQueueError
+from layer.kafka import JournalReader, JournalRecord
 from layer.protocol import (
     AckItemResult,
     AckStatus,
@@ -176,22 +177,21 @@ def test_delivered_journal_record_reaches_the_user_as_published(
                          timestamp=sent_at + i, partition=i)
     assert producer.flush(10) == 0
     # The peer reads the journal as a coordinator would and delivers the records as they are.
-    reader = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": unique_name("g"),
-                       "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    reader.assign([TopicPartition(journal, p, 0) for p in range(3)])
-    records = []
+    reader = JournalReader({"bootstrap.servers": bootstrap_servers}, unique_name("g"))
+    reader.assign({(journal, p): 0 for p in range(3)})
+    records: list[JournalRecord] = []
     deadline = time.monotonic() + 30
     while len(records) < 3 and time.monotonic() < deadline:
-        records += [r for r in reader.consume(10, 0.5) if r.error() is None]
+        records += reader.poll(10, 0.5)
     reader.close()
-    records.sort(key=lambda r: r.partition())
+    records.sort(key=lambda r: r.partition)
 
     consumer, subscribe = connect("WorkToDo", max_backlog=10, filter="/region = 'EU'")
     lease_end = int(time.time() * 1000) + 45_000
     infos = [
-        peer.deliver(subscribe, r.value(), key=r.key(), headers=r.headers(),
-                     bookmark=Bookmark(journal, r.partition(), r.offset()),
-                     timestamp_ms=r.timestamp()[1], lease_expires_ms=lease_end,
+        peer.deliver(subscribe, r.value, key=r.key, headers=list(r.headers or []),
+                     bookmark=Bookmark(journal, r.partition, r.offset),
+                     timestamp_ms=r.timestamp_ms, lease_expires_ms=lease_end,
                      delivery_count=2)
         for r in records
     ]
@@ -295,6 +295,23 @@ def test_acks_waiting_longer_than_the_interval_are_sent_in_the_background(
     items = peer.ack_items(3, timeout=10)
     assert time.monotonic() - acked_at >= 0.3
     assert len(items) == 3 and len(peer.acks) == 1
+
+
+def test_acks_go_out_as_soon_as_the_consumer_waits_for_more(
+    connect: Connect, peer: CoordinatorPeer
+) -> None:
+    # With max_backlog=1 the next message comes only after this ack: holding it for the
+    # batch interval (a minute here) would stall the queue.
+    consumer, subscribe = connect("Jobs", ack_interval=60.0)
+    peer.deliver(subscribe, b"m0")
+    message = consumer.receive(timeout=20)
+    assert message is not None
+    message.ack()
+    waited = time.monotonic()
+    assert consumer.receive(timeout=0.3) is None
+    [item] = peer.ack_items(1, timeout=5)
+    assert time.monotonic() - waited < 5
+    assert item.bookmark == str(message.bookmark)
 
 
 def test_ack_release_reject_carry_their_type_delay_and_reason(
