@@ -107,6 +107,13 @@ _ACK_STATUS = {
 }
 
 
+def _timestamp_ms(record: JournalRecord | None) -> int | None:
+    """The journal record's own timestamp (Kafka gives 0 or -1 when it has none)."""
+    if record is None or record.timestamp_ms <= 0:
+        return None
+    return record.timestamp_ms
+
+
 def default_owner_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -463,7 +470,9 @@ class Coordinator:
         stats.deliveries = len(out)
         stats.replies = len(replies)
         out.extend(replies)
-        wire = wire_events(events, self.options.owner_id, self.epoch)
+        wire = wire_events(events, self.options.owner_id, self.epoch,
+                           session_of=self._session_id_of,
+                           record_time_of=lambda b: _timestamp_ms(fresh.get(b)))
         stats.events = len(wire)
         encode = self.codec.encode_event
         out.extend(OutgoingRecord(self.topics.events, encode(w), (w.queue or "").encode())
@@ -482,6 +491,10 @@ class Coordinator:
             self._commit_group_offsets()
             self._next_group_commit = now + self.options.group_commit_interval
         return stats
+
+    def _session_id_of(self, consumer_id: str) -> str | None:
+        session = self._sessions.get(consumer_id)
+        return session.session_id if session is not None else None
 
     def _renew(self, now: float) -> None:
         assert self.epoch is not None

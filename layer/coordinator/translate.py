@@ -7,12 +7,12 @@ coordinator loop about order of operations only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from layer.domain import events as ev
 from layer.domain.entries import EntryRecord
-from layer.domain.states import Bookmark, EntryState, LeaveReason
+from layer.domain.states import Bookmark, EntryState, ExpiryReason, LeaveReason
 from layer.protocol import Bookmark as WireBookmark
 from layer.protocol import Event, EventType, LeaseEndReason
 from layer.store.batch import WriteBatch
@@ -84,8 +84,6 @@ def entry_row(queue: str, r: EntryRecord) -> EntryRow:
 def entry_record(row: EntryRow, session_of: dict[str, str]) -> EntryRecord:
     """A stored row back as the engine's restore input. The store does not keep the lease's
     session id: the consumer's current session (if it is still subscribed) is assumed."""
-    from layer.domain.states import ExpiryReason
-
     reason = None
     if row.reason:
         try:
@@ -137,19 +135,33 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox) -> None:
             batch.count(queue, name, n)
 
 
-def wire_events(events: Iterable[ev.Event], coordinator_id: str, epoch: int) -> list[Event]:
-    """Engine events as events-topic records (one per entry change)."""
+def _unknown(_: object) -> None:
+    return None
+
+
+def wire_events(events: Iterable[ev.Event], coordinator_id: str, epoch: int, *,
+                session_of: Callable[[str], str | None] = _unknown,
+                record_time_of: Callable[[Bookmark], int | None] = _unknown) -> list[Event]:
+    """Engine events as events-topic records (one per entry change, docs/protocol.md §11).
+
+    The engine's events do not carry what only the coordinator knows: the session a lease
+    was granted to (``session_of`` a consumer id) and the journal record's own timestamp
+    (``record_time_of`` a bookmark, in ms), both part of the documented event fields.
+    """
     out: list[Event] = []
     for e in events:
         base: dict[str, Any] = {"coordinator_id": coordinator_id, "coordinator_epoch": epoch,
                                 "queue": e.queue, "timestamp_ms": ms(e.at)}
         if isinstance(e, ev.EntriesEnqueued):
             out.extend(Event(type=EventType.ENQUEUED,
-                             bookmark=WireBookmark(e.topic, e.partition, o), **base)
+                             bookmark=WireBookmark(e.topic, e.partition, o),
+                             record_timestamp_ms=record_time_of(
+                                 Bookmark(e.topic, e.partition, o)), **base)
                        for o in e.offsets)
         elif isinstance(e, ev.EntryLeased):
             out.append(Event(type=EventType.LEASED, bookmark=wire_bookmark(e.bookmark),
-                             consumer_id=e.consumer_id, delivery_count=e.delivery_count,
+                             consumer_id=e.consumer_id, session_id=session_of(e.consumer_id),
+                             delivery_count=e.delivery_count,
                              lease_expires_ms=ms(e.deadline), **base))
         elif isinstance(e, ev.EntryAcked):
             kind = (EventType.DELIVERED_AT_MOST_ONCE if e.source == "delivery"
@@ -177,11 +189,19 @@ def wire_events(events: Iterable[ev.Event], coordinator_id: str, epoch: int) -> 
                              consumer_id=e.consumer_id, reason=_LEASE_END[e.reason].value,
                              **base))
         elif isinstance(e, ev.EntryExpired):
-            out.append(Event(type=EventType.DEAD_LETTERED if e.dead_letter
-                             else EventType.EXPIRED,
-                             bookmark=wire_bookmark(e.bookmark), consumer_id=e.consumer_id,
-                             delivery_count=e.delivery_count,
-                             reason=wire_reason(str(e.reason)), **base))
+            bookmark = wire_bookmark(e.bookmark)
+            reason = wire_reason(str(e.reason))
+            if e.reason is ExpiryReason.REJECTED:
+                # The consumer's REJECT, with its own words; the outcome follows.
+                out.append(Event(type=EventType.REJECTED, bookmark=bookmark,
+                                 consumer_id=e.consumer_id, delivery_count=e.delivery_count,
+                                 reason=e.detail, **base))
+            kinds = ((EventType.DEAD_LETTERED, EventType.EXPIRED) if e.dead_letter
+                     else (EventType.EXPIRED,))
+            # DEAD_LETTERED says where it went; EXPIRED is the entry's one outcome.
+            out.extend(Event(type=kind, bookmark=bookmark, consumer_id=e.consumer_id,
+                             delivery_count=e.delivery_count, reason=reason, **base)
+                       for kind in kinds)
         elif isinstance(e, ev.BarrierDelivered):
             out.append(Event(type=EventType.BARRIER_DELIVERED,
                              bookmark=wire_bookmark(e.bookmark),
