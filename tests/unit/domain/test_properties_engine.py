@@ -15,7 +15,10 @@ timeouts). A model built only from the engine's events checks after every step t
 - dispatch leaves no consumer with backlog room while an entry it may get is AVAILABLE;
 - key groups never have two entries of one key in flight, and deliver a key's entries in order;
 - a barrier goes out only once every earlier entry is done, and nothing after it goes first;
-- the recovery point never passes an entry that is not done.
+- the recovery point never passes an entry that is not done;
+- a restart (a new engine restored from the persisted entry states and recovery points, the
+  journal replayed from there, consumers back with their sessions) loses nothing and keeps
+  every lease, token and count.
 
 Each configuration of the queue is its own machine. The example budget is modest so the file
 runs in well under a minute; raise it with ``--hypothesis-profile=engine-deep``.
@@ -37,6 +40,7 @@ from hypothesis.stateful import (
 )
 
 from layer.domain.engine import AckItem, QueueEngine
+from layer.domain.entries import EntryRecord, JournalRecord
 from layer.domain.events import (
     BacklogFreed,
     BarrierDelivered,
@@ -101,6 +105,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.filters: dict[str, Expression | None] = {}
         self.backlog: Counter[str] = Counter()
         self.sessions = 0
+        self.records: dict[Bookmark, JournalRecord] = {}
+        self.store: dict[Bookmark, EntryRecord] = {}  # what the coordinator persisted
+        self.subscriptions: dict[str, ConsumerSubscribed | ConsumerReplaced] = {}
+        self.restarted = False
 
     # ------------------------------------------------------------------ model
     def absorb(self, events: list[Event], *, expected_order: list[Bookmark] | None = None) -> None:
@@ -109,6 +117,8 @@ class EngineMachine(RuleBasedStateMachine):
             if isinstance(event, EntriesEnqueued):
                 for offset in event.offsets:
                     bookmark = Bookmark(event.topic, event.partition, offset)
+                    if self.restarted and bookmark in self.live:
+                        continue  # replayed after a restart: announced again, same entry
                     assert bookmark not in self.arrival, "enqueued twice"
                     self.arrival[bookmark] = len(self.arrival)
                     self.live.add(bookmark)
@@ -150,6 +160,7 @@ class EngineMachine(RuleBasedStateMachine):
                     expression = self.filters[recipient.consumer_id]
                     assert expression is None or expression.matches(self.docs[event.bookmark])
             elif isinstance(event, ConsumerSubscribed | ConsumerReplaced):
+                self.subscriptions[event.consumer_id] = event
                 self.limits[event.consumer_id] = event.max_backlog
                 self.filters[event.consumer_id] = (
                     compile_expression(event.filter) if event.filter else None
@@ -158,6 +169,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert self.backlog[event.consumer_id] == 0, "a lease survived its consumer"
                 del self.limits[event.consumer_id]
                 del self.filters[event.consumer_id]
+                del self.subscriptions[event.consumer_id]
             elif isinstance(event, LeaseRenewed):
                 assert event.bookmark in self.holder
 
@@ -194,7 +206,10 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(self.arrival[bookmark] < self.arrival[b] for b in pending)
 
     def drain(self, *, expected_order: list[Bookmark] | None = None) -> None:
-        self.absorb(self.queue.drain().events, expected_order=expected_order)
+        outbox = self.queue.drain()
+        for entry in outbox.entries:
+            self.store[entry.bookmark] = entry
+        self.absorb(outbox.events, expected_order=expected_order)
 
     # ------------------------------------------------------------------ rules
     @rule(
@@ -224,16 +239,16 @@ class EngineMachine(RuleBasedStateMachine):
             if doc.get("barrier") == 1:
                 self.barriers.add(bookmark)
             delay = delays[index]
-            records.append(
-                record(
-                    offset,
-                    doc,
-                    partition=partition,
-                    key=keys[index],
-                    timestamp=self.now,
-                    deliver_at=None if delay is None else self.now + delay,
-                )
+            journal_record = record(
+                offset,
+                doc,
+                partition=partition,
+                key=keys[index],
+                timestamp=self.now,
+                deliver_at=None if delay is None else self.now + delay,
             )
+            self.records[bookmark] = journal_record
+            records.append(journal_record)
         self.queue.enqueue(records, self.now)
         self.drain()
         self.then(dispatch)
@@ -400,6 +415,50 @@ class EngineMachine(RuleBasedStateMachine):
         self.queue.tick(self.now)
         self.drain()
         self.then(dispatch)
+
+    @rule(late=st.sampled_from([0.0, 2.0]))
+    def restart(self, late: float) -> None:
+        """The coordinator restarts: everything in memory is rebuilt from what it persisted."""
+        self.drain()
+        points = self.queue.recovery_points()
+        self.now += late
+        self.queue = engine(seed=len(self.arrival), session_timeout=SESSION_TIMEOUT, **self.fields)
+        self.restarted = True
+        self.queue.restore(self.store.values(), points)
+        if self.at_most_once:
+            # Backlog slots of at-most-once deliveries live in memory only: a restart frees them.
+            for bookmark in [b for b in self.holder if b not in self.live]:
+                self.end_lease(bookmark)
+        subscriptions = list(self.subscriptions.values())
+        for subscription in subscriptions:
+            self.queue.subscribe(
+                subscription.consumer_id,
+                subscription.session_id,
+                self.now,
+                delivery_topic=subscription.delivery_topic,
+                max_backlog=subscription.max_backlog,
+                filter=subscription.filter,
+            )
+        # The journals are replayed from each partition's recovery point (records below it
+        # too, as when another queue over the same journal needs them: they are ignored).
+        self.queue.enqueue(
+            sorted(
+                self.records.values(),
+                key=lambda r: self.arrival.get(Bookmark(r.topic, r.partition, r.offset), -1),
+            ),
+            self.now,
+        )
+        self.drain()
+        for bookmark in self.live:
+            entry = self.queue.entry(bookmark)
+            assert entry is not None and not entry.state.done, f"{bookmark} lost in a restart"
+            held = self.holder.get(bookmark)
+            if held is not None:
+                assert (entry.state, entry.consumer_id, entry.token) == (
+                    EntryState.LEASED,
+                    *held,
+                ), f"{bookmark}: lease not kept across the restart: {entry}"
+            assert entry.delivery_count == self.delivered[bookmark]
 
     # ------------------------------------------------------------------ invariants
     @invariant()
