@@ -232,6 +232,7 @@ class QueueConsumer:
         self._ended: SessionEnded | None = None
         self._terminal: SessionEnded | None = None
         self._request_id = ""
+        self._needs_subscribe = False
 
         client_id = f"qlayer-sdk-{self._consumer_id}"
         self._producer = SdkProducer(
@@ -328,6 +329,7 @@ class QueueConsumer:
         """
         self._check_open()
         self._raise_failures()
+        self._subscribe_if_needed()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
             if self._buffer:
@@ -344,14 +346,18 @@ class QueueConsumer:
             self._raise_failures()
             if self._buffer:
                 continue
+            if self._closed:  # by another thread, or a signal handler, meanwhile
+                raise ConsumerClosedError(f"consumer {self._consumer_id} was closed")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-            self._check_open()
 
     def __iter__(self) -> Iterator[Message]:
-        """Messages as they come, until the consumer is closed."""
+        """Messages as they come, until the consumer is closed (from anywhere)."""
         while not self._closed:
-            message = self.receive(timeout=_MAX_POLL_WAIT)
+            try:
+                message = self.receive(timeout=_MAX_POLL_WAIT)
+            except ConsumerClosedError:
+                return
             if message is not None:
                 yield message
 
@@ -379,7 +385,10 @@ class QueueConsumer:
         while max_messages is None or handled < max_messages:
             if (stop is not None and stop.is_set()) or self._closed:
                 break
-            message = self.receive(timeout=_MAX_POLL_WAIT)
+            try:
+                message = self.receive(timeout=_MAX_POLL_WAIT)
+            except ConsumerClosedError:
+                break
             if message is None:
                 if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
                     break
@@ -452,6 +461,12 @@ class QueueConsumer:
         new_backlog = (
             self._max_backlog if isinstance(max_backlog, _Unset) else _check_backlog(max_backlog)
         )
+        if self._needs_subscribe:
+            # No session to keep leases in (its resubscription failed): subscribe afresh.
+            self._queue, self._regex = new_queue, new_regex
+            self._filter, self._max_backlog = new_filter, new_backlog
+            self._subscribe_if_needed()
+            return
         wait = self._subscribe_timeout if timeout is None else timeout
         previous = (self._queue, self._regex, self._filter, self._max_backlog)
         request_id = uuid.uuid4().hex
@@ -621,6 +636,11 @@ class QueueConsumer:
             self._active = True
             self._cond.notify_all()
 
+    def _subscribe_if_needed(self) -> None:
+        if self._needs_subscribe:
+            self._subscribe()
+            self._needs_subscribe = False
+
     def _refusal(self, result: SubscribeResult, queue: str, filter: str | None) -> QlayerError:
         detail = result.message
         match result.status:
@@ -656,7 +676,10 @@ class QueueConsumer:
                         f": {ended.message}" if ended.message else "")
             with self._cond:
                 self._stats.resubscriptions += 1
-            self._subscribe()
+            # Should this Subscribe go unanswered too (the coordinator is restarting, say),
+            # the error goes to the caller and the next receive() tries again.
+            self._needs_subscribe = True
+            self._subscribe_if_needed()
             return
         self._terminal = ended
         raise SessionEndedError(ended.reason, ended.message)

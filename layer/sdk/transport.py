@@ -115,6 +115,9 @@ class DeliveryReader:
             "fetch.wait.max.ms": 100,
         }))
         self.errors = 0
+        # Held while polling: librdkafka must not close a consumer another thread polls.
+        self._lock = threading.RLock()
+        self._closed = False
 
     def start(self, timeout: float) -> int:
         """Create the topic if possible, assign partition 0 at its current end; the offset."""
@@ -135,16 +138,21 @@ class DeliveryReader:
         return int(start)
 
     def poll(self, timeout: float, max_records: int = 500) -> list[KafkaMessage]:
-        """Records that are there, waiting up to ``timeout`` for the first one."""
-        try:
-            first = self._consumer.poll(max(0.0, timeout))
-            if first is None:
+        """Records that are there, waiting up to ``timeout`` for the first one; nothing once
+        the reader is closed."""
+        with self._lock:
+            if self._closed:
                 return []
-            batch = [first]
-            if max_records > 1:
-                batch.extend(self._consumer.consume(max_records - 1, 0))
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"reading delivery topic {self.topic} failed: {exc}") from exc
+            try:
+                first = self._consumer.poll(max(0.0, timeout))
+                if first is None:
+                    return []
+                batch = [first]
+                if max_records > 1:
+                    batch.extend(self._consumer.consume(max_records - 1, 0))
+            except KafkaException as exc:
+                raise KafkaAdapterError(
+                    f"reading delivery topic {self.topic} failed: {exc}") from exc
         out: list[KafkaMessage] = []
         for message in batch:
             error = message.error()
@@ -156,7 +164,12 @@ class DeliveryReader:
         return out
 
     def close(self) -> None:
-        self._consumer.close()
+        """Close the Kafka consumer. From another thread this waits for a poll in progress
+        (at most its timeout); re-entrant, so a signal handler may call it mid-poll too."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._consumer.close()
 
 
 class SdkProducer:

@@ -542,6 +542,19 @@ def test_leaving_the_with_block_unsubscribes(
         message.ack()  # its lease was broken by the Unsubscribe
 
 
+def test_close_from_another_thread_ends_the_iteration(
+    connect: Connect, peer: CoordinatorPeer
+) -> None:
+    consumer, subscribe = connect("Jobs")
+    peer.deliver(subscribe, b"m")
+    closer = threading.Timer(1.5, consumer.close)
+    closer.start()
+    got = [message.value for message in consumer]  # ends when closed, without an error
+    closer.join()
+    assert got == [b"m"]
+    assert peer.next_control(Unsubscribe).session_id == subscribe.session_id
+
+
 def test_eviction_raises_session_ended(connect: Connect, peer: CoordinatorPeer) -> None:
     consumer, subscribe = connect("Jobs")
     peer.end_session(subscribe, SessionEndReason.EVICTED, "by the operator")
@@ -582,6 +595,25 @@ def test_timed_out_session_is_resubscribed_transparently(
     consumer.close()
     [item] = peer.ack_items(1)
     assert item.bookmark == str(new.bookmark)
+
+
+def test_failed_resubscription_is_retried_by_the_next_receive(
+    connect: Connect, peer: CoordinatorPeer
+) -> None:
+    consumer, first = connect("Jobs", subscribe_timeout=1.5)
+    peer.end_session(first, SessionEndReason.UNKNOWN_SESSION)
+    with pytest.raises(NoCoordinatorError):  # nobody answers the resubscription
+        consumer.receive(timeout=20)
+    unanswered = peer.next_control(Subscribe)
+    assert peer.next_control(Unsubscribe).session_id == unanswered.session_id
+    answered = peer.answer_subscribe()
+    assert consumer.receive(timeout=0.5) is None  # subscribes again, then waits
+    second = answered.result(timeout=30)
+    assert peer.of_kind(Subscribe) == [first, unanswered, second]
+    assert consumer.session_id == second.session_id
+    peer.deliver(second, b"again")
+    message = consumer.receive(timeout=20)
+    assert message is not None and message.value == b"again"
 
 
 def test_timed_out_session_without_resubscribe_raises(
