@@ -1462,11 +1462,12 @@ class QueueEngine:
     def _activate(self, seq: int, now: float) -> None:
         """INACTIVE → AVAILABLE / DELAYED: room below ``target_queue_depth``."""
         table = self._table
-        self._active += 1
         not_before = self._not_before.pop(seq, None)
         if self._too_old(seq, now):
+            # Leaves from INACTIVE: it never counted toward the depth.
             self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
             return
+        self._active += 1
         if not_before is not None and not_before > now:
             table.state[seq - table.base] = DELAYED
             heapq.heappush(self._delays, (not_before, seq))

@@ -260,3 +260,18 @@ def test_strict_queues_do_not_remember_acks_without_a_lease() -> None:
         AckResult.UNKNOWN_BOOKMARK,
     ]
     assert of_type(queue.drain().events, EntryLeased) == []
+
+
+def test_inactive_entries_that_expired_meanwhile_do_not_take_active_places() -> None:
+    queue = engine(target_queue_depth=2, expiration="10s")
+    queue.enqueue([record(0, timestamp=0.0), record(1, timestamp=0.0)], 0.0)
+    queue.enqueue([record(i, timestamp=0.0) for i in (2, 3)], 0.0)  # inactive, aging
+    queue.enqueue([record(i, timestamp=20.0) for i in (4, 5)], 20.0)
+    subscribe(queue, "a", max_backlog=2, now=0.0)
+    first = leases(queue.dispatch(0.0))
+    for lease in first:
+        settle(queue, lease, now=20.0)
+
+    # 2 and 3 are too old when their turn comes: they expire, and 4 and 5 become active.
+    assert offsets_of(queue.dispatch(20.0)) == [4, 5]
+    assert queue.stats().inactive == 0

@@ -482,6 +482,15 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(self.queue.entry(b).state is EntryState.LEASED for b in leased)
 
     @invariant()
+    def target_depth_keeps_the_active_part_full(self) -> None:
+        depth = self.fields.get("target_queue_depth")
+        if not isinstance(depth, int):
+            return
+        stats = self.queue.stats()
+        active = stats.available + stats.leased + stats.delayed
+        assert active == min(depth, len(self.live)), (active, stats)
+
+    @invariant()
     def recovery_point_never_passes_an_entry_not_done(self) -> None:
         for (topic, partition), offset in self.queue.recovery_points().items():
             pending = [b.offset for b in self.live if (b.topic, b.partition) == (topic, partition)]
@@ -537,6 +546,7 @@ class TargetDepth(EngineMachine):
         "leasing": "permissive",
         "lease_period": "5s",
         "max_cancels": 3,
+        "expiration": "20s",
     }
 
 
