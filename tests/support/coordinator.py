@@ -242,6 +242,21 @@ def wait_until(probe: Callable[[], T | None], timeout: float = 20.0, interval: f
         time.sleep(interval)
 
 
+def collect(consumers: Iterable[RawConsumer], count: int, timeout: float = 20.0
+            ) -> dict[str, list[Delivered]]:
+    """Poll every consumer (none acks) until ``count`` deliveries came in all; by consumer id."""
+    group = list(consumers)
+    got: dict[str, list[Delivered]] = {c.consumer_id: [] for c in group}
+    deadline = time.monotonic() + timeout
+    while sum(len(v) for v in got.values()) < count:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{sum(len(v) for v in got.values())} of {count} deliveries "
+                               f"within {timeout}s")
+        for c in group:
+            got[c.consumer_id].extend(c.poll(0.05))
+    return got
+
+
 def produce(bootstrap_servers: str, topic: str, values: Iterable[bytes | None], *,
             keys: Iterable[bytes | None] | None = None,
             headers: list[tuple[str, bytes]] | None = None,
