@@ -553,11 +553,16 @@ class QueueEngine:
         # Most queues need nothing but the columns: append to them inline.
         plain = self._plain and not self._restoring and not self._early_acks
         append_plain = table.append_plain
+        source: Source | None = None
+        offsets: list[int] = []
         for record in records:
             topic, partition, offset, key, doc, timestamp, deliver_at = record
-            source = sources.get((topic, partition))
-            if source is None:
-                source = table.source(topic, partition, offset)
+            if source is None or source.partition != partition or source.topic != topic:
+                # Poll batches bring runs of one partition: look the source up once per run.
+                source = sources.get((topic, partition))
+                if source is None:
+                    source = table.source(topic, partition, offset)
+                offsets = accepted.setdefault(source, [])
             if offset < source.next_offset:
                 continue
             source.next_offset = offset + 1
@@ -567,14 +572,11 @@ class QueueEngine:
                 source, offset, key, doc, timestamp, deliver_at, now
             ):
                 continue
-            offsets = accepted.get(source)
-            if offsets is None:
-                accepted[source] = [offset]
-            else:
-                offsets.append(offset)
+            offsets.append(offset)
         announced = [
-            EntriesEnqueued(self._name, source.topic, source.partition, tuple(offsets), now)
-            for source, offsets in accepted.items()
+            EntriesEnqueued(self._name, run.topic, run.partition, tuple(run_offsets), now)
+            for run, run_offsets in accepted.items()
+            if run_offsets
         ]
         self._events[mark:mark] = announced
         return sum(len(event.offsets) for event in announced)
