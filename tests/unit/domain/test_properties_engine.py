@@ -63,9 +63,11 @@ from layer.domain.states import AckResult, AckSource, AckType, Bookmark, EntrySt
 from .engine_helpers import TOPIC, engine, record
 
 settings.register_profile("engine-deep", max_examples=1000, stateful_step_count=80, deadline=None)
+# CI budget, unless a profile asks for more (pytest --hypothesis-profile=engine-deep).
+_PROFILE = settings.default
 MACHINE_SETTINGS = settings(
-    max_examples=120,
-    stateful_step_count=40,
+    max_examples=max(120, _PROFILE.max_examples),
+    stateful_step_count=40 if _PROFILE.stateful_step_count <= 50 else _PROFILE.stateful_step_count,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
