@@ -525,7 +525,7 @@ class Coordinator:
             needs_doc = any(e.fields_needed() for e in engines)
             offered = []
             for r in rs:
-                deliver_at_ms = parse_deliver_at(r.headers) if r.headers else None
+                deliver_at_ms = self._deliver_at(r) if r.headers else None
                 offered.append(EngineRecord(
                     r.topic, r.partition, r.offset, r.key,
                     parse_document(r.value) if needs_doc else None,
@@ -536,6 +536,18 @@ class Coordinator:
             for engine in engines:
                 engine.enqueue(offered, now)
         return fresh
+
+    def _deliver_at(self, r: JournalRecord) -> int | None:
+        """The record's deliver-at time; a malformed header is the producer's mistake, so it
+        is counted and the message is available at once (docs/protocol.md §5.3) rather than
+        stopping every queue on a record that would fail the same way after each restart."""
+        try:
+            return parse_deliver_at(r.headers)
+        except ProtocolError as exc:
+            self.counters["malformed_deliver_at_headers"] += 1
+            log.warning("ignoring the deliver-at header of %s[%d]@%d: %s", r.topic,
+                        r.partition, r.offset, exc)
+            return None
 
     def _hold(self, e: ev.EntriesEnqueued, fresh: dict[Bookmark, JournalRecord]) -> None:
         for offset in e.offsets:

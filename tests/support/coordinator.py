@@ -87,12 +87,14 @@ class RawConsumer:
 
     def __init__(self, bootstrap_servers: str, prefix: str, queue: str, *,
                  max_backlog: int | None = None, filter: str | None = None,
-                 session_timeout_ms: int = 10_000, consumer_id: str | None = None) -> None:
+                 session_timeout_ms: int = 10_000, consumer_id: str | None = None,
+                 queue_is_regex: bool = False) -> None:
         self.codec = Codec()
         self.topics = TopicNames(prefix)
         self.consumer_id = consumer_id or f"raw-{uuid.uuid4().hex[:8]}"
         self.session_id = uuid.uuid4().hex
         self.queue = queue
+        self.queue_is_regex = queue_is_regex
         self.delivery_topic = self.topics.delivery(self.consumer_id)
         self.producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 1})
         self.consumer = Consumer({"bootstrap.servers": bootstrap_servers,
@@ -104,6 +106,8 @@ class RawConsumer:
         self.filter = filter
         self.session_timeout_ms = session_timeout_ms
         self._early: list[Delivered] = []
+        #: True once the coordinator accepted a Subscribe, until unsubscribe().
+        self.subscribed = False
         self._next_heartbeat = time.monotonic() + session_timeout_ms / 3000
 
     def _send_control(self, message: object) -> None:
@@ -111,12 +115,17 @@ class RawConsumer:
                               key=self.consumer_id.encode())
         self.producer.flush(10)
 
-    def subscribe(self, timeout: float = 30.0) -> SubscribeResult:
+    def subscribe(self, timeout: float = 30.0, delivery_topic: str | None = None
+                  ) -> SubscribeResult:
+        """Subscribe and wait for the answer; ``delivery_topic`` names another topic in the
+        request (this consumer still reads its conventional one)."""
         request_id = uuid.uuid4().hex
         self._send_control(Subscribe(
             consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
-            queue=self.queue, max_backlog=self.max_backlog, filter=self.filter,
-            delivery_topic=self.delivery_topic, session_timeout_ms=self.session_timeout_ms,
+            queue=self.queue, queue_is_regex=self.queue_is_regex,
+            max_backlog=self.max_backlog, filter=self.filter,
+            delivery_topic=delivery_topic or self.delivery_topic,
+            session_timeout_ms=self.session_timeout_ms,
             client_name="raw-test", client_version="0", sent_at_ms=int(time.time() * 1000)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -124,6 +133,7 @@ class RawConsumer:
             self._early.extend(self._read(0.2))
             for reply in self.replies:
                 if isinstance(reply, SubscribeResult) and reply.request_id == request_id:
+                    self.subscribed = reply.status is SubscribeStatus.OK
                     return reply
         raise TimeoutError(f"no SubscribeResult for {self.consumer_id} within {timeout}s")
 
@@ -216,6 +226,7 @@ class RawConsumer:
                                      sent_at_ms=int(time.time() * 1000)))
 
     def unsubscribe(self) -> None:
+        self.subscribed = False
         self._send_control(Unsubscribe(consumer_id=self.consumer_id, session_id=self.session_id,
                                        reason="test done", sent_at_ms=int(time.time() * 1000)))
 
