@@ -56,6 +56,7 @@ from layer.kafka import (
     BEGINNING,
     JournalReader,
     JournalRecord,
+    KafkaAdapterError,
     KafkaAdmin,
     OutgoingRecord,
     RecordWriter,
@@ -84,6 +85,7 @@ from layer.protocol import (
     dead_letter_headers,
     parse_deliver_at,
     reply_headers,
+    topic_name_problem,
     with_delivery_headers,
 )
 from layer.protocol import AckType as WireAckType
@@ -469,7 +471,7 @@ class Coordinator:
         out = self._deliveries(deliveries)
         stats.deliveries = len(out)
         stats.replies = len(replies)
-        out.extend(replies)
+        out.extend(self._answerable(replies))
         wire = wire_events(events, self.options.owner_id, self.epoch,
                            session_of=self._session_id_of,
                            record_time_of=lambda b: _timestamp_ms(fresh.get(b)))
@@ -650,9 +652,7 @@ class Coordinator:
                                              type=item.type, status=status,
                                              lease_expires_ms=expires, message=message))
         if answers:
-            session = self._sessions.get(record.consumer_id)
-            topic = (session.delivery_topic if session is not None
-                     else self.topics.delivery(record.consumer_id))
+            topic = self._delivery_topic_of(record.consumer_id)
             replies.append(self._reply(topic, AckResult(
                 consumer_id=record.consumer_id, session_id=record.session_id,
                 items=tuple(answers), sent_at_ms=ms(now)), record.consumer_id))
@@ -716,10 +716,28 @@ class Coordinator:
             del self._sessions[message.consumer_id]
             batch.delete_consumer(message.consumer_id)
 
+    def _delivery_topic_of(self, consumer_id: str) -> str:
+        """Where to answer a consumer: its session's delivery topic, else the conventional
+        one (docs/protocol.md §7). Not validated here: a consumer id that makes no legal topic
+        name is dropped, counted, by :meth:`_answerable`."""
+        session = self._sessions.get(consumer_id)
+        if session is not None:
+            return session.delivery_topic
+        return f"{self.topics.prefix}delivery.{consumer_id}"
+
+    def _answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
+        """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
+        answered; producing to it would fail the iteration, and every retry after it."""
+        good = [r for r in replies if topic_name_problem(r.topic) is None]
+        if len(good) < len(replies):
+            self.counters["unanswerable_replies"] += len(replies) - len(good)
+            log.warning("%d replies dropped: no legal topic to answer on",
+                        len(replies) - len(good))
+        return good
+
     def _session_ended(self, consumer_id: str, session_id: str, reason: SessionEndReason,
                        now: float, message: str | None = None) -> OutgoingRecord:
-        session = self._sessions.get(consumer_id)
-        topic = session.delivery_topic if session else self.topics.delivery(consumer_id)
+        topic = self._delivery_topic_of(consumer_id)
         return self._reply(topic, SessionEnded(consumer_id=consumer_id, session_id=session_id,
                                                reason=reason, message=message,
                                                sent_at_ms=ms(now)), consumer_id)
@@ -736,7 +754,9 @@ class Coordinator:
         def refuse(status: SubscribeStatus, why: str) -> None:
             self.counters[f"subscribe_{status.value.lower()}"] += 1
             log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why)
-            replies.append(self._reply(m.delivery_topic, SubscribeResult(
+            topic = (m.delivery_topic if topic_name_problem(m.delivery_topic) is None
+                     else self._delivery_topic_of(m.consumer_id))
+            replies.append(self._reply(topic, SubscribeResult(
                 consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
                 request=kind, status=status, message=why, queues=(),
                 session_timeout_ms=int(timeout * 1000),
@@ -746,6 +766,18 @@ class Coordinator:
         if kind is RequestKind.REPLACE and (existing is None
                                             or existing.session_id != m.session_id):
             refuse(SubscribeStatus.INVALID_REQUEST, "replace of an unknown session: subscribe")
+            return
+        problem = topic_name_problem(m.delivery_topic)
+        if problem is None and m.delivery_topic in (self.topics.control, self.topics.ack,
+                                                    self.topics.events):
+            problem = "it is one of the coordinator's own topics"
+        if problem is not None:
+            refuse(SubscribeStatus.INVALID_REQUEST,
+                   f"delivery_topic {m.delivery_topic!r}: {problem}")
+            return
+        if m.max_backlog is not None and m.max_backlog < 0:
+            refuse(SubscribeStatus.INVALID_REQUEST,
+                   f"max_backlog must be 0 or more, got {m.max_backlog}")
             return
         if m.filter:
             try:
@@ -767,7 +799,13 @@ class Coordinator:
                    f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}")
             return
         assert self._admin is not None
-        self._admin.ensure_topics([TopicSpec(m.delivery_topic, 1)])
+        try:
+            self._admin.ensure_topics([TopicSpec(m.delivery_topic, 1)])
+        except KafkaAdapterError as exc:
+            # Refused rather than retried: a topic the broker will not create would otherwise
+            # fail this record's iteration forever. The consumer may subscribe again.
+            refuse(SubscribeStatus.INVALID_REQUEST, f"cannot use delivery_topic: {exc}")
+            return
         old = existing.queues if existing is not None else []
         for name in old:
             if name not in names:

@@ -15,6 +15,7 @@ import pytest
 from layer.coordinator.service import Coordinator
 from layer.protocol import (
     AckItem,
+    AckRecord,
     AckStatus,
     AckType,
     Codec,
@@ -111,12 +112,22 @@ def test_garbage_on_the_control_and_ack_topics_is_counted_and_skipped(
             vandal.send_raw(topics.control, junk)
         for junk in (b"{\"ack\": true}", None, heartbeat):  # a control record on the ack topic
             vandal.send_raw(topics.ack, junk)
+        # Well-formed records from a consumer id no topic can be named after: the answers
+        # (no such session; unknown entry) have nowhere to go.
+        nameless = "no such consumer!"
+        vandal.send_raw(topics.control, codec.encode_control(Heartbeat(
+            consumer_id=nameless, session_id="s", sent_at_ms=0)))
+        vandal.send_raw(topics.ack, codec.encode_ack(AckRecord(
+            consumer_id=nameless, session_id="s", sent_at_ms=0, items=(AckItem(
+                queue="Work", bookmark=f"{work}/0/0", lease="x", type=AckType.ACCEPT),))))
 
         wait_until(lambda: coordinator.counters["malformed_control_records"] >= 6
                    and coordinator.counters["malformed_ack_records"] >= 3,
                    what="malformed records counted")
         assert coordinator.counters["malformed_control_records"] == 6
         assert coordinator.counters["malformed_ack_records"] == 3
+        wait_until(lambda: coordinator.counters["unanswerable_replies"] >= 2,
+                   what="the answers to the nameless consumer counted")
         # The vandal's own session is unharmed, and so is everyone else's.
         produce(settings.bootstrap_servers, work, [b"after the garbage"])
         (delivery,) = vandal.receive(1)
