@@ -466,6 +466,8 @@ class Coordinator:
                 self._lose_ownership("fenced: another coordinator took the shard over")
                 raise
             stats.statements = result.statements
+            self.counters["statements"] += result.statements
+            self.counters["transactions"] += 1
 
         # 5. Then deliveries, replies and events.
         out = self._deliveries(deliveries)
@@ -489,6 +491,10 @@ class Coordinator:
         if self._input_offsets:
             self._reader.commit(self._input_offsets)
             self._input_offsets = {}
+        self.counters["iterations"] += 1
+        self.counters["journal_records"] += stats.journal_records
+        self.counters["deliveries"] += stats.deliveries
+        self.counters["ack_items"] += stats.ack_items
         if now >= self._next_group_commit:
             self._commit_group_offsets()
             self._next_group_commit = now + self.options.group_commit_interval
@@ -524,13 +530,14 @@ class Coordinator:
             engines = self._engines_for(topic)
             if not engines:
                 continue
-            needs_doc = any(e.fields_needed() for e in engines)
+            # Every record's document is parsed, even when no expression reads it now: a
+            # consumer may subscribe later with a filter, and `qlayer view` shows documents.
             offered = []
             for r in rs:
                 deliver_at_ms = self._deliver_at(r) if r.headers else None
                 offered.append(EngineRecord(
                     r.topic, r.partition, r.offset, r.key,
-                    parse_document(r.value) if needs_doc else None,
+                    parse_document(r.value),
                     r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,
                     deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
                 ))
