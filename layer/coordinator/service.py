@@ -37,6 +37,7 @@ from layer.coordinator.translate import (
     add_outbox,
     engine_bookmark,
     entry_record,
+    lost_to_retention,
     ms,
     wire_bookmark,
     wire_events,
@@ -207,6 +208,9 @@ class Coordinator:
         self._payloads = PayloadCache()
         self._queues_by_topic: dict[str, list[QueueEngine]] = {}
         self._persisted_points: dict[PartitionKey, int] = {}
+        # Entries lost to retention, found while (re)building a queue: reported (events,
+        # counters) by the next iteration, with the queue's own decisions.
+        self._lost: dict[str, list[ev.Event]] = {}
         self._input_offsets: dict[tuple[str, int], int] = {}
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
@@ -308,15 +312,21 @@ class Coordinator:
         entries = [entry_record(row, session_of) for row in self.store.load_entries(name)]
         engine.restore(entries, starts)
         log_starts = self._admin.log_start_offsets(list(starts))
+        stored_entries = {e.bookmark: e for e in entries}
         for (topic, partition), start in starts.items():
             first = log_starts.get((topic, partition), 0)
             if first > start:
-                # Retention deleted records this queue had not finished: say so, loudly.
-                gone = engine.expire_before(topic, partition, first, now)
-                self.counters["retention_expired"] += gone
+                # Retention deleted records this queue had not finished: say so, loudly. The
+                # engine settles the entries it knows of (persisted rows); the events and
+                # counters cover every lost offset, including those never delivered.
+                engine.expire_before(topic, partition, first, now)
+                lost = lost_to_retention(name, topic, partition, start, first,
+                                         stored_entries, now)
+                self._lost.setdefault(name, []).extend(lost)
+                self.counters["retention_expired"] += len(lost)
                 log.error("queue %s: %s[%d] offsets %d..%d were deleted by retention before "
                           "the queue was done with them; %d entries expired (reason retention)",
-                          name, topic, partition, start, first - 1, gone)
+                          name, topic, partition, start, first - 1, len(lost))
                 starts[(topic, partition)] = first
         self.engines[name] = engine
         self._versions[name] = version
@@ -429,6 +439,9 @@ class Coordinator:
             engine.tick(now)
             deliveries.extend(engine.dispatch(now))
             outbox = engine.drain()
+            lost = self._lost.pop(name, None)
+            if lost:
+                outbox = ev.Outbox(lost + outbox.events, outbox.entries)
             outboxes.append((name, outbox))
 
         done: list[Bookmark] = []

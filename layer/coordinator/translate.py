@@ -7,7 +7,7 @@ coordinator loop about order of operations only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from layer.domain import events as ev
@@ -102,6 +102,31 @@ def entry_record(row: EntryRow, session_of: dict[str, str]) -> EntryRecord:
         row.available_at,
         reason,
     )
+
+
+def lost_to_retention(queue: str, topic: str, partition: int, start: int, first: int,
+                      stored: Mapping[Bookmark, EntryRecord], now: float
+                      ) -> list[ev.EntryExpired]:
+    """One EXPIRED (reason retention) per offset in ``[start, first)`` the queue had not
+    finished: Kafka deleted those records before the queue was done with them.
+
+    ``stored`` is the queue's persisted entries; those ACKED or EXPIRED are not lost. An
+    offset that never became an entry (refused by the queue's filter, or a transaction marker)
+    cannot be told apart once its record is gone, so it is reported too: over-reporting a
+    loss is safer than hiding one.
+    """
+    lost: list[ev.EntryExpired] = []
+    for offset in range(start, first):
+        bookmark = Bookmark(topic, partition, offset)
+        known = stored.get(bookmark)
+        if known is not None and known.state.done:
+            continue
+        lost.append(ev.EntryExpired(
+            queue, bookmark, ExpiryReason.RETENTION, False,
+            known.delivery_count if known is not None else 0,
+            known.cancel_count if known is not None else 0,
+            None, None, now))
+    return lost
 
 
 def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox) -> None:

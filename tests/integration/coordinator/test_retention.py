@@ -1,0 +1,89 @@
+"""A recovery point older than the journal's log start: Kafka retention deleted records the
+queue had not finished. The queue resumes at the log start and says what it lost: each lost
+entry is EXPIRED with reason `retention` (events topic, counters), never silently skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from layer.protocol import Bookmark, EventType
+from layer.settings import Settings
+from tests.support.coordinator import (
+    Consumers,
+    EventReader,
+    collect,
+    counters,
+    produce,
+    put_queues,
+    recovery_points,
+    running_coordinator,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+PER_PARTITION = 10
+DELETED_BELOW = 5
+
+
+def delete_records_before(bootstrap_servers: str, topic: str, partitions: int,
+                          offset: int) -> None:
+    """What retention does, on demand: the partition's log start moves to ``offset``."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    futures = admin.delete_records([TopicPartition(topic, p, offset) for p in range(partitions)])
+    for future in futures.values():
+        assert future.result(timeout=30).low_watermark == offset
+
+
+def test_records_deleted_before_the_queue_was_done_are_expired_with_reason_retention(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    work = journal("Work")
+    put_queues(settings, {"name": "Work", "underlying_topic": work, "lease_period": "2s",
+                          "max_per_subscription_backlog": 3 * PER_PARTITION})
+    for p in range(3):
+        produce(settings.bootstrap_servers, work,
+                [f"p{p}-{i}".encode() for i in range(PER_PARTITION)], partition=p)
+    every = {str(Bookmark(work, p, o)) for p in range(3) for o in range(PER_PARTITION)}
+
+    # First run: one entry acked, one delivered and returned (touched: it has a row in
+    # PostgreSQL), the rest never delivered (known only from the journal).
+    with running_coordinator(settings), Consumers(settings) as pool:
+        early = pool.subscribe("Work")
+        (done,) = early.receive(1)
+        early.ack([done])
+        (returned,) = early.receive(1)
+        early.unsubscribe()
+        wait_until(lambda: (c := counters(settings, "Work")).get("acked") == 1
+                   and c.get("lease_expired") == 1, what="the ack and the broken lease recorded")
+    assert Bookmark.parse(returned.bookmark).offset < DELETED_BELOW
+
+    delete_records_before(settings.bootstrap_servers, work, 3, DELETED_BELOW)
+    lost = {b for b in every if Bookmark.parse(b).offset < DELETED_BELOW} - {done.bookmark}
+    left = {b for b in every if Bookmark.parse(b).offset >= DELETED_BELOW} - {done.bookmark}
+
+    events = EventReader(settings)
+    with running_coordinator(settings), Consumers(settings) as pool:
+        late = pool.subscribe("Work", max_backlog=len(left))
+        got = collect([late], len(left))[late.consumer_id]
+        late.ack(got)
+        assert {d.bookmark for d in got} == left, "everything still in the journal is delivered"
+        assert late.idle(0.3) == []
+
+        def expired_for_retention(es: list) -> set[str]:  # type: ignore[type-arg]
+            return {str(e.bookmark) for e in es
+                    if e.type is EventType.EXPIRED and e.reason == "retention"}
+
+        found = events.read_until(lambda es: expired_for_retention(es) >= lost)
+        assert expired_for_retention(found) == lost, "each lost entry is reported, once"
+        totals = wait_until(lambda: (c := counters(settings, "Work")).get("acked") == 1 + len(left)
+                            and c, what="the acks recorded")
+        assert totals["expired"] == len(lost)
+        wait_until(lambda: recovery_points(settings, "Work")
+                   == {(work, p): PER_PARTITION for p in range(3)},
+                   what="recovery points at the journal's end")
+    events.close()
