@@ -71,6 +71,8 @@ from layer.protocol import (
     Codec,
     DeadLetterInfo,
     DeliveryInfo,
+    Event,
+    EventType,
     Heartbeat,
     ProtocolError,
     QueueGrant,
@@ -115,6 +117,13 @@ def _timestamp_ms(record: JournalRecord | None) -> int | None:
     if record is None or record.timestamp_ms <= 0:
         return None
     return record.timestamp_ms
+
+
+def _bookmark_or_none(text: str) -> WireBookmark | None:
+    try:
+        return WireBookmark.parse(text)
+    except ProtocolError:
+        return None
 
 
 def default_owner_id() -> str:
@@ -212,6 +221,9 @@ class Coordinator:
         # counters) by the next iteration, with the queue's own decisions.
         self._lost: dict[str, list[ev.Event]] = {}
         self._input_offsets: dict[tuple[str, int], int] = {}
+        # ACK_REFUSED / SUBSCRIBE_REFUSED events of this iteration (the engines never see
+        # what was refused, so these do not come from their outboxes).
+        self._refusals: list[Event] = []
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._admin: KafkaAdmin | None = None
@@ -490,6 +502,8 @@ class Coordinator:
         wire = wire_events(events, self.options.owner_id, self.epoch,
                            session_of=self._session_id_of,
                            record_time_of=lambda b: _timestamp_ms(fresh.get(b)))
+        wire.extend(self._refusals)
+        self._refusals = []
         stats.events = len(wire)
         encode = self.codec.encode_event
         out.extend(OutgoingRecord(self.topics.events, encode(w), (w.queue or "").encode())
@@ -667,6 +681,9 @@ class Coordinator:
         for item in record.items:
             status, expires, message = self._apply_ack(item, now)
             self.counters[f"ack_{status.value.lower()}"] += 1
+            if status is not AckStatus.OK:
+                self._refused(EventType.ACK_REFUSED, now, status.value, record.consumer_id,
+                              record.session_id, item.queue, _bookmark_or_none(item.bookmark))
             if status is not AckStatus.OK or item.type is WireAckType.RENEW:
                 answers.append(AckItemResult(queue=item.queue, bookmark=item.bookmark,
                                              type=item.type, status=status,
@@ -677,6 +694,16 @@ class Coordinator:
                 consumer_id=record.consumer_id, session_id=record.session_id,
                 items=tuple(answers), sent_at_ms=ms(now)), record.consumer_id))
         return len(record.items)
+
+    def _refused(self, kind: EventType, now: float, reason: str, consumer_id: str,
+                 session_id: str, queue: str | None, bookmark: WireBookmark | None = None
+                 ) -> None:
+        assert self.epoch is not None
+        self._refusals.append(Event(type=kind, timestamp_ms=ms(now),
+                                    coordinator_id=self.options.owner_id,
+                                    coordinator_epoch=self.epoch, queue=queue,
+                                    bookmark=bookmark, consumer_id=consumer_id,
+                                    session_id=session_id, reason=reason))
 
     def _apply_ack(self, item: object, now: float) -> tuple[AckStatus, int | None, str | None]:
         from layer.protocol import AckItem, ack_item_problem
@@ -773,6 +800,8 @@ class Coordinator:
 
         def refuse(status: SubscribeStatus, why: str) -> None:
             self.counters[f"subscribe_{status.value.lower()}"] += 1
+            self._refused(EventType.SUBSCRIBE_REFUSED, now, status.value, m.consumer_id,
+                          m.session_id, m.queue if not m.queue_is_regex else None)
             log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why)
             topic = (m.delivery_topic if topic_name_problem(m.delivery_topic) is None
                      else self._delivery_topic_of(m.consumer_id))

@@ -8,6 +8,7 @@ After each, the coordinator keeps serving the well-behaved consumers.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from layer.protocol import (
     AckStatus,
     AckType,
     Codec,
+    EventType,
     Heartbeat,
     SessionEnded,
     SessionEndReason,
@@ -28,6 +30,7 @@ from layer.protocol import (
 from layer.settings import Settings
 from tests.support.coordinator import (
     Consumers,
+    EventReader,
     collect,
     counters,
     forged,
@@ -141,6 +144,7 @@ def test_forged_unknown_and_duplicate_acks_are_answered_and_change_nothing(
 ) -> None:
     work = journal("Work")
     put_queues(settings, {"name": "Work", "underlying_topic": work, "lease_period": "30s"})
+    events = EventReader(settings)
     with running_coordinator(settings) as coordinator, Consumers(settings) as pool:
         holder = pool.subscribe("Work")
         produce(settings.bootstrap_servers, work, [b"the job"], partition=1)
@@ -193,6 +197,18 @@ def test_forged_unknown_and_duplicate_acks_are_answered_and_change_nothing(
         assert coordinator.counters["ack_duplicate"] == 1
         still_serving(settings, pool, work, coordinator)
 
+        # The audit trail has each refusal too (docs/protocol.md §11: ACK_REFUSED).
+        refusals = [e for e in events.read_until(
+            lambda es: sum(e.type is EventType.ACK_REFUSED for e in es) >= 10)
+            if e.type is EventType.ACK_REFUSED]
+        assert Counter((e.consumer_id, e.reason) for e in refusals) == {
+            (thief.consumer_id, "WRONG_TOKEN"): 3, (holder.consumer_id, "WRONG_TOKEN"): 1,
+            (holder.consumer_id, "UNKNOWN_ENTRY"): 3, (holder.consumer_id, "INVALID"): 2,
+            (holder.consumer_id, "DUPLICATE"): 1}
+        assert {str(e.bookmark) for e in refusals if e.reason == "WRONG_TOKEN"} == {
+            delivery.bookmark}
+    events.close()
+
 
 @pytest.mark.parametrize(("options", "status", "says"), [
     ({"queue": "NoSuchQueue"}, SubscribeStatus.UNKNOWN_QUEUE, "NoSuchQueue"),
@@ -207,6 +223,7 @@ def test_a_refused_subscribe_is_answered_and_harms_no_one(
 ) -> None:
     work = journal("Work")
     put_queues(settings, {"name": "Work", "underlying_topic": work})
+    events = EventReader(settings)
     with running_coordinator(settings) as coordinator, Consumers(settings) as pool:
         bystander = pool.subscribe("Work", max_backlog=10)
         refused = pool.new(str(options.get("queue", "Work")),
@@ -237,3 +254,10 @@ def test_a_refused_subscribe_is_answered_and_harms_no_one(
         ended = wait_until(session_ended, what="SessionEnded")
         assert ended[0].reason is SessionEndReason.UNKNOWN_SESSION
         still_serving(settings, pool, work, coordinator)
+
+        found = events.read_until(
+            lambda es: any(e.type is EventType.SUBSCRIBE_REFUSED for e in es))
+        (event,) = [e for e in found if e.type is EventType.SUBSCRIBE_REFUSED]
+        assert (event.consumer_id, event.session_id, event.reason) == (
+            refused.consumer_id, refused.session_id, status.value)
+    events.close()
