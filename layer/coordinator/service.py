@@ -316,6 +316,14 @@ class Coordinator:
             self.counters["invalid_queue_definitions"] += 1
             log.error("queue %s has an invalid stored definition, skipped: %s", name, exc)
             return
+        if not definition.is_regex_topic and self.topics.is_internal(
+                definition.underlying_topic):
+            # Internal topics (deliveries, acks, ...) are never journals; say so rather than
+            # leave the queue silently empty.
+            self.counters["queues_on_internal_topics"] += 1
+            log.error("queue %s: underlying topic %s is under the internal topic prefix %r "
+                      "and will never be read; rename the journal", name,
+                      definition.underlying_topic, self.topics.prefix)
         engine = QueueEngine(definition, tokens=self._tokens,
                              session_timeout=self.options.default_session_timeout)
         stored = self.store.load_recovery_points(name)
