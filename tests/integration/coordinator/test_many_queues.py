@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from layer.protocol import AckItem, AckStatus, AckType
+from layer.protocol import AckItem, AckStatus, AckType, SubscribeStatus
 from layer.settings import Settings
 from tests.support.coordinator import (
     Consumers,
+    RawConsumer,
     collect,
     counters,
     produce,
@@ -94,3 +95,45 @@ def test_queues_over_one_journal_deliver_and_settle_independently(
         for queue in ("Shipping", "Audit"):
             wait_until(lambda q=queue: sum(recovery_points(settings, q).values()) == N,
                        what=f"{queue} done with every entry")
+
+
+def test_a_queue_created_later_reads_the_journal_from_its_own_recovery_point(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """The coordinator reads the journal once for all queues; a queue defined while it runs
+    (recovery_point beginning) gets the records the others finished long ago."""
+    orders = journal("Orders")
+    put_queues(settings, {"name": "Billing", "underlying_topic": orders,
+                          "max_per_subscription_backlog": N})
+    values = [json.dumps({"n": i}).encode() for i in range(N)]
+    produce(settings.bootstrap_servers, orders, values)
+    with running_coordinator(settings), Consumers(settings) as pool:
+        billing = pool.subscribe("Billing", max_backlog=N)
+        got = collect([billing], N)[billing.consumer_id]
+        billing.ack(got)
+        wait_until(lambda: sum(recovery_points(settings, "Billing").values()) == N,
+                   what="Billing done with every entry")
+
+        put_queues(settings, {"name": "Shipping", "underlying_topic": orders,
+                              "max_per_subscription_backlog": N},
+                   {"name": "Recent", "underlying_topic": orders, "recovery_point": "end"})
+        shipping = wait_until(lambda: _subscribed(pool, "Shipping"), what="Shipping to exist")
+        recent = wait_until(lambda: _subscribed(pool, "Recent"), what="Recent to exist")
+        shipped = collect([shipping], N)[shipping.consumer_id]
+        assert sorted(d.value for d in shipped) == sorted(values)
+        shipping.ack(shipped)
+        assert recent.idle(0.3) == [], "recovery_point end: nothing from before"
+        assert billing.idle(0.1) == [], "Billing does not see its entries again"
+
+        produce(settings.bootstrap_servers, orders, [b'{"n": 99}'])
+        for consumer in (billing, shipping, recent):
+            (fresh,) = consumer.receive(1)
+            assert fresh.value == b'{"n": 99}'
+            consumer.ack([fresh])
+
+
+def _subscribed(pool: Consumers, queue: str) -> RawConsumer | None:
+    """A subscribed consumer of ``queue`` once the coordinator knows the queue, else None."""
+    consumer = pool.new(queue, max_backlog=N)
+    ok = consumer.subscribe(timeout=10).status is SubscribeStatus.OK
+    return consumer if ok else None
