@@ -29,6 +29,9 @@ def run(
     no_transactions: Annotated[bool, typer.Option(
         "--no-transactions", help="Do not use Kafka transactions (no zombie-producer fencing; "
         "lower latency)")] = False,
+    payload_budget_mb: Annotated[int, typer.Option(
+        help="MiB of journal records kept in memory; past it records are re-read from the "
+        "journal when they come up for delivery")] = 512,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run a coordinator until SIGTERM or Ctrl-C.
@@ -45,5 +48,6 @@ def run(
     options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),
                                  ownership_ttl=ownership_ttl,
                                  default_session_timeout=session_timeout,
-                                 transactional=not no_transactions)
+                                 transactional=not no_transactions,
+                                 payload_budget=payload_budget_mb * 1024 * 1024)
     Coordinator(settings, options).run()

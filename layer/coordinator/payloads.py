@@ -1,39 +1,73 @@
-"""The journal records the coordinator holds in memory until every queue is done with them.
+"""The journal records the coordinator holds in memory, within a byte budget.
 
-The journal is the store (DESIGN §2): payloads are never copied into PostgreSQL. A record read
-from a journal is kept while at least one queue holds it as a live entry, so that it can be
-delivered (and redelivered, and dead-lettered) without reading Kafka again; the count of
-holders is kept per record. After a restart the journals are re-read from the recovery points,
-which brings back every record a live entry needs.
+The journal is the store (DESIGN §2): payloads are never copied into PostgreSQL. A record
+read from a journal is held while at least one queue holds it as a live entry (the number of
+holding queues is counted), so it can be delivered, redelivered and dead-lettered without
+reading Kafka again — as long as the held bytes stay within the budget. Past the budget a
+record is still *held* (its entry lives on in the engines, with its position and document)
+but its bytes are dropped; when such an entry comes up for delivery, the coordinator re-reads
+the missing records from the journal in sequential ranges (:class:`RangeReader`).
+
+The budget is first come, first kept: the oldest records, which FIFO queues deliver first,
+stay in memory, and memory freed by acknowledged entries takes new records in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from layer.domain.states import Bookmark
-from layer.kafka.records import JournalRecord
+from layer.kafka import JournalReader, JournalRecord
+
+DEFAULT_PAYLOAD_BUDGET = 512 * 1024 * 1024
+
+
+def _size(record: JournalRecord) -> int:
+    headers = sum(len(k) + len(v or b"") for k, v in record.headers or ())
+    return len(record.value or b"") + len(record.key or b"") + headers
 
 
 @dataclass
 class PayloadCache:
     """Records by bookmark, with the number of queues that still hold each."""
 
-    _records: dict[Bookmark, JournalRecord] = field(default_factory=dict)
+    budget: int = DEFAULT_PAYLOAD_BUDGET
+    _records: dict[Bookmark, JournalRecord | None] = field(default_factory=dict)
     _holders: dict[Bookmark, int] = field(default_factory=dict)
     bytes: int = 0
+    dropped: int = 0  # records held past the budget, without their bytes
 
     def hold(self, bookmark: Bookmark, record: JournalRecord) -> None:
         held = self._holders.get(bookmark)
-        if held is None:
-            self._records[bookmark] = record
-            self._holders[bookmark] = 1
-            self.bytes += len(record.value or b"") + len(record.key or b"")
-        else:
+        if held is not None:
             self._holders[bookmark] = held + 1
+            return
+        self._holders[bookmark] = 1
+        self._records[bookmark] = None
+        self.fill(bookmark, record)
+
+    def fill(self, bookmark: Bookmark, record: JournalRecord) -> bool:
+        """Keep a held record's bytes if the budget allows; True when kept."""
+        if bookmark not in self._holders or self._records.get(bookmark) is not None:
+            return False
+        size = _size(record)
+        if self.bytes + size > self.budget:
+            self.dropped += 1
+            return False
+        self._records[bookmark] = record
+        self.bytes += size
+        return True
 
     def get(self, bookmark: Bookmark) -> JournalRecord | None:
+        """The record's bytes, or None when not held or dropped past the budget."""
         return self._records.get(bookmark)
+
+    def missing(self, bookmarks: Iterable[Bookmark]) -> list[Bookmark]:
+        """Those of the bookmarks that are held without their bytes (to be re-read)."""
+        records = self._records
+        return [b for b in bookmarks if b in records and records[b] is None]
 
     def release(self, bookmark: Bookmark) -> None:
         """One queue is done with the record; the last one frees it."""
@@ -45,12 +79,43 @@ class PayloadCache:
             return
         del self._holders[bookmark]
         record = self._records.pop(bookmark)
-        self.bytes -= len(record.value or b"") + len(record.key or b"")
-
-    def clear(self) -> None:
-        self._records.clear()
-        self._holders.clear()
-        self.bytes = 0
+        if record is not None:
+            self.bytes -= _size(record)
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._holders)
+
+
+class RangeReader:
+    """Re-reads journal records in sequential ranges, for entries whose bytes were dropped."""
+
+    def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
+        self._reader = JournalReader(config, group_id=group_id)
+        self.records_read = 0
+
+    def read(self, bookmarks: Iterable[Bookmark],
+             timeout: float = 10.0) -> dict[Bookmark, JournalRecord]:
+        """The records at these bookmarks: one sequential range per partition."""
+        import time
+
+        wanted: dict[tuple[str, int], set[int]] = {}
+        for b in bookmarks:
+            wanted.setdefault((b.topic, b.partition), set()).add(b.offset)
+        found: dict[Bookmark, JournalRecord] = {}
+        for (topic, partition), offsets in wanted.items():
+            first, last = min(offsets), max(offsets)
+            self._reader.assign({(topic, partition): first})
+            deadline = time.monotonic() + timeout
+            position = first
+            while position <= last and time.monotonic() < deadline:
+                for r in self._reader.poll(min(10_000, last - position + 1), 0.1):
+                    self.records_read += 1
+                    position = r.offset + 1
+                    if r.offset in offsets:
+                        found[Bookmark(topic, partition, r.offset)] = r
+                    if r.offset >= last:
+                        break
+        return found
+
+    def close(self) -> None:
+        self._reader.close()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from layer.coordinator.payloads import PayloadCache
+from layer.coordinator.payloads import DEFAULT_PAYLOAD_BUDGET, PayloadCache, RangeReader
 from layer.coordinator.translate import (
     add_outbox,
     engine_bookmark,
@@ -150,6 +150,8 @@ class CoordinatorOptions:
     #: Kafka transactions fence a zombie coordinator's producer (DESIGN §6).
     transactional: bool = True
     standby_poll_interval: float = 0.5
+    #: Bytes of journal records kept in memory; past it, records are re-read when needed.
+    payload_budget: int = DEFAULT_PAYLOAD_BUDGET
 
 
 @dataclass
@@ -214,7 +216,8 @@ class Coordinator:
         self.engines: dict[str, QueueEngine] = {}
         self._versions: dict[str, int] = {}
         self._sessions: dict[str, _Session] = {}
-        self._payloads = PayloadCache()
+        self._payloads = PayloadCache(self.options.payload_budget)
+        self._range_reader: RangeReader | None = None
         self._queues_by_topic: dict[str, list[QueueEngine]] = {}
         self._persisted_points: dict[PartitionKey, int] = {}
         # Entries lost to retention, found while (re)building a queue: reported (events,
@@ -270,7 +273,7 @@ class Coordinator:
         self.epoch = None
 
     def _close_clients(self) -> None:
-        for closer in (self._reader, self._writer):
+        for closer in (self._reader, self._writer, self._range_reader):
             if closer is not None:
                 try:
                     closer.close()
@@ -278,6 +281,7 @@ class Coordinator:
                     log.warning("closing a Kafka client failed: %s", exc)
         self._reader = None
         self._writer = None
+        self._range_reader = None
 
     # ------------------------------------------------------------------ start-up
     def _start(self, now: float) -> None:
@@ -466,6 +470,7 @@ class Coordinator:
 
         done: list[Bookmark] = []
         dead_letters: list[OutgoingRecord] = []
+        expired: list[ev.EntryExpired] = []
         events: list[ev.Event] = []
         for name, outbox in outboxes:
             add_outbox(batch, name, outbox)
@@ -479,10 +484,15 @@ class Coordinator:
                 elif kind is ev.EntryExpired:
                     done.append(e.bookmark)  # type: ignore[union-attr]
                     if e.dead_letter:  # type: ignore[union-attr]
-                        dead_letters.extend(self._dead_letter(e, now))  # type: ignore[arg-type]
+                        expired.append(e)  # type: ignore[arg-type]
                 elif kind is ev.ConsumerLeft:
                     self._on_consumer_left(e, batch, replies, now)  # type: ignore[arg-type]
             self._recovery_points(name, batch)
+        # Records whose bytes were dropped past the memory budget are read again, in
+        # sequential ranges, before anything is written.
+        reread = self._reread([e.bookmark for e in expired] + [d.bookmark for d in deliveries])
+        for e in expired:
+            dead_letters.extend(self._dead_letter(e, now, reread))
 
         # 3. Dead letters are safe in Kafka before their entries leave the queue.
         if dead_letters:
@@ -503,7 +513,7 @@ class Coordinator:
             self.counters["transactions"] += 1
 
         # 5. Then deliveries, replies and events.
-        out = self._deliveries(deliveries)
+        out = self._deliveries(deliveries, reread)
         stats.deliveries = len(out)
         stats.replies = len(replies)
         out.extend(self._answerable(replies))
@@ -622,13 +632,28 @@ class Coordinator:
                 log.warning("committing lag offsets of queue %s failed: %s", queue, exc)
 
     # ------------------------------------------------------------------ produce
-    def _deliveries(self, deliveries: list[ev.Delivery]) -> list[OutgoingRecord]:
+    def _reread(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
+        """Read back the records these entries need whose bytes are not in memory."""
+        missing = self._payloads.missing(bookmarks)
+        if not missing:
+            return {}
+        if self._range_reader is None:
+            self._range_reader = RangeReader(self.settings.kafka_config(),
+                                             group_id=f"{self.topics.prefix}coordinator-reread")
+        found = self._range_reader.read(missing)
+        self.counters["payload_rereads"] += len(found)
+        for bookmark, record in found.items():
+            self._payloads.fill(bookmark, record)
+        return found
+
+    def _deliveries(self, deliveries: list[ev.Delivery],
+                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
         out: list[OutgoingRecord] = []
         for d in deliveries:
-            record = self._payloads.get(d.bookmark)
+            record = self._payloads.get(d.bookmark) or reread.get(d.bookmark)
             if record is None:
-                # Cannot happen while the cache holds every live entry; if it does, the lease
-                # expires and the entry is offered again, so count it and go on.
+                # The journal no longer has the record (retention) or could not be read in
+                # time; the lease expires and the entry is offered again. Count it, go on.
                 self.counters["delivery_without_payload"] += 1
                 log.error("no payload for %s in queue %s", d.bookmark, d.queue)
                 continue
@@ -656,8 +681,9 @@ class Coordinator:
                                               record.timestamp_ms))
         return out
 
-    def _dead_letter(self, e: ev.EntryExpired, now: float) -> list[OutgoingRecord]:
-        record = self._payloads.get(e.bookmark)
+    def _dead_letter(self, e: ev.EntryExpired, now: float,
+                     reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
+        record = self._payloads.get(e.bookmark) or reread.get(e.bookmark)
         if record is None:
             self.counters["dead_letter_without_payload"] += 1
             log.error("no payload to dead-letter %s of queue %s", e.bookmark, e.queue)

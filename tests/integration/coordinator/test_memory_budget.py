@@ -1,0 +1,67 @@
+"""Past the memory budget, records are re-read from the journal: nothing is lost or altered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from layer.protocol import AckType, TopicNames, parse_dead_letter_headers
+from layer.settings import Settings
+from tests.support.coordinator import RawConsumer, put_queues, running_coordinator
+
+pytestmark = pytest.mark.integration
+
+
+def test_records_beyond_the_budget_are_delivered_and_dead_lettered_intact(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    topic = journal("Big")
+    put_queues(settings, {"name": "Big", "underlying_topic": topic, "lease_period": "30s"})
+    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "linger.ms": 5})
+    total = 300
+    sent = {}
+    for i in range(total):
+        value = f"{i:05d}".encode() + bytes([i % 251]) * 1000
+        sent[f"k{i}".encode()] = value
+        producer.produce(topic, value, key=f"k{i}".encode(), headers=[("n", str(i).encode())])
+    assert producer.flush(30) == 0
+    received: dict[bytes, bytes] = {}
+    rejected: set[bytes] = set()
+    # Room for about 20 records of the 300: most must come back from the journal.
+    with running_coordinator(settings, payload_budget=20_000) as coordinator:
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Big",
+                               max_backlog=25)
+        try:
+            consumer.subscribe()
+            deadline = time.monotonic() + 90
+            while len(received) < total and time.monotonic() < deadline:
+                batch = consumer.poll(0.2)
+                for d in batch:
+                    assert d.key is not None and d.value is not None
+                    assert ("n", d.key[1:]) in d.headers  # original headers came back too
+                    received[d.key] = d.value
+                consumer.ack([d for d in batch if int(d.key[1:]) % 10])  # type: ignore[index]
+                to_reject = [d for d in batch if int(d.key[1:]) % 10 == 0]  # type: ignore[index]
+                consumer.ack(to_reject, AckType.REJECT, reason="test")
+                rejected.update(d.key for d in to_reject if d.key is not None)
+        finally:
+            consumer.close()
+        assert coordinator.counters["payload_rereads"] > 0
+    assert received == sent
+    # The rejected ones reached the dead-letter topic with their payload.
+    dlq = TopicNames(settings.topic_prefix).dead_letter("Big")
+    reader = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "dlq-check",
+                       "enable.auto.commit": False})
+    reader.assign([TopicPartition(dlq, 0, 0)])
+    letters: dict[bytes, bytes] = {}
+    deadline = time.monotonic() + 30
+    while len(letters) < len(rejected) and time.monotonic() < deadline:
+        for m in reader.consume(100, 0.5):
+            if m.error() is None and m.key() is not None:
+                assert parse_dead_letter_headers(m.headers() or []).reason == "rejected"
+                letters[m.key()] = m.value()
+    reader.close()
+    assert letters == {k: sent[k] for k in rejected}
