@@ -422,3 +422,13 @@ class Consumers:
     def __exit__(self, *exc_info: object) -> None:
         for consumer in self.all:
             consumer.close()
+
+
+def wait_for_counters(settings: Settings, queue: str, timeout: float = 20.0,
+                      **at_least: int) -> dict[str, int]:
+    """The queue's counters once each named one reached at least the given value."""
+    def probe() -> dict[str, int] | None:
+        found = counters(settings, queue)
+        return found if found and all(found[k] >= v for k, v in at_least.items()) else None
+
+    return wait_until(probe, timeout, what=f"{queue} counters {at_least}")

@@ -37,6 +37,7 @@ from tests.support.coordinator import (
     produce,
     put_queues,
     running_coordinator,
+    wait_for_counters,
     wait_until,
 )
 
@@ -187,8 +188,7 @@ def test_forged_unknown_and_duplicate_acks_are_answered_and_change_nothing(
         holder.ack([delivery])
         (duplicate,) = holder.wait_for_ack_results(1 + 5 + 1)[6:]
         assert (duplicate.status, duplicate.bookmark) == (AckStatus.DUPLICATE, delivery.bookmark)
-        totals = wait_until(lambda: (c := counters(settings, "Work")).get("acked") and c,
-                            what="the holder's ack recorded")
+        totals = wait_for_counters(settings, "Work", acked=1)
         assert (totals["delivered"], totals["acked"], totals["dead_lettered"],
                 totals["released"]) == (1, 1, 0, 0)
         assert coordinator.counters["ack_wrong_token"] == 4

@@ -27,11 +27,13 @@ from tests.support.coordinator import (
     Delivered,
     EventReader,
     TopicReader,
+    TopicRecord,
     counters,
     produce,
     put_queues,
     recovery_points,
     running_coordinator,
+    wait_for_counters,
     wait_until,
 )
 
@@ -55,12 +57,10 @@ def jobs_queues(settings: Settings, jobs: str, failed: str, **overrides: object)
     )
 
 
-def check_dead_letter(record: Delivered | object, *, reason: str, delivery: Delivered,
+def check_dead_letter(record: Delivered | TopicRecord, *, reason: str, delivery: Delivered,
                       consumer_id: str, delivery_count: int, detail: str | None = None) -> None:
     """The dead letter is the journal record (key, value, headers) plus qlayer.dlq.* headers."""
-    key = record.key  # type: ignore[attr-defined]
-    value = record.value  # type: ignore[attr-defined]
-    headers = record.headers  # type: ignore[attr-defined]
+    key, value, headers = record.key, record.value, record.headers
     assert (key, value) == (delivery.key, delivery.value)
     assert [h for h in headers if not h[0].startswith("qlayer.")] == HEADERS
     info = parse_dead_letter_headers(headers)
@@ -106,8 +106,7 @@ def test_the_third_release_dead_letters_the_job_to_failed_jobs(
         assert dead.bookmark.startswith(f"{failed}/"), "FailedJobs reads its own journal"
         reviewer.ack([dead])
 
-        totals = wait_until(lambda: (c := counters(settings, "Jobs")).get("dead_lettered") and c,
-                            what="the dead letter to be counted")
+        totals = wait_for_counters(settings, "Jobs", dead_lettered=1)
         assert totals["released"] == 3
         assert totals["dead_lettered"] == 1
         assert totals["expired"] == 1
@@ -167,8 +166,7 @@ def test_reject_sends_the_job_with_its_reason_to_failed_jobs(
         assert json.loads(dead.value or b"") == {"job": 42, "kind": "render"}
         assert worker.idle(0.5) == [], "a rejected job is never redelivered"
         assert worker.ack_results() == []
-        totals = wait_until(lambda: (c := counters(settings, "Jobs")).get("acked") and c,
-                            what="the ack to be counted")
+        totals = wait_for_counters(settings, "Jobs", acked=1)
         assert (totals["acked"], totals["dead_lettered"], totals["released"]) == (1, 1, 0)
         wait_until(lambda: recovery_points(settings, "Jobs").get((jobs, 0)) == 2,
                    what="both jobs to leave the queue")

@@ -16,6 +16,7 @@ from tests.support.coordinator import (
     produce,
     put_queues,
     running_coordinator,
+    wait_for_counters,
     wait_until,
 )
 
@@ -149,8 +150,7 @@ def test_a_barrier_waits_for_earlier_acks_reaches_everyone_and_holds_back_later_
         assert sorted(json.loads(d.value or b"")["n"] for d in later) == [3, 4]
         for c in (first, second):
             c.ack([d for d in streams[c.consumer_id] if not d.barrier])
-        totals = wait_until(lambda: (t := counters(settings, "EndOfDay")).get("acked", 0) >= 5
-                            and t, what="all five entries done")
+        totals = wait_for_counters(settings, "EndOfDay", acked=5)
         assert totals["delivered"] == 4, "a barrier is not leased"
         assert all(c.ack_results() == [] for c in (first, second))
 

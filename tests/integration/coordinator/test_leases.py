@@ -19,7 +19,7 @@ from tests.support.coordinator import (
     produce,
     put_queues,
     running_coordinator,
-    wait_until,
+    wait_for_counters,
 )
 
 pytestmark = pytest.mark.integration
@@ -52,8 +52,7 @@ def test_an_unacknowledged_entry_comes_back_after_the_lease_period(
         assert again.lease != first.lease, "a new lease needs a new token"
         assert received_ms >= deadline_ms, "redelivered before the lease ended"
         worker.ack([again])
-        totals = wait_until(lambda: (c := counters(settings, "Work")).get("acked") and c,
-                            what="the ack to be recorded")
+        totals = wait_for_counters(settings, "Work", acked=1)
         assert totals["delivered"] == 2
         assert totals["redelivered"] == 1
         assert totals["lease_expired"] == 1
@@ -124,8 +123,7 @@ def test_renew_extends_the_lease_and_the_new_deadline_holds(
         assert again.bookmark == delivery.bookmark
         assert again.delivery_count == 2
         worker.ack([again])
-        totals = wait_until(lambda: (c := counters(settings, "Work")).get("acked") and c,
-                            what="the ack to be recorded")
+        totals = wait_for_counters(settings, "Work", acked=1)
         assert totals["lease_expired"] == 1
 
 

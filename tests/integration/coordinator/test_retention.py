@@ -10,17 +10,17 @@ import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from layer.protocol import Bookmark, EventType
+from layer.protocol import Bookmark, Event, EventType
 from layer.settings import Settings
 from tests.support.coordinator import (
     Consumers,
     EventReader,
     collect,
-    counters,
     produce,
     put_queues,
     recovery_points,
     running_coordinator,
+    wait_for_counters,
     wait_until,
 )
 
@@ -58,8 +58,7 @@ def test_records_deleted_before_the_queue_was_done_are_expired_with_reason_reten
         early.ack([done])
         (returned,) = early.receive(1)
         early.unsubscribe()
-        wait_until(lambda: (c := counters(settings, "Work")).get("acked") == 1
-                   and c.get("lease_expired") == 1, what="the ack and the broken lease recorded")
+        wait_for_counters(settings, "Work", acked=1, lease_expired=1)
     assert Bookmark.parse(returned.bookmark).offset < DELETED_BELOW
 
     delete_records_before(settings.bootstrap_servers, work, 3, DELETED_BELOW)
@@ -74,15 +73,14 @@ def test_records_deleted_before_the_queue_was_done_are_expired_with_reason_reten
         assert {d.bookmark for d in got} == left, "everything still in the journal is delivered"
         assert late.idle(0.3) == []
 
-        def expired_for_retention(es: list) -> set[str]:  # type: ignore[type-arg]
+        def expired_for_retention(es: list[Event]) -> set[str]:
             return {str(e.bookmark) for e in es
                     if e.type is EventType.EXPIRED and e.reason == "retention"}
 
         found = events.read_until(lambda es: expired_for_retention(es) >= lost)
         assert expired_for_retention(found) == lost, "each lost entry is reported, once"
-        totals = wait_until(lambda: (c := counters(settings, "Work")).get("acked") == 1 + len(left)
-                            and c, what="the acks recorded")
-        assert totals["expired"] == len(lost)
+        totals = wait_for_counters(settings, "Work", acked=1 + len(left))
+        assert (totals["acked"], totals["expired"]) == (1 + len(left), len(lost))
         wait_until(lambda: recovery_points(settings, "Work")
                    == {(work, p): PER_PARTITION for p in range(3)},
                    what="recovery points at the journal's end")
