@@ -49,7 +49,7 @@ from layer.domain.engine import AckItem as EngineAckItem
 from layer.domain.engine import QueueEngine
 from layer.domain.entries import JournalRecord as EngineRecord
 from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError
-from layer.domain.expressions import compile_expression, parse_document
+from layer.domain.expressions import compile_expression, parse_document, project
 from layer.domain.states import AckResult as EngineAckResult
 from layer.domain.states import AckType as EngineAckType
 from layer.domain.states import Bookmark, LeaveReason
@@ -571,18 +571,30 @@ class Coordinator:
         for r in records:
             by_topic.setdefault(r.topic, []).append(r)
         fresh: dict[Bookmark, JournalRecord] = {}
+        # What the payload budget still takes: records past it are projected below.
+        room = self._payloads.budget - self._payloads.bytes
         for topic, rs in by_topic.items():
             engines = self._engines_for(topic)
             if not engines:
                 continue
             # Every record's document is parsed, even when no expression reads it now: a
             # consumer may subscribe later with a filter, and `qlayer view` shows documents.
+            # Past the memory window only the fields the queues' expressions read now are
+            # kept (DESIGN §2): a filter subscribed later sees null in other fields there.
+            fields: frozenset[str] | None = None
             offered = []
             for r in rs:
                 deliver_at_ms = self._deliver_at(r) if r.headers else None
+                doc = parse_document(r.value)
+                room -= len(r.value or b"") + len(r.key or b"")
+                if room < 0:
+                    if fields is None:
+                        fields = frozenset().union(*(e.fields_needed() for e in engines))
+                    doc = project(doc, fields)
+                    self.counters["documents_projected"] += 1
                 offered.append(EngineRecord(
                     r.topic, r.partition, r.offset, r.key,
-                    parse_document(r.value),
+                    doc,
                     r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,
                     deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
                 ))

@@ -62,8 +62,8 @@ def upgrade() -> None:
         sa.Column("client_info", postgresql.JSONB(), nullable=True),
         sa.PrimaryKeyConstraint("consumer_id", name=op.f("pk_consumers")),
         sa.CheckConstraint(
-            "max_backlog IS NULL OR max_backlog >= 1",
-            name=op.f("ck_consumers_max_backlog_positive"),
+            "max_backlog IS NULL OR max_backlog >= 0",
+            name=op.f("ck_consumers_max_backlog_not_negative"),
         ),
         sa.CheckConstraint(
             "session_timeout_ms > 0", name=op.f("ck_consumers_session_timeout_positive")

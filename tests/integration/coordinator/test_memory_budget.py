@@ -65,3 +65,38 @@ def test_records_beyond_the_budget_are_delivered_and_dead_lettered_intact(
                 letters[m.key()] = m.value()
     reader.close()
     assert letters == {k: sent[k] for k in rejected}
+
+
+def test_past_the_budget_the_fields_expressions_read_are_kept(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """Filter and priority still work on entries whose documents were projected."""
+    import json
+
+    topic = journal("Orders", partitions=1)
+    put_queues(settings, {"name": "Orders", "underlying_topic": topic, "filter": "/keep = 1",
+                          "priority": "/p", "lease_period": "30s"})
+    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "linger.ms": 5})
+    for i in range(200):
+        doc = {"keep": i % 2, "p": i, "notes": "x" * 1000}
+        producer.produce(topic, json.dumps(doc).encode(), key=str(i).encode())
+    assert producer.flush(30) == 0
+    with running_coordinator(settings, payload_budget=10_000) as coordinator:
+        # Let every record be queued before the one consumer (backlog 1) starts taking them.
+        deadline = time.monotonic() + 30
+        while coordinator.counters["journal_records"] < 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Orders")
+        order: list[int] = []
+        try:
+            consumer.subscribe()
+            deadline = time.monotonic() + 60
+            while len(order) < 100 and time.monotonic() < deadline:
+                batch = consumer.poll(0.2)
+                order.extend(json.loads(d.value or b"{}")["p"] for d in batch)
+                consumer.ack(batch)
+        finally:
+            consumer.close()
+        assert coordinator.counters["documents_projected"] > 0
+    # Only /keep = 1 entered, all of them, highest /p first (the payloads were re-read whole).
+    assert order == sorted(range(1, 200, 2), reverse=True)

@@ -114,7 +114,7 @@ def test_invalid_update_leaves_the_previous_row(store: Store, epoch: int) -> Non
 
 
 @pytest.mark.parametrize(
-    ("max_backlog", "session_timeout_ms"), [(0, 1000), (-3, 1000), (5, 0)]
+    ("max_backlog", "session_timeout_ms"), [(-1, 1000), (-3, 1000), (5, 0)]
 )
 def test_consumer_limits_are_checked(
     store: Store, epoch: int, max_backlog: int, session_timeout_ms: int
@@ -130,6 +130,20 @@ def test_consumer_limits_are_checked(
     with pytest.raises(StoreError, match="violates check constraint"):
         store.commit(batch, SHARD, "coordinator-a", epoch, NOW)
     assert store.load_consumers() == []
+
+
+def test_a_consumer_may_have_backlog_zero(store: Store, epoch: int) -> None:
+    """Backlog 0: a session that takes only barrier messages (docs/protocol.md §4.1)."""
+    batch = WriteBatch()
+    batch.put_consumer(
+        ConsumerRow(
+            consumer_id="c0", session_id="s0", queue="Work", is_regex=False,
+            delivery_topic="qlayer.deliver.c0", session_timeout_ms=1000,
+            subscribed_at=NOW, last_heartbeat_at=NOW, max_backlog=0,
+        )
+    )
+    store.commit(batch, SHARD, "coordinator-a", epoch, NOW)
+    assert [c.max_backlog for c in store.load_consumers()] == [0]
 
 
 @pytest.mark.parametrize("state", list(EntryState), ids=lambda state: state.name)
