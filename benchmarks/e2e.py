@@ -35,13 +35,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from confluent_kafka import Producer  # noqa: E402
-from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
 
-from layer.coordinator.service import Coordinator, CoordinatorOptions  # noqa: E402
-from layer.settings import Settings  # noqa: E402
-from layer.store.migrate import upgrade  # noqa: E402
-from layer.store.store import Store  # noqa: E402
+from layer.coordinator.service import Coordinator, CoordinatorOptions
+from layer.settings import Settings
+from layer.store.migrate import upgrade
+from layer.store.store import Store
 
 STAMP = struct.Struct(">d")
 
