@@ -213,7 +213,8 @@ class QueueConsumer:
         self._codec = Codec()
 
         # Shared with the background thread: everything below, guarded by _cond's lock.
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: close() may run in a signal handler while this thread holds the lock.
+        self._cond = threading.Condition(threading.RLock())
         self._batcher = AckBatcher(ack_batch_size, ack_interval)
         self._session_id: str | None = None
         self._active = False
@@ -523,8 +524,9 @@ class QueueConsumer:
             self._closed = True
             self._stop.set()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        # No join: the background thread checks _closed under the lock before it sends
+        # anything, so it can do nothing more; and joining here could wait on a lock this very
+        # thread holds (close() called from a signal handler).
         try:
             with self._cond:
                 active = self._active and self._terminal is None

@@ -118,6 +118,7 @@ class DeliveryReader:
         # Held while polling: librdkafka must not close a consumer another thread polls.
         self._lock = threading.RLock()
         self._closed = False
+        self._polling = False
 
     def start(self, timeout: float) -> int:
         """Create the topic if possible, assign partition 0 at its current end; the offset."""
@@ -143,16 +144,17 @@ class DeliveryReader:
         with self._lock:
             if self._closed:
                 return []
+            self._polling = True
             try:
-                first = self._consumer.poll(max(0.0, timeout))
-                if first is None:
-                    return []
-                batch = [first]
-                if max_records > 1:
-                    batch.extend(self._consumer.consume(max_records - 1, 0))
-            except KafkaException as exc:
-                raise KafkaAdapterError(
-                    f"reading delivery topic {self.topic} failed: {exc}") from exc
+                batch = self._fetch(timeout, max_records)
+            finally:
+                self._polling = False
+                if self.is_closed():
+                    # close() ran inside the poll: confluent-kafka runs Python signal handlers
+                    # while it waits, and closing the consumer there would pull it out from
+                    # under the C call. The deferred close happens now, outside it.
+                    self._consumer.close()
+                    batch = []
         out: list[KafkaMessage] = []
         for message in batch:
             error = message.error()
@@ -163,12 +165,32 @@ class DeliveryReader:
                 log.warning("delivery topic %s: %s", self.topic, error)
         return out
 
+    def _fetch(self, timeout: float, max_records: int) -> list[KafkaMessage]:
+        try:
+            first = self._consumer.poll(max(0.0, timeout))
+            if first is None or self.is_closed():
+                return []
+            batch = [first]
+            if max_records > 1:
+                batch.extend(self._consumer.consume(max_records - 1, 0))
+            return batch
+        except KafkaException as exc:
+            raise KafkaAdapterError(
+                f"reading delivery topic {self.topic} failed: {exc}") from exc
+
+    def is_closed(self) -> bool:
+        # A method, not the attribute: a signal handler may set it during a call, which a
+        # type checker's narrowing of self._closed cannot know.
+        return self._closed
+
     def close(self) -> None:
-        """Close the Kafka consumer. From another thread this waits for a poll in progress
-        (at most its timeout); re-entrant, so a signal handler may call it mid-poll too."""
+        """Close the Kafka consumer. Safe from any thread (it waits for a poll in progress,
+        at most its timeout) and from a signal handler (then the poll closes it on return)."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
+            if self._closed:
+                return
+            self._closed = True
+            if not self._polling:
                 self._consumer.close()
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import re
+import signal
 import statistics
 import threading
 import time
@@ -552,6 +553,21 @@ def test_close_from_another_thread_ends_the_iteration(
     got = [message.value for message in consumer]  # ends when closed, without an error
     closer.join()
     assert got == [b"m"]
+    assert peer.next_control(Unsubscribe).session_id == subscribe.session_id
+
+
+def test_close_from_a_signal_handler_ends_the_iteration(connect: Connect,
+                                                       peer: CoordinatorPeer) -> None:
+    consumer, subscribe = connect("Jobs")
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: consumer.close())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        started = time.monotonic()
+        assert list(consumer) == []  # interrupted mid-poll, ends without an error
+        assert time.monotonic() - started < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     assert peer.next_control(Unsubscribe).session_id == subscribe.session_id
 
 
