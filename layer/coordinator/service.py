@@ -303,7 +303,12 @@ class Coordinator:
         inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
         inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
         committed = self._reader.committed(inputs)
-        self._reader.add({tp: (o if o is not None else BEGINNING) for tp, o in committed.items()})
+        # Control and ack records older than the topics' retention are gone for good; they
+        # mattered only within a session timeout, so reading on from the log start is right.
+        assert self._admin is not None
+        firsts = self._admin.log_start_offsets(inputs)
+        self._reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
+                          for tp, o in committed.items()})
         self._next_refresh = now + self.options.refresh_interval
 
     def _partitions(self, topic: str) -> int:

@@ -11,3 +11,11 @@ class KafkaAdapterError(QlayerError):
 
 class DeliveryFailed(KafkaAdapterError):
     """Records could not be written (after the producer's own retries)."""
+
+
+class RetentionGap(KafkaAdapterError):
+    """A partition's position is below its log start: retention deleted unread records.
+
+    The coordinator rebuilds from its stored state on any adapter error, and its start-up
+    reports entries lost to retention (reason ``retention``); so this never passes silently.
+    """

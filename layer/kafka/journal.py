@@ -12,7 +12,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.errors import KafkaAdapterError, RetentionGap
 from layer.kafka.records import JournalRecord
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ class JournalReader:
             "group.id": group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
+            # An assigned offset below the log start means retention deleted records qlayer
+            # had not finished with: never skip them silently (see poll()).
+            "auto.offset.reset": "error",
             "enable.partition.eof": False,
             "fetch.wait.max.ms": 50,
             "queued.max.messages.kbytes": 262144,
@@ -71,6 +73,10 @@ class JournalReader:
         for m in messages:
             err = m.error()
             if err is not None:
+                if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                    raise RetentionGap(
+                        f"{m.topic()}[{m.partition()}]: the offset to read was deleted by "
+                        f"retention ({err.str()})")
                 if err.code() != KafkaError._PARTITION_EOF:
                     self.errors += 1
                     log.warning("journal read error on %s[%s]: %s", m.topic(), m.partition(), err)

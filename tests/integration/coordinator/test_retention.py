@@ -85,3 +85,38 @@ def test_records_deleted_before_the_queue_was_done_are_expired_with_reason_reten
                    == {(work, p): PER_PARTITION for p in range(3)},
                    what="recovery points at the journal's end")
     events.close()
+
+
+def test_records_deleted_while_the_coordinator_runs_are_reported_too(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """Retention catches up with a running coordinator: entries whose bytes were past the
+    memory budget can no longer be read back. The coordinator notices (the reader refuses to
+    skip), rebuilds from its stored state and reports exactly the lost entries."""
+    work = journal("Work", partitions=1)
+    put_queues(settings, {"name": "Work", "underlying_topic": work, "lease_period": "30s",
+                          "max_per_subscription_backlog": 100})
+    total, deleted_below = 100, 50
+    produce(settings.bootstrap_servers, work, [b"%03d" % i + b"." * 1000 for i in range(total)],
+            partition=0)
+    events = EventReader(settings)
+    with running_coordinator(settings, payload_budget=5_000) as coordinator, \
+            Consumers(settings) as pool:
+        wait_until(lambda: coordinator.counters["journal_records"] >= total or None,
+                   what="every record queued")
+        delete_records_before(settings.bootstrap_servers, work, 1, deleted_below)
+        late = pool.subscribe("Work", max_backlog=total)
+        got = collect([late], total - deleted_below, timeout=60)[late.consumer_id]
+        late.ack(got)
+        assert {Bookmark.parse(d.bookmark).offset for d in got} == set(
+            range(deleted_below, total))
+        assert coordinator.counters["iteration_failures"] >= 1
+        lost = {str(Bookmark(work, 0, o)) for o in range(deleted_below)}
+        found = events.read_until(lambda es: {
+            str(e.bookmark) for e in es
+            if e.type is EventType.EXPIRED and e.reason == "retention"} >= lost)
+        assert {str(e.bookmark) for e in found
+                if e.type is EventType.EXPIRED and e.reason == "retention"} == lost
+        wait_until(lambda: recovery_points(settings, "Work") == {(work, 0): total} or None,
+                   what="recovery point at the journal's end")
+    events.close()
