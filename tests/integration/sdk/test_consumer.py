@@ -7,6 +7,7 @@ coordinator reads on the control and ack topics.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import re
@@ -462,6 +463,21 @@ def test_heartbeats_arrive_at_the_advertised_interval(
     gaps = [(b.sent_at_ms - a.sent_at_ms) / 1000 for a, b in itertools.pairwise(beats)]
     assert min(gaps) >= interval * 0.9, gaps
     assert statistics.median(gaps) <= interval * 1.5, gaps
+
+
+def test_a_consumer_dropped_without_close_stops_heartbeating(
+    bootstrap_servers: str, prefix: str, peer: CoordinatorPeer
+) -> None:
+    answered = peer.answer_subscribe(heartbeat_interval_ms=200)
+    consumer = QueueConsumer("Jobs", bootstrap_servers, topic_prefix=prefix)
+    subscribe = answered.result(timeout=30)
+    thread = next(t for t in threading.enumerate() if t.name.endswith(subscribe.consumer_id))
+    peer.wait_for(lambda: len(peer.of_kind(Heartbeat)) >= 2 or None, "heartbeats")
+    del consumer
+    gc.collect()
+    # Its session is left to time out on the coordinator, as for a crashed process.
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 # --- replace ------------------------------------------------------------------------------------
