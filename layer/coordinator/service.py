@@ -218,6 +218,7 @@ class Coordinator:
         self._sessions: dict[str, _Session] = {}
         self._payloads = PayloadCache(self.options.payload_budget)
         self._range_reader: RangeReader | None = None
+        self._known_topics: set[str] = set()
         self._queues_by_topic: dict[str, list[QueueEngine]] = {}
         self._persisted_points: dict[PartitionKey, int] = {}
         # Entries lost to retention, found while (re)building a queue: reported (events,
@@ -826,12 +827,32 @@ class Coordinator:
     def _answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
         """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
         answered; producing to it would fail the iteration, and every retry after it."""
-        good = [r for r in replies if topic_name_problem(r.topic) is None]
+        good = [r for r in replies
+                if topic_name_problem(r.topic) is None and self._topic_exists(r.topic)]
         if len(good) < len(replies):
             self.counters["unanswerable_replies"] += len(replies) - len(good)
             log.warning("%d replies dropped: no legal topic to answer on",
                         len(replies) - len(good))
         return good
+
+    def _topic_exists(self, topic: str) -> bool:
+        """Whether Kafka has the topic (replies never create one: a broker without topic
+        auto-creation would fail the whole iteration's flush, again on every retry)."""
+        if topic in self._known_topics:
+            return True
+        assert self._admin is not None
+        self._known_topics = set(self._admin.topics())
+        if topic in self._known_topics:
+            return True
+        # A reply topic is a consumer's delivery topic (one partition), which it reads already:
+        # create it as a subscribe would; a broker that refuses means no answer is possible.
+        try:
+            self._admin.ensure_topics([TopicSpec(topic, 1)])
+        except KafkaAdapterError as exc:
+            log.warning("cannot create reply topic %s: %s", topic, exc)
+            return False
+        self._known_topics.add(topic)
+        return True
 
     def _session_ended(self, consumer_id: str, session_id: str, reason: SessionEndReason,
                        now: float, message: str | None = None) -> OutgoingRecord:
@@ -901,6 +922,7 @@ class Coordinator:
         assert self._admin is not None
         try:
             self._admin.ensure_topics([TopicSpec(m.delivery_topic, 1)])
+            self._known_topics.add(m.delivery_topic)
         except KafkaAdapterError as exc:
             # Refused rather than retried: a topic the broker will not create would otherwise
             # fail this record's iteration forever. The consumer may subscribe again.
