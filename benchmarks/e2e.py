@@ -96,7 +96,7 @@ def acked(store: Store, queue: str) -> int:
 
 
 def run_phase(settings: Settings, queue: str, messages: int, size: int, consumers: int,
-              rate: float | None) -> dict[str, Any]:
+              rate: float | None, transactional: bool) -> dict[str, Any]:
     # Not under the internal-topic prefix: the coordinator never treats those as journals.
     journal = f"bench-{settings.topic_prefix.rstrip('.')}-{queue}"
     create_topic(settings.bootstrap_servers, journal, 3)
@@ -104,7 +104,8 @@ def run_phase(settings: Settings, queue: str, messages: int, size: int, consumer
         store.put_queue(queue, {"name": queue, "underlying_topic": journal,
                                 "lease_period": "60s", "max_per_subscription_backlog": 1000},
                         time.time())
-    coordinator = Coordinator(settings, CoordinatorOptions(refresh_interval=0.5))
+    coordinator = Coordinator(settings, CoordinatorOptions(refresh_interval=0.5,
+                                                           transactional=transactional))
     thread = threading.Thread(target=coordinator.run, kwargs={"install_signals": False},
                               daemon=True)
     thread.start()
@@ -142,6 +143,7 @@ def run_phase(settings: Settings, queue: str, messages: int, size: int, consumer
         complete = acked(store, queue) == messages
     statements = coordinator.counters["statements"] - statements_before
     result: dict[str, Any] = {"messages": messages, "size": size, "consumers": consumers,
+                              "kafka_transactions": transactional,
                               "complete": complete, "seconds": round(finished - started, 3),
                               "statements": statements,
                               "statements_per_message": round(statements / messages, 4),
@@ -188,6 +190,8 @@ def main() -> None:
     parser.add_argument("--consumers", type=int, default=3)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--no-transactions", action="store_true",
+                        help="coordinator without Kafka transactions (no zombie fencing)")
     parser.add_argument("--bootstrap-servers")
     parser.add_argument("--database-url", help="a server URL where CREATE DATABASE is allowed")
     args = parser.parse_args()
@@ -195,13 +199,15 @@ def main() -> None:
     settings = Settings(bootstrap_servers=base.bootstrap_servers,
                         database_url=scratch_database(base.database_url),
                         topic_prefix=f"bench{uuid.uuid4().hex[:6]}.")
+    transactional = not args.no_transactions
     throughput = run_phase(settings, "Throughput", args.messages, args.size, args.consumers,
-                           None)
+                           None, transactional)
     print(json.dumps({"throughput": throughput}))
     latency = run_phase(settings, "Latency", int(args.rate * args.latency_seconds), args.size,
-                        args.consumers, args.rate)
+                        args.consumers, args.rate, transactional)
     print(json.dumps({"latency": latency}))
-    out = Path(__file__).parent / "results" / "e2e.json"
+    out = Path(__file__).parent / "results" / (
+        "e2e.json" if transactional else "e2e-no-transactions.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine(),
                                "throughput": throughput, "latency": latency}, indent=2) + "\n")

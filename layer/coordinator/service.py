@@ -219,6 +219,7 @@ class Coordinator:
         self._payloads = PayloadCache(self.options.payload_budget)
         self._range_reader: RangeReader | None = None
         self._known_topics: set[str] = set()
+        self._directory_synced = False
         self._queues_by_topic: dict[str, list[QueueEngine]] = {}
         self._persisted_points: dict[PartitionKey, int] = {}
         # Entries lost to retention, found while (re)building a queue: reported (events,
@@ -301,6 +302,7 @@ class Coordinator:
         for record in self.store.load_queues():
             self._add_queue(record.name, record.definition, record.version, now, session_of)
         self._restore_sessions(now)
+        self._sync_directory()
         inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
         inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
         committed = self._reader.committed(inputs)
@@ -450,16 +452,21 @@ class Coordinator:
         records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
         control_topic, ack_topic = self.topics.control, self.topics.ack
         journal: list[JournalRecord] = []
+        controls: list[JournalRecord] = []
         for r in records:
             if r.topic == ack_topic:
                 stats.ack_items += self._on_ack(r, now, replies)
                 self._input_offsets[(r.topic, r.partition)] = r.offset + 1
             elif r.topic == control_topic:
-                stats.control_records += 1
-                self._on_control(r, now, batch, replies)
-                self._input_offsets[(r.topic, r.partition)] = r.offset + 1
+                controls.append(r)
             else:
                 journal.append(r)
+        # Acks before control records: a consumer acks, then unsubscribes on another topic;
+        # both may arrive in one batch, and the acks must not find their leases broken.
+        for r in controls:
+            stats.control_records += 1
+            self._on_control(r, now, batch, replies)
+            self._input_offsets[(r.topic, r.partition)] = r.offset + 1
         stats.journal_records = len(journal)
         fresh = self._enqueue(journal, now) if journal else {}
 
@@ -990,6 +997,9 @@ class Coordinator:
         """Pick up queues created, changed or deleted, and journal partitions added."""
         known = {r.name: r for r in self.store.load_queues()}
         session_of = {s.consumer_id: s.session_id for s in self._sessions.values()}
+        if set(known) != set(self.engines) or any(
+                r.version != self._versions.get(n) for n, r in known.items()):
+            self._directory_synced = False
         for name in list(self.engines):
             if name not in known:
                 log.info("queue %s was deleted", name)
@@ -1018,6 +1028,24 @@ class Coordinator:
                 engine.restore([], starts)
                 self._read_from(starts)
                 self._queues_by_topic.clear()
+        if not self._directory_synced:
+            self._sync_directory()
+
+    def _sync_directory(self) -> None:
+        """Publish the queue definitions to the compacted directory topic, from which
+        publishers learn where a queue's name routes (its default_publish_target) without
+        PostgreSQL. Retried at the next refresh when Kafka refuses."""
+        from layer.sdk.directory import sync_queue_definitions
+
+        try:
+            sync_queue_definitions([e.definition for e in self.engines.values()],
+                                   self.settings.bootstrap_servers,
+                                   topic_prefix=self.settings.topic_prefix,
+                                   kafka_config=self.settings.kafka)
+        except QlayerError as exc:
+            log.warning("publishing the queue directory failed (retrying): %s", exc)
+            return
+        self._directory_synced = True
 
     def _drop_queue(self, name: str, now: float, keep_sessions: bool = False) -> None:
         engine = self.engines.pop(name)
