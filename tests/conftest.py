@@ -25,10 +25,16 @@ from layer.localstack.selection import Backend, choose_services, docker_answers
 def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
     """{'bootstrap_servers': ..., 'admin_database_url': ...} for the session."""
     terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
 
     def say(line: str) -> None:
-        # Shown in the run's log (not captured): which real services the suite talks to.
-        if terminal is not None:
+        # Shown in the run's log, past output capture: which real services the suite uses.
+        if terminal is None:
+            return
+        if capture is None:
+            terminal.write_line(f"[qlayer services] {line}")
+            return
+        with capture.global_and_fixture_disabled():
             terminal.write_line(f"[qlayer services] {line}")
 
     started = time.monotonic()
