@@ -59,7 +59,11 @@ class StackConfig:
             e, "QLAYER_DEV_CONTROLLER_PORT", int(str(values["kafka_port"])) + 1
         )
         values["postgres_port"] = _int_env(e, "QLAYER_DEV_POSTGRES_PORT", 15432)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "kafka_port" in given and "controller_port" not in given:
+            # The controller listens next to the broker, wherever the broker was moved.
+            given["controller_port"] = int(str(given["kafka_port"])) + 1
+        values.update(given)
         return cls(**values)  # type: ignore[arg-type]
 
     def kafka(self) -> KafkaConfig:

@@ -53,3 +53,4 @@ def test_forcing_testcontainers_without_docker_is_an_error_not_a_skip() -> None:
 def test_unknown_forced_backend_is_named_in_the_error() -> None:
     with pytest.raises(ValueError, match="'podman'"):
         choose_services({"QLAYER_TEST_BACKEND": "podman"}, docker_answers=False)
+
