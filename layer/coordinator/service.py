@@ -446,7 +446,7 @@ class Coordinator:
         if now >= self._next_renew:
             self._renew(now)
         if now >= self._next_refresh:
-            self._refresh(now)
+            self._refresh(now, batch, replies)
             self._next_refresh = now + self.options.refresh_interval
 
         records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
@@ -993,10 +993,19 @@ class Coordinator:
         log.info("consumer %s timed out; its leases were broken", e.consumer_id)
 
     # ------------------------------------------------------------------ refresh
-    def _refresh(self, now: float) -> None:
-        """Pick up queues created, changed or deleted, and journal partitions added."""
+    def _refresh(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
+        """Pick up queues created, changed, purged or deleted, journal partitions added and
+        consumers an operator evicted."""
         known = {r.name: r for r in self.store.load_queues()}
         session_of = {s.consumer_id: s.session_id for s in self._sessions.values()}
+        for name, record in known.items():
+            if record.purge_pending and name in self.engines:
+                self._purge(name, now, batch)
+                assert record.purge_requested_at is not None
+                batch.purge_done(name, record.purge_requested_at)
+                # A purge bumps the version; it is not a definition change to rebuild for.
+                self._versions[name] = record.version
+        self._evict(now, batch, replies)
         if set(known) != set(self.engines) or any(
                 r.version != self._versions.get(n) for n, r in known.items()):
             self._directory_synced = False
@@ -1046,6 +1055,41 @@ class Coordinator:
             log.warning("publishing the queue directory failed (retrying): %s", exc)
             return
         self._directory_synced = True
+
+    def _purge(self, name: str, now: float, batch: WriteBatch) -> None:
+        """`qlayer queue purge`: every entry leaves the queue, acknowledged by the operator
+        (AMPS: a sow_delete on the queue). Leases end; their holders' late acks are answered
+        DUPLICATE. Each entry gets its ACKED event (source admin), so audits still balance."""
+        engine = self.engines[name]
+        purged = 0
+        # Entries beyond target_queue_depth become active as the ones before them leave.
+        for _ in range(1_000):
+            n = engine.ack_matching(None, now)
+            engine.tick(now)
+            purged += n
+            if n == 0:
+                break
+        self.counters["purged"] += purged
+        log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)
+
+    def _evict(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
+        """`qlayer consumers evict`: break the consumer's leases at once and tell it."""
+        for row in self.store.load_consumers():
+            if row.evict_requested_at is None:
+                continue
+            session = self._sessions.get(row.consumer_id)
+            if session is not None:
+                for queue in session.queues:
+                    engine = self.engines.get(queue)
+                    if engine is not None:
+                        engine.unsubscribe(row.consumer_id, now, LeaveReason.EVICTED)
+                replies.append(self._session_ended(
+                    row.consumer_id, session.session_id, SessionEndReason.EVICTED, now,
+                    "evicted by an operator (qlayer consumers evict)"))
+                del self._sessions[row.consumer_id]
+            batch.delete_consumer(row.consumer_id)
+            self.counters["evictions"] += 1
+            log.info("consumer %s evicted; its leases were broken", row.consumer_id)
 
     def _drop_queue(self, name: str, now: float, keep_sessions: bool = False) -> None:
         engine = self.engines.pop(name)

@@ -102,6 +102,8 @@ class ConsumerRow:
     max_backlog: int | None = None
     filter: str | None = None
     client_info: Mapping[str, Any] | None = None
+    # Set when an operator asked to evict the consumer (read only; upserts leave it alone).
+    evict_requested_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

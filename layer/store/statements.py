@@ -324,6 +324,12 @@ SELECT_RECOVERY_POINTS: Final = select(
 ).order_by(recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition)
 
 SELECT_CONSUMERS: Final = select(consumers).order_by(consumers.c.consumer_id)
+REQUEST_EVICTION: Final = (
+    update(consumers)
+    .where(consumers.c.consumer_id == bindparam("the_consumer_id"))
+    .values(evict_requested_at=bindparam("moment"))
+    .returning(consumers.c.consumer_id)
+)
 
 SELECT_COUNTERS: Final = select(queue_counters).order_by(queue_counters.c.queue)
 

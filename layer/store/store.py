@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import Row
 
-from layer.domain.errors import UnknownQueueError
+from layer.domain.errors import UnknownConsumerError, UnknownQueueError
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
@@ -282,9 +282,28 @@ class Store:
                     max_backlog=row.max_backlog,
                     filter=row.filter,
                     client_info=row.client_info,
+                    evict_requested_at=_to_seconds_or_none(row.evict_requested_at),
                 )
                 for row in conn.execute(sql.SELECT_CONSUMERS)
             ]
+
+    def request_eviction(self, consumer_id: str, now: float) -> None:
+        """Ask the owning coordinator to evict a consumer (`qlayer consumers evict`).
+
+        The coordinator breaks all its leases at once, answers SessionEnded(EVICTED) and
+        deletes the row within its refresh interval. Raises `UnknownConsumerError` when no
+        consumer has that id.
+        """
+        with (
+            translate_errors(f"requesting the eviction of consumer {consumer_id!r}"),
+            self._engine.begin() as conn,
+        ):
+            found = conn.execute(
+                sql.REQUEST_EVICTION,
+                {"the_consumer_id": consumer_id, "moment": _to_datetime(now)},
+            ).scalar_one_or_none()
+        if found is None:
+            raise UnknownConsumerError(consumer_id)
 
     def load_counters(self, queue: str | None = None) -> dict[str, QueueCounters]:
         statement = sql.SELECT_COUNTERS

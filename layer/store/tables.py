@@ -120,6 +120,9 @@ consumers = Table(
     _ts("last_heartbeat_at", nullable=False),
     # What the SDK says about itself (language, version, host, pid), for `qlayer consumers`.
     Column("client_info", JSONB, nullable=True),
+    # `qlayer consumers evict`: set by the CLI; the owning coordinator breaks the consumer's
+    # leases, tells it so (SessionEnded EVICTED) and deletes the row.
+    _ts("evict_requested_at", nullable=True),
     # 0 is a session that takes only barrier messages (AMPS; docs/protocol.md §4.1).
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),

@@ -60,6 +60,7 @@ def upgrade() -> None:
         sa.Column("subscribed_at", _TIMESTAMPTZ, nullable=False),
         sa.Column("last_heartbeat_at", _TIMESTAMPTZ, nullable=False),
         sa.Column("client_info", postgresql.JSONB(), nullable=True),
+        sa.Column("evict_requested_at", _TIMESTAMPTZ, nullable=True),
         sa.PrimaryKeyConstraint("consumer_id", name=op.f("pk_consumers")),
         sa.CheckConstraint(
             "max_backlog IS NULL OR max_backlog >= 0",
