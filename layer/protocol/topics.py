@@ -8,6 +8,7 @@ name fails at once with a message naming it, not later inside the broker.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
 
@@ -24,8 +25,12 @@ MAX_TOPIC_NAME_LENGTH = 249
 _LEGAL = re.compile(r"[a-zA-Z0-9._-]+")
 
 
+@lru_cache(maxsize=4096)
 def topic_name_problem(name: str) -> str | None:
-    """What makes ``name`` an illegal Kafka topic name, or ``None`` when it is legal."""
+    """What makes ``name`` an illegal Kafka topic name, or ``None`` when it is legal.
+
+    Cached: every bookmark the coordinator writes checks its topic, and journals are few.
+    """
     if not name:
         return "a topic name cannot be empty"
     if len(name) > MAX_TOPIC_NAME_LENGTH:
