@@ -1,0 +1,1 @@
+"""`qlayer demo`: the headline features of qlayer, run end to end against real services."""
