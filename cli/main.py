@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli import coordinator, db, dev
+from cli import consumers, coordinator, db, dev, queue
 from cli.demo import demo as demo_command
 from cli.errors import run_friendly
 
@@ -20,6 +20,8 @@ app = typer.Typer(
 app.add_typer(dev.app, name="dev")
 app.add_typer(db.app, name="db")
 app.add_typer(coordinator.app, name="coordinator")
+app.add_typer(queue.app, name="queue")
+app.add_typer(consumers.app, name="consumers")
 app.command(name="demo")(demo_command)
 
 

@@ -1,0 +1,88 @@
+"""Shared pieces of the `qlayer` commands: settings flags, `--json`, rich tables, formats.
+
+Read commands print a rich table for people, or with `--json` exactly one JSON document on
+stdout for scripts (nothing else goes to stdout then).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from layer.domain.durations import format_duration
+from layer.settings import Settings
+
+DatabaseUrl = Annotated[str | None, typer.Option(
+    "--database-url", help="PostgreSQL URL [env: QLAYER_DATABASE_URL]")]
+BootstrapServers = Annotated[str | None, typer.Option(
+    "--bootstrap-servers", help="Kafka bootstrap servers [env: QLAYER_BOOTSTRAP_SERVERS]")]
+TopicPrefix = Annotated[str | None, typer.Option(
+    "--topic-prefix", help="Prefix of qlayer's internal topics [env: QLAYER_TOPIC_PREFIX]")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document, for scripts.")]
+
+# Fields whose stored value is seconds and which people read as durations (`30s`, `5m`).
+_DURATION_FIELDS = frozenset({"lease_period", "expiration", "initial", "maximum"})
+
+
+def load_settings(
+    database_url: str | None = None,
+    bootstrap_servers: str | None = None,
+    topic_prefix: str | None = None,
+) -> Settings:
+    """Flags win over QLAYER_* variables, which win over the config file."""
+    return Settings.load(database_url=database_url, bootstrap_servers=bootstrap_servers,
+                         topic_prefix=topic_prefix)
+
+
+def emit_json(document: Any) -> None:
+    typer.echo(json.dumps(document, indent=2, sort_keys=False, default=str))
+
+
+def new_table(*columns: str, title: str | None = None) -> Table:
+    table = Table(*columns, title=title, title_justify="left", title_style="bold")
+    return table
+
+
+def show(*renderables: Any) -> None:
+    console = Console()
+    for renderable in renderables:
+        console.print(renderable)
+
+
+def value_text(field: str, value: Any) -> str:
+    """A definition value as a person reads it: durations as `30s`, none as `-`."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if field in _DURATION_FIELDS and isinstance(value, int | float):
+        return format_duration(float(value))
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {value_text(k, v)}" for k, v in value.items())
+    return str(value)
+
+
+def age_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    return format_duration(round(seconds))
+
+
+def time_text(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
+
+
+def iso_or_none(epoch: float | None) -> str | None:
+    """Times in JSON: ISO-8601 UTC with milliseconds, or null."""
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")

@@ -1,0 +1,368 @@
+"""`qlayer queue apply | create | list | describe | delete | purge`."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from cli.output import (
+    BootstrapServers,
+    DatabaseUrl,
+    JsonOut,
+    TopicPrefix,
+    emit_json,
+    iso_or_none,
+    load_settings,
+    new_table,
+    show,
+    time_text,
+    value_text,
+)
+from layer.services.queues import (
+    ApplyResult,
+    QueueChange,
+    QueueDescription,
+    QueueService,
+)
+
+app = typer.Typer(help="Define, inspect, delete and purge queues.", no_args_is_help=True)
+
+_MARKS = {"create": "+", "change": "~", "delete": "-", "unchanged": "="}
+
+
+def _service(database_url: str | None, bootstrap_servers: str | None = None,
+              topic_prefix: str | None = None) -> QueueService:
+    return QueueService.from_settings(load_settings(database_url, bootstrap_servers,
+                                                    topic_prefix))
+
+
+# --- apply ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def apply(
+    file: Annotated[Path, typer.Option(
+        "--file", "-f", help="YAML queue file ('-' reads stdin)", allow_dash=True)],
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print what would change; change nothing.")] = False,
+    prune: Annotated[bool, typer.Option(
+        "--prune/--no-prune", help="Delete stored queues the file does not name (the file is "
+        "the whole truth). --no-prune only creates and changes.")] = True,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Delete queues even while consumers are attached.")] = False,
+    database_url: DatabaseUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Make the stored queues match a queue file: create, change and delete.
+
+    The whole file is validated first; on any problem nothing is changed. An identical
+    definition keeps its version, so applying the same file twice changes nothing.
+    """
+    if str(file) == "-":
+        text, source = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, source = file.read_text(), str(file)
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {file}: {exc.strerror}",
+                                     param_hint="--file") from None
+    with _service(database_url) as service:
+        result = service.apply(text, source=source, prune=prune, dry_run=dry_run, force=force)
+    if json_out:
+        emit_json(_apply_json(result))
+    else:
+        _print_apply(result)
+
+
+def _apply_json(result: ApplyResult) -> dict[str, Any]:
+    return {
+        "dry_run": result.dry_run,
+        "prune": result.plan.prune,
+        "changed": result.plan.has_changes,
+        "queues": [
+            {
+                "name": change.name,
+                "action": change.action,
+                "version_before": change.version,
+                "version_after": result.versions.get(change.name),
+                "fields": [asdict(f) for f in change.fields],
+            }
+            for change in result.plan.changes
+        ],
+    }
+
+
+def _print_apply(result: ApplyResult) -> None:
+    for change in result.plan.changes:
+        typer.echo(_change_line(change, result))
+        for f in change.fields:
+            typer.echo(f"    {f.field}: {value_text(f.field, f.old)} -> "
+                       f"{value_text(f.field, f.new)}")
+    counts = {action: len(result.plan.of(action))
+              for action in ("create", "change", "delete")}
+    summary = ", ".join(f"{n} to {action}" for action, n in counts.items() if n)
+    if not result.plan.has_changes:
+        typer.echo("no changes: the stored queues match the file")
+    elif result.dry_run:
+        typer.echo(f"dry run: {summary}; nothing was changed")
+    else:
+        done = {"create": "created", "change": "changed", "delete": "deleted"}
+        typer.echo("applied: " + ", ".join(f"{n} {done[action]}"
+                                          for action, n in counts.items() if n))
+
+
+def _change_line(change: QueueChange, result: ApplyResult) -> str:
+    mark = _MARKS[change.action]
+    after = result.versions.get(change.name)
+    if change.action == "create":
+        version = "" if result.dry_run else f" (version {after})"
+        return f"{mark} create {change.name}{version}"
+    if change.action == "change":
+        version = f"version {change.version}" + ("" if result.dry_run else f" -> {after}")
+        return f"{mark} change {change.name} ({version})"
+    if change.action == "delete":
+        return f"{mark} delete {change.name} (version {change.version})"
+    return f"{mark} unchanged {change.name} (version {change.version})"
+
+
+# --- create --------------------------------------------------------------------------------------
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{pair!r} is not field=value (e.g. leasing=permissive)",
+                                     param_hint="--set")
+        try:
+            # YAML scalars, as in a queue file: `key_groups=true`, `max_deliveries=3`.
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            values[key.strip()] = raw
+    return values
+
+
+@app.command()
+def create(
+    name: Annotated[str, typer.Argument(help="Queue name (also its journal by default).")],
+    underlying_topic: Annotated[str | None, typer.Option(
+        help="Journal name or regex the queue reads [default: NAME]")] = None,
+    semantics: Annotated[str | None, typer.Option(
+        help="at-least-once (default) or at-most-once")] = None,
+    lease_period: Annotated[str | None, typer.Option(help="e.g. 30s, 5m [default: 5m]")] = None,
+    max_deliveries: Annotated[int | None, typer.Option(help="0 = unlimited")] = None,
+    max_cancels: Annotated[int | None, typer.Option(help="0 = unlimited")] = None,
+    expiration: Annotated[str | None, typer.Option(help="e.g. 1h [default: never]")] = None,
+    max_backlog: Annotated[int | None, typer.Option(
+        "--max-backlog", help="max_per_subscription_backlog [default: 10]")] = None,
+    fairness: Annotated[str | None, typer.Option(
+        help="fast, round-robin or proportional")] = None,
+    priority: Annotated[str | None, typer.Option(help="Priority expression")] = None,
+    barrier: Annotated[str | None, typer.Option(
+        "--barrier", help="barrier_expression")] = None,
+    target_queue_depth: Annotated[int | None, typer.Option()] = None,
+    filter: Annotated[str | None, typer.Option(help="Enqueue filter expression")] = None,
+    dead_letter_topic: Annotated[str | None, typer.Option()] = None,
+    default_publish_target: Annotated[str | None, typer.Option()] = None,
+    leasing: Annotated[str | None, typer.Option(help="strict or permissive")] = None,
+    recovery_point: Annotated[str | None, typer.Option(
+        help="beginning, end or an ISO-8601 timestamp with offset")] = None,
+    key_groups: Annotated[bool, typer.Option(
+        "--key-groups", help="At most one leased entry per record key")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Any field as field=value (repeatable), e.g. "
+        "--set 'redelivery_backoff={initial: 1s}'")] = None,
+    database_url: DatabaseUrl = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Create one queue from flags (for many, or to change one, use `queue apply`)."""
+    flags: dict[str, object] = {
+        "underlying_topic": underlying_topic,
+        "semantics": semantics,
+        "lease_period": lease_period,
+        "max_deliveries": max_deliveries,
+        "max_cancels": max_cancels,
+        "expiration": expiration,
+        "max_per_subscription_backlog": max_backlog,
+        "fairness": fairness,
+        "priority": priority,
+        "barrier_expression": barrier,
+        "target_queue_depth": target_queue_depth,
+        "filter": filter,
+        "dead_letter_topic": dead_letter_topic,
+        "default_publish_target": default_publish_target,
+        "leasing": leasing,
+        "recovery_point": recovery_point,
+        "key_groups": key_groups or None,
+    }
+    values: dict[str, object] = {"name": name}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    values.update(_parse_sets(set_ or []))
+    with _service(database_url) as service:
+        definition, version = service.create(values)
+    if json_out:
+        emit_json({"name": definition.name, "version": version,
+                   "definition": definition.model_dump(mode="json")})
+    else:
+        typer.echo(f"created queue {definition.name} (version {version}); "
+                   f"see `qlayer queue describe {definition.name}`")
+
+
+# --- list / describe -----------------------------------------------------------------------------
+
+
+@app.command("list")
+def list_(database_url: DatabaseUrl = None, json_out: JsonOut = False) -> None:
+    """Every queue: name, underlying topic, semantics, version, consumers attached."""
+    with _service(database_url) as service:
+        summaries = service.list_queues()
+    if json_out:
+        emit_json([asdict(s) for s in summaries])
+        return
+    if not summaries:
+        typer.echo("no queues; create one with `qlayer queue apply -f FILE` or "
+                   "`qlayer queue create NAME`")
+        return
+    table = new_table("queue", "underlying topic", "semantics", "version", "consumers")
+    for s in summaries:
+        table.add_row(s.name, s.underlying_topic, s.semantics, str(s.version), str(s.consumers))
+    show(table)
+
+
+@app.command()
+def describe(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    database_url: DatabaseUrl = None,
+    bootstrap_servers: BootstrapServers = None,
+    topic_prefix: TopicPrefix = None,
+    json_out: JsonOut = False,
+) -> None:
+    """A queue's definition plus live figures.
+
+    Counters, recovery points, journal backlog (journal end offsets minus recovery points)
+    and the consumers attached.
+    """
+    with _service(database_url, bootstrap_servers, topic_prefix) as service:
+        found = service.describe(name)
+    if json_out:
+        emit_json(_describe_json(found))
+    else:
+        _print_describe(found)
+
+
+def _describe_json(d: QueueDescription) -> dict[str, Any]:
+    counters = None
+    if d.counters is not None:
+        counters = {k: v for k, v in asdict(d.counters).items() if k not in ("queue",
+                                                                            "updated_at")}
+    return {
+        "name": d.record.name,
+        "version": d.record.version,
+        "created_at": iso_or_none(d.record.created_at),
+        "updated_at": iso_or_none(d.record.updated_at),
+        "purge_requested_at": iso_or_none(d.record.purge_requested_at),
+        "purged_at": iso_or_none(d.record.purged_at),
+        "purge_pending": d.record.purge_pending,
+        "definition": d.definition,
+        "counters": counters,
+        "journal_backlog": d.journal_backlog,
+        "partitions": [{"topic": p.topic, "partition": p.partition,
+                        "recovery_point": p.recovery_point, "end_offset": p.end_offset,
+                        "backlog": p.backlog} for p in d.partitions],
+        "consumers": [{"consumer_id": c.consumer_id, "session_id": c.session_id,
+                       "queue": c.queue, "is_regex": c.is_regex,
+                       "max_backlog": c.max_backlog, "filter": c.filter,
+                       "delivery_topic": c.delivery_topic,
+                       "last_heartbeat_at": iso_or_none(c.last_heartbeat_at)}
+                      for c in d.consumers],
+        "kafka_problem": d.kafka_problem,
+    }
+
+
+def _print_describe(d: QueueDescription) -> None:
+    record = d.record
+    definition = new_table("field", "value", title=f"queue {record.name} "
+                           f"(version {record.version})")
+    for field, value in d.definition.items():
+        definition.add_row(field, value_text(field, value))
+    state = new_table("figure", "value", title="state")
+    state.add_row("created", time_text(record.created_at))
+    state.add_row("updated", time_text(record.updated_at))
+    if record.purge_requested_at is not None:
+        state.add_row("purge", "pending" if record.purge_pending
+                      else f"done {time_text(record.purged_at)}")
+    backlog = d.journal_backlog
+    state.add_row("journal backlog", "-" if backlog is None else str(backlog))
+    if d.counters is not None:
+        for k, v in asdict(d.counters).items():
+            if k not in ("queue", "updated_at"):
+                state.add_row(k.replace("_", " "), str(v))
+    partitions = new_table("journal", "partition", "recovery point", "end offset", "backlog",
+                           title="journal partitions")
+    for p in d.partitions:
+        partitions.add_row(p.topic, str(p.partition), _opt(p.recovery_point),
+                           _opt(p.end_offset), _opt(p.backlog))
+    renderables: list[Any] = [definition, state, partitions]
+    if d.consumers:
+        consumers = new_table("consumer", "subscribed as", "max backlog", "filter",
+                              title="consumers")
+        for c in d.consumers:
+            consumers.add_row(c.consumer_id, c.queue + (" (regex)" if c.is_regex else ""),
+                              _opt(c.max_backlog), c.filter or "-")
+        renderables.append(consumers)
+    else:
+        renderables.append("no consumers attached")
+    if d.kafka_problem:
+        renderables.append(f"[yellow]journal offsets unavailable: {d.kafka_problem}[/]")
+    show(*renderables)
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+# --- delete / purge ------------------------------------------------------------------------------
+
+
+@app.command()
+def delete(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    force: Annotated[bool, typer.Option(
+        "--force", help="Delete even while consumers are attached.")] = False,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Delete a queue and its stored state (its journals are untouched).
+
+    Refuses while consumers are attached, unless --force.
+    """
+    with _service(database_url) as service:
+        version = service.delete(name, force=force)
+    typer.echo(f"deleted queue {name} (version {version}); its journals are untouched")
+
+
+@app.command()
+def purge(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="Wait until the coordinator has emptied the queue.")] = False,
+    timeout: Annotated[float, typer.Option(
+        help="Seconds to wait with --wait before giving up (exit 1).")] = 30.0,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Empty a queue: every entry up to the journal's current end leaves it.
+
+    The owning coordinator carries it out within its refresh interval.
+    """
+    with _service(database_url) as service:
+        result = service.purge(name, wait=timeout if wait else None)
+    if result.purged_at is not None:
+        typer.echo(f"purged queue {name} at {time_text(result.purged_at)}")
+    else:
+        typer.echo(f"purge of queue {name} requested (version {result.version}); the "
+                   "coordinator carries it out shortly (--wait waits for it)")

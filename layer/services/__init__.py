@@ -1,0 +1,52 @@
+"""Operator services: what each `qlayer` command does, over the store, settings and Kafka admin.
+
+The CLI (`cli/`) parses arguments, calls one service method per command and renders the answer;
+everything else (validation, diffs, waiting, error wording) lives here, so it is tested without
+a terminal and reusable from scripts.
+"""
+
+from layer.services.consumers import (
+    ConsumerInfo,
+    ConsumerService,
+    EvictionResult,
+    NoSuchConsumerError,
+)
+from layer.services.queues import (
+    ApplyPlan,
+    ApplyResult,
+    ConsumersAttachedError,
+    FieldChange,
+    InvalidQueueFileError,
+    NoSuchQueueError,
+    PartitionFigures,
+    PurgeResult,
+    QueueChange,
+    QueueDescription,
+    QueueExistsError,
+    QueueService,
+    QueueSummary,
+    WaitTimedOutError,
+    plan_apply,
+)
+
+__all__ = [
+    "ApplyPlan",
+    "ApplyResult",
+    "ConsumerInfo",
+    "ConsumerService",
+    "ConsumersAttachedError",
+    "EvictionResult",
+    "FieldChange",
+    "InvalidQueueFileError",
+    "NoSuchConsumerError",
+    "NoSuchQueueError",
+    "PartitionFigures",
+    "PurgeResult",
+    "QueueChange",
+    "QueueDescription",
+    "QueueExistsError",
+    "QueueService",
+    "QueueSummary",
+    "WaitTimedOutError",
+    "plan_apply",
+]

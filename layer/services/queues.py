@@ -1,0 +1,485 @@
+"""`qlayer queue ...`: apply, create, list, describe, delete and purge queue definitions.
+
+Queue definitions live in PostgreSQL (DESIGN §3); the coordinator picks changes up within its
+refresh interval. The store keeps ``QueueDefinition.model_dump(mode="json")``: every field
+spelled out with defaults resolved, which ``QueueDefinition.from_mapping`` reads back as is.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from confluent_kafka import KafkaException
+
+from layer.domain.definitions import QueueDefinition, load_queue_file
+from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
+from layer.kafka.admin import KafkaAdmin
+from layer.protocol.topics import TopicNames
+from layer.settings import Settings
+from layer.store.rows import ConsumerRow, QueueCounters, QueueRecord
+from layer.store.store import Store
+
+__all__ = [
+    "ApplyPlan",
+    "ApplyResult",
+    "ConsumersAttachedError",
+    "FieldChange",
+    "InvalidQueueFileError",
+    "NoSuchQueueError",
+    "PartitionFigures",
+    "PurgeResult",
+    "QueueChange",
+    "QueueDescription",
+    "QueueExistsError",
+    "QueueService",
+    "QueueSummary",
+    "WaitTimedOutError",
+    "attached_consumers",
+    "plan_apply",
+]
+
+Action = Literal["create", "change", "delete", "unchanged"]
+
+
+class NoSuchQueueError(UnknownQueueError):
+    """The operator named a queue that is not defined."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.args = (f"no queue named {name}; see `qlayer queue list`",)
+
+
+class QueueExistsError(QlayerError):
+    def __init__(self, name: str, version: int) -> None:
+        super().__init__(
+            f"queue {name} already exists (version {version}); change it with "
+            "`qlayer queue apply -f FILE`, or delete it first with `qlayer queue delete`"
+        )
+        self.name = name
+
+
+class InvalidQueueFileError(QlayerError):
+    """The queue file (or the flags of `queue create`) did not validate; nothing was changed."""
+
+    def __init__(self, source: str, cause: QueueConfigError) -> None:
+        super().__init__(f"{source}: {cause}\nnothing was changed; fix the above and run again")
+        self.problems = cause.problems
+
+
+class ConsumersAttachedError(QlayerError):
+    """A delete would pull a queue from under live consumers."""
+
+    def __init__(self, attached: Mapping[str, Sequence[str]]) -> None:
+        listed = "; ".join(
+            f"{queue}: {', '.join(sorted(ids))}" for queue, ids in sorted(attached.items())
+        )
+        super().__init__(
+            f"consumers are attached ({listed}); stop or evict them "
+            "(`qlayer consumers evict ID`) or repeat with --force; nothing was changed"
+        )
+        self.attached = {queue: list(ids) for queue, ids in attached.items()}
+
+
+class WaitTimedOutError(QlayerError):
+    """A requested change was recorded but did not take effect within the wait."""
+
+
+# --- the diff ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FieldChange:
+    field: str
+    old: Any
+    new: Any
+
+
+@dataclass(frozen=True, slots=True)
+class QueueChange:
+    """What `apply` does (or would do) to one queue."""
+
+    name: str
+    action: Action
+    version: int | None
+    """The stored version before the change (None for a create)."""
+    fields: tuple[FieldChange, ...] = ()
+    definition: Mapping[str, Any] | None = None
+    """The definition to store (None for a delete)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyPlan:
+    changes: tuple[QueueChange, ...]
+    prune: bool
+
+    @property
+    def has_changes(self) -> bool:
+        return any(change.action != "unchanged" for change in self.changes)
+
+    def of(self, action: Action) -> list[QueueChange]:
+        return [change for change in self.changes if change.action == action]
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    plan: ApplyPlan
+    dry_run: bool
+    versions: dict[str, int]
+    """The version of every queue in the file after the apply (the stored one on a dry run)."""
+
+
+def stored_form(definition: QueueDefinition) -> dict[str, Any]:
+    """The JSON document the store keeps for a definition."""
+    return definition.model_dump(mode="json")
+
+
+def _normalised(record: QueueRecord) -> dict[str, Any] | None:
+    """A stored definition in the stored form, or None when it no longer validates."""
+    try:
+        return stored_form(QueueDefinition.from_mapping(record.definition))
+    except QueueConfigError:
+        return None
+
+
+def plan_apply(
+    desired: Sequence[QueueDefinition], stored: Iterable[QueueRecord], *, prune: bool
+) -> ApplyPlan:
+    """Compare the file with the stored queues: create, change, delete (when pruning), keep.
+
+    Definitions are compared in their stored form, so a queue written by another tool with
+    defaults left out still counts as unchanged when it means the same.
+    """
+    current = {record.name: record for record in stored}
+    changes: list[QueueChange] = []
+    for definition in desired:
+        wanted = stored_form(definition)
+        record = current.get(definition.name)
+        if record is None:
+            changes.append(QueueChange(definition.name, "create", None, (), wanted))
+            continue
+        have = _normalised(record) or {}
+        fields = tuple(
+            FieldChange(name, have.get(name), value)
+            for name, value in wanted.items()
+            if have.get(name) != value
+        )
+        action: Action = "change" if fields else "unchanged"
+        changes.append(QueueChange(definition.name, action, record.version, fields, wanted))
+    if prune:
+        named = {definition.name for definition in desired}
+        changes.extend(
+            QueueChange(name, "delete", record.version)
+            for name, record in sorted(current.items())
+            if name not in named
+        )
+    return ApplyPlan(tuple(changes), prune)
+
+
+def attached_consumers(name: str, consumers: Iterable[ConsumerRow]) -> list[ConsumerRow]:
+    """The consumers subscribed to a queue, by its name or by a regex over queue names.
+
+    A regex subscription must match the whole queue name, as the coordinator matches it.
+    """
+    found = []
+    for row in consumers:
+        if row.is_regex:
+            try:
+                matched = re.fullmatch(row.queue, name) is not None
+            except re.error:
+                matched = False
+        else:
+            matched = row.queue == name
+        if matched:
+            found.append(row)
+    return found
+
+
+# --- read models ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSummary:
+    name: str
+    underlying_topic: str
+    semantics: str
+    version: int
+    consumers: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionFigures:
+    """One journal partition as the queue sees it."""
+
+    topic: str
+    partition: int
+    recovery_point: int | None
+    """None until the coordinator recorded one (it reads the queue within a refresh)."""
+    end_offset: int | None
+    """None when Kafka was not asked or did not answer."""
+
+    @property
+    def backlog(self) -> int | None:
+        """Journal records at or past the recovery point: not yet done by this queue."""
+        if self.recovery_point is None or self.end_offset is None:
+            return None
+        return max(self.end_offset - self.recovery_point, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDescription:
+    record: QueueRecord
+    definition: dict[str, Any]
+    counters: QueueCounters | None
+    partitions: list[PartitionFigures]
+    consumers: list[ConsumerRow]
+    kafka_problem: str | None = None
+    """Why the journal's end offsets are missing (Kafka unreachable), or None."""
+
+    @property
+    def journal_backlog(self) -> int | None:
+        known = [p.backlog for p in self.partitions]
+        if not known or any(b is None for b in known):
+            return None
+        return sum(b for b in known if b is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    name: str
+    version: int
+    requested_at: float
+    purged_at: float | None = None
+    """Set when the caller waited and the coordinator completed the purge."""
+
+
+# --- the service ---------------------------------------------------------------------------------
+
+
+@dataclass
+class QueueService:
+    """Queue definitions for operators. ``admin`` is made from settings when first needed."""
+
+    store: Store
+    settings: Settings | None = None
+    admin: KafkaAdmin | None = None
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    poll_interval: float = 0.25
+    _owned: list[Store] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> QueueService:
+        store = Store(settings.database_url)
+        return cls(store=store, settings=settings, _owned=[store])
+
+    def close(self) -> None:
+        for store in self._owned:
+            store.close()
+
+    def __enter__(self) -> QueueService:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- apply -------------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        text: str,
+        *,
+        source: str = "queue file",
+        prune: bool = True,
+        dry_run: bool = False,
+        force: bool = False,
+    ) -> ApplyResult:
+        """Make the stored queues match a YAML queue file.
+
+        Nothing is written unless the whole file validates, and (without ``force``) no queue
+        with consumers attached is deleted. Each queue is written with the version it was
+        planned against, so a concurrent change makes the apply stop instead of overwrite it;
+        running the same file again finishes the job (an identical definition keeps its
+        version).
+        """
+        try:
+            desired = load_queue_file(text)
+        except QueueConfigError as exc:
+            raise InvalidQueueFileError(source, exc) from None
+        plan = plan_apply(desired, self.store.list_queues(), prune=prune)
+        deletes = plan.of("delete")
+        if deletes and not force:
+            consumers = self.store.load_consumers()
+            attached = {
+                change.name: [row.consumer_id for row in attached_consumers(change.name, consumers)]
+                for change in deletes
+            }
+            attached = {name: ids for name, ids in attached.items() if ids}
+            if attached:
+                raise ConsumersAttachedError(attached)
+        versions = {c.name: c.version for c in plan.changes if c.version is not None}
+        if dry_run:
+            return ApplyResult(plan, True, {d.name: versions[d.name] for d in desired
+                                            if d.name in versions})
+        now = self.clock()
+        for change in plan.changes:
+            if change.action in ("create", "change"):
+                assert change.definition is not None
+                versions[change.name] = self.store.put_queue(
+                    change.name, change.definition, now, expected_version=change.version
+                )
+            elif change.action == "delete":
+                assert change.version is not None
+                self.store.delete_queue(change.name, now, expected_version=change.version)
+                versions.pop(change.name, None)
+        return ApplyResult(plan, False, versions)
+
+    # -- create ------------------------------------------------------------------------------------
+
+    def create(self, values: Mapping[str, object]) -> tuple[QueueDefinition, int]:
+        """Create one queue from field values (snake_case, AMPS or kebab-case names).
+
+        Refuses a name that is already defined: changing a queue is `apply`'s job, where the
+        diff is shown.
+        """
+        try:
+            definition = QueueDefinition.from_mapping(values)
+        except QueueConfigError as exc:
+            raise InvalidQueueFileError("queue create", exc) from None
+        existing = self.store.get_queue(definition.name)
+        if existing is not None:
+            raise QueueExistsError(definition.name, existing.version)
+        # Two operators creating one name at the same moment: the later write wins, as with
+        # two applies; the store keeps both as versions.
+        version = self.store.put_queue(definition.name, stored_form(definition), self.clock())
+        return definition, version
+
+    # -- read --------------------------------------------------------------------------------------
+
+    def list_queues(self) -> list[QueueSummary]:
+        consumers = self.store.load_consumers()
+        summaries = []
+        for record in sorted(self.store.list_queues(), key=lambda r: r.name):
+            definition = record.definition
+            summaries.append(
+                QueueSummary(
+                    name=record.name,
+                    underlying_topic=str(definition.get("underlying_topic") or record.name),
+                    semantics=str(definition.get("semantics") or "at-least-once"),
+                    version=record.version,
+                    consumers=len(attached_consumers(record.name, consumers)),
+                )
+            )
+        return summaries
+
+    def describe(self, name: str, *, with_kafka: bool = True) -> QueueDescription:
+        """The definition plus live figures: counters, recovery points, consumers, backlog.
+
+        The journal backlog needs Kafka (end offsets); when Kafka does not answer, the rest is
+        still returned and ``kafka_problem`` says why the backlog is missing.
+        """
+        record = self._live(name)
+        normalised = _normalised(record)
+        definition = normalised if normalised is not None else dict(record.definition)
+        points = {
+            (key.topic, key.partition): offset
+            for key, offset in self.store.load_recovery_points(name).items()
+        }
+        counters = self.store.load_counters(name).get(name)
+        consumers = attached_consumers(name, self.store.load_consumers())
+        ends: dict[tuple[str, int], int] = {}
+        kafka_problem: str | None = None
+        pairs = set(points)
+        if with_kafka:
+            try:
+                pairs |= set(self._journal_partitions(record))
+                ends = self._admin().end_offsets(sorted(pairs))
+            except (QlayerError, KafkaException) as exc:
+                # KafkaAdmin.topics() lets the driver's error through; either way the figures
+                # from PostgreSQL are still worth showing.
+                kafka_problem = str(exc)
+        partitions = [
+            PartitionFigures(topic, partition, points.get((topic, partition)),
+                             ends.get((topic, partition)))
+            for topic, partition in sorted(pairs)
+        ]
+        return QueueDescription(record, definition, counters, partitions, consumers,
+                                kafka_problem)
+
+    # -- delete / purge ----------------------------------------------------------------------------
+
+    def delete(self, name: str, *, force: bool = False) -> int:
+        """Delete a queue; refuses while consumers are attached unless ``force``.
+
+        Returns the version the deletion wrote. The coordinator stops serving the queue and
+        forgets its state within its refresh interval; its journals are untouched.
+        """
+        record = self._live(name)
+        if not force:
+            attached = attached_consumers(name, self.store.load_consumers())
+            if attached:
+                raise ConsumersAttachedError({name: [row.consumer_id for row in attached]})
+        try:
+            return self.store.delete_queue(name, self.clock(), expected_version=record.version)
+        except UnknownQueueError:
+            raise NoSuchQueueError(name) from None
+
+    def purge(self, name: str, *, wait: float | None = None) -> PurgeResult:
+        """Ask the owning coordinator to empty the queue (every entry up to the journal's end).
+
+        With ``wait`` (seconds), poll until the coordinator reports it done; raises
+        `WaitTimedOutError` when it has not by then (the request stays recorded).
+        """
+        self._live(name)
+        requested_at = self.clock()
+        try:
+            version = self.store.request_purge(name, requested_at)
+        except UnknownQueueError:
+            raise NoSuchQueueError(name) from None
+        if wait is None:
+            return PurgeResult(name, version, requested_at)
+        deadline = time.monotonic() + wait
+        while True:
+            record = self.store.get_queue(name)
+            if record is None:
+                raise NoSuchQueueError(name)
+            if record.purged_at is not None and not record.purge_pending:
+                return PurgeResult(name, version, requested_at, record.purged_at)
+            if time.monotonic() >= deadline:
+                raise WaitTimedOutError(
+                    f"the purge of {name} is requested but no coordinator completed it within "
+                    f"{wait:g}s; check that one runs (`qlayer coordinator run`) — it will "
+                    "purge when it does"
+                )
+            self.sleep(self.poll_interval)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _live(self, name: str) -> QueueRecord:
+        record = self.store.get_queue(name)
+        if record is None:
+            raise NoSuchQueueError(name)
+        return record
+
+    def _admin(self) -> KafkaAdmin:
+        if self.admin is None:
+            settings = self.settings or Settings.load()
+            self.admin = KafkaAdmin(settings.kafka_config())
+        return self.admin
+
+    def _journal_partitions(self, record: QueueRecord) -> list[tuple[str, int]]:
+        """The journal partitions the queue reads: topics its underlying_topic matches."""
+        try:
+            definition = QueueDefinition.from_mapping(record.definition)
+        except QueueConfigError:
+            return []
+        topics = TopicNames((self.settings or Settings.load()).topic_prefix)
+        return [
+            (topic, partition)
+            for topic, count in sorted(self._admin().topics().items())
+            if not topics.is_internal(topic) and definition.matches_topic(topic)
+            for partition in range(count)
+        ]
