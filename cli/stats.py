@@ -1,0 +1,114 @@
+"""`qlayer stats [QUEUE]`: depth, leases, consumers, age, counters and rates per queue."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+
+from cli.output import (
+    BootstrapServers,
+    DatabaseUrl,
+    JsonOut,
+    TopicPrefix,
+    age_text,
+    emit_json,
+    load_settings,
+    new_table,
+    show,
+)
+from layer.services.views import RATE_COUNTERS, QueueStats, queue_stats, rates
+from layer.settings import Settings
+
+_SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
+          "dead_lettered": "dlq", "expired": "expired"}
+
+
+def _sample(settings: Settings, queue: str | None, previous: dict[str, QueueStats]
+            ) -> list[QueueStats]:
+    sample = queue_stats(settings, None if queue is None else [queue], now=time.time())
+    out = []
+    for stats in sample:
+        before = previous.get(stats.queue)
+        out.append(stats if before is None else replace(stats, rates=rates(before, stats)))
+    return out
+
+
+def _document(stats: QueueStats) -> dict[str, Any]:
+    return {
+        "queue": stats.queue, "depth": stats.depth, "leased": stats.leased,
+        "consumers": stats.consumers, "oldest_available_age": stats.oldest_available_age,
+        "counters": stats.counters, "rates": stats.rates,
+        "partitions": [{"topic": p.topic, "partition": p.partition,
+                        "recovery_point": p.recovery_point, "end_offset": p.end_offset,
+                        "lag": p.lag} for p in stats.partitions],
+    }
+
+
+def _tables(sample: list[QueueStats]) -> Group:
+    table = new_table("queue", "depth", "leased", "consumers", "oldest",
+                      *(f"{_SHORT[n]} (/s)" for n in RATE_COUNTERS), title="queues")
+    lags = new_table("queue", "partition", "recovery point", "end", "lag",
+                     title="recovery-point lag")
+    for s in sample:
+        cells = []
+        for name in RATE_COUNTERS:
+            rate = "" if s.rates is None else f" ({s.rates[name]:.1f})"
+            cells.append(f"{s.counters[name]}{rate}")
+        table.add_row(s.queue, str(s.depth), str(s.leased), str(s.consumers),
+                      age_text(s.oldest_available_age), *cells)
+        for p in s.partitions:
+            lags.add_row(s.queue, f"{p.topic}[{p.partition}]", str(p.recovery_point),
+                         str(p.end_offset), str(p.lag))
+    parts: list[Table] = [table]
+    if sample and any(s.partitions for s in sample):
+        parts.append(lags)
+    return Group(*parts)
+
+
+def stats(
+    queue: Annotated[str | None, typer.Argument(help="One queue (default: every queue).")
+                     ] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")
+                     ] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", min=0.1, help="Seconds between two samples (rates are over it).")] = 2.0,
+    json_out: JsonOut = False,
+    bootstrap_servers: BootstrapServers = None,
+    database_url: DatabaseUrl = None,
+    topic_prefix: TopicPrefix = None,
+) -> None:
+    """Depth, leases, consumers, oldest age, counters and rates, recovery-point lag.
+
+    Rates are per second over --interval (stats waits that long for its second sample).
+    """
+    settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    first = {s.queue: s for s in _sample(settings, queue, {})}
+    time.sleep(interval)
+    sample = _sample(settings, queue, first)
+    if json_out and not watch:
+        emit_json({"queues": [_document(s) for s in sample]})
+        return
+    if not watch:
+        show(_tables(sample))
+        return
+    try:
+        if json_out:
+            # A stream for scripts: one JSON document per line and sample (JSON Lines).
+            while True:
+                typer.echo(json.dumps({"queues": [_document(s) for s in sample]}))
+                time.sleep(interval)
+                sample = _sample(settings, queue, {s.queue: s for s in sample})
+        with Live(_tables(sample), refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval)
+                sample = _sample(settings, queue, {s.queue: s for s in sample})
+                live.update(_tables(sample))
+    except KeyboardInterrupt:
+        return

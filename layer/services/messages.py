@@ -1,0 +1,525 @@
+"""Publishing, debug consuming, dead letters and redrive: the services behind `qlayer publish`,
+`qlayer consume` and `qlayer dlq`.
+
+Redrive moves every dead letter exactly once, even when run twice or interrupted: it reads the
+dead-letter topic in the consumer group ``<prefix>redrive.<queue>`` and writes the re-published
+records *and* that group's read position in one Kafka transaction (``send_offsets_to_transaction``).
+A batch is either published with its position committed, or neither; a second run starts after
+the last committed batch. The transactional id is per queue, so two redrives of one queue at
+the same time fence each other instead of both moving the same records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from layer.domain.definitions import QueueDefinition
+from layer.domain.durations import parse_duration
+from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
+from layer.domain.expressions import Expression, compile_expression, parse_document
+from layer.kafka import JournalReader, JournalRecord, KafkaAdapterError, KafkaAdmin
+from layer.protocol.errors import ProtocolError
+from layer.protocol.headers import (
+    DLQ_HEADER_KEYS,
+    DeadLetterInfo,
+    header_value,
+    parse_dead_letter_headers,
+)
+from layer.protocol.topics import TopicNames
+from layer.sdk import Message, QueueConsumer, QueuePublisher
+from layer.settings import Settings
+from layer.store.store import Store
+
+__all__ = [
+    "REDRIVEN_FROM",
+    "ConsumedMessage",
+    "DeadLetter",
+    "PublishResult",
+    "RedriveResult",
+    "Settle",
+    "consume",
+    "dead_letter_topic",
+    "list_dead_letters",
+    "parse_deliver_at_option",
+    "parse_header_options",
+    "publish_lines",
+    "queue_definition",
+    "redrive",
+    "redrive_group",
+]
+
+#: Header a redriven record carries: the bookmark the dead letter was made from.
+REDRIVEN_FROM = "qlayer.redriven-from"
+#: Records per redrive transaction at most (one transaction is also closed every second).
+REDRIVE_BATCH = 500
+
+Settle = Literal["ack", "release", "reject"]
+
+
+class InvalidOptionError(QlayerError, ValueError):
+    """A command-line value that cannot be used; the message says what is expected."""
+
+
+# --- shared ------------------------------------------------------------------------------------
+
+
+def queue_definition(store: Store, queue: str) -> QueueDefinition:
+    """The live definition of ``queue``; ``UnknownQueueError`` when there is none."""
+    record = store.get_queue(queue)
+    if record is None:
+        raise UnknownQueueError(queue)
+    return QueueDefinition.from_mapping(record.definition)
+
+
+def dead_letter_topic(definition: QueueDefinition, prefix: str) -> str:
+    """Where the coordinator writes the queue's dead letters (as `Coordinator` derives it)."""
+    return definition.dead_letter_topic or TopicNames(prefix).dead_letter(definition.name)
+
+
+def redrive_group(prefix: str, queue: str) -> str:
+    """The consumer group whose committed offsets say how far redrive has moved."""
+    return prefix + "redrive." + queue
+
+
+def _filter(text: str | None) -> Expression | None:
+    return None if text is None else compile_expression(text)
+
+
+# --- publish -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    topic: str
+    count: int
+
+
+def parse_header_options(pairs: Sequence[str]) -> list[tuple[str, str]]:
+    """``k=v`` strings as header pairs, in order (a name may repeat, as Kafka allows)."""
+    headers = []
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise InvalidOptionError(f"header {pair!r} is not name=value; write e.g. source=web")
+        headers.append((name, value))
+    return headers
+
+
+def parse_deliver_at_option(text: str, now: datetime) -> datetime:
+    """``+30s`` / ``+5m`` (from ``now``) or an ISO-8601 time with a zone (``Z`` allowed)."""
+    if text.startswith("+"):
+        try:
+            return now + timedelta(seconds=parse_duration(text[1:]))
+        except (QlayerError, ValueError) as exc:
+            raise InvalidOptionError(f"--deliver-at {text!r}: {exc}") from exc
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise InvalidOptionError(
+            f"--deliver-at {text!r} is neither +DURATION (e.g. +30s) nor an ISO-8601 time "
+            "(e.g. 2030-01-01T09:00:00Z)") from exc
+    if moment.tzinfo is None:
+        raise InvalidOptionError(
+            f"--deliver-at {text!r} has no time zone; add Z or +02:00, or use +DURATION")
+    return moment
+
+
+def publish_lines(
+    settings: Settings,
+    queue_or_topic: str,
+    lines: Iterable[str],
+    *,
+    key: str | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+    deliver_at: datetime | None = None,
+) -> PublishResult:
+    """Publish one record per line (without its line break; empty lines are skipped)."""
+    count = 0
+    with QueuePublisher(settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
+                        kafka_config=settings.kafka) as publisher:
+        topic = publisher.target(queue_or_topic)
+        for line in lines:
+            value = line.rstrip("\r\n")
+            if not value:
+                continue
+            publisher.publish(queue_or_topic, value, key=key, headers=list(headers) or None,
+                              deliver_at=deliver_at)
+            count += 1
+    return PublishResult(topic, count)
+
+
+# --- consume -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumedMessage:
+    """One message as the debug consumer saw it, after settling it."""
+
+    queue: str
+    bookmark: str
+    delivery_count: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+    timestamp: datetime | None
+    settled: str
+
+
+def _settle(message: Message, how: Settle, reason: str | None) -> None:
+    if message.is_barrier:
+        return  # barriers need no settling
+    if how == "release":
+        message.release()
+    elif how == "reject":
+        message.reject(reason=reason)
+    else:
+        message.ack()
+
+
+def consume(
+    settings: Settings,
+    queue: str,
+    on_message: Callable[[ConsumedMessage], None],
+    *,
+    max_backlog: int = 1,
+    count: int | None = None,
+    filter: str | None = None,
+    settle: Settle = "ack",
+    reason: str | None = None,
+    idle_timeout: float | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Receive, settle and hand each message to ``on_message`` until ``count`` messages,
+    ``idle_timeout`` seconds without one, or ``stop``; returns how many. The consumer is
+    closed on the way out (also on Ctrl-C), so what it still holds goes back at once."""
+    handled = 0
+    with QueueConsumer(queue, settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
+                       kafka_config=settings.kafka, max_backlog=max_backlog,
+                       filter=filter, client_name="qlayer-cli") as consumer:
+        idle_since = time.monotonic()
+        while count is None or handled < count:
+            if stop is not None and stop.is_set():
+                break
+            message = consumer.receive(timeout=0.5)
+            if message is None:
+                if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
+                    break
+                continue
+            idle_since = time.monotonic()
+            _settle(message, settle, reason)
+            handled += 1
+            on_message(ConsumedMessage(
+                queue=message.queue, bookmark=str(message.bookmark),
+                delivery_count=message.delivery_count, key=message.key, value=message.value,
+                headers=list(message.headers), timestamp=message.timestamp,
+                settled="barrier" if message.is_barrier else settle))
+    return handled
+
+
+# --- dead letters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One record of a dead-letter topic; ``info`` is None when its headers are not qlayer's."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+    headers: list[tuple[str, bytes | None]]
+    info: DeadLetterInfo | None
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}/{self.partition}/{self.offset}"
+
+
+def _dead_letter(record: JournalRecord) -> DeadLetter:
+    try:
+        info: DeadLetterInfo | None = parse_dead_letter_headers(record.headers)
+    except ProtocolError:
+        info = None
+    return DeadLetter(record.topic, record.partition, record.offset, record.key, record.value,
+                      record.timestamp_ms, list(record.headers or ()), info)
+
+
+def _belongs(letter: DeadLetter, queue: str) -> bool:
+    # A dead-letter topic may be shared by several queues; each sees only its own letters.
+    return letter.info is not None and letter.info.queue == queue
+
+
+class RangeReader:
+    """Reads partitions between given offsets, then stops: for the CLI's one-off scans.
+
+    Partition EOF events, not the last offset, end a partition: a topic written with Kafka
+    transactions ends with a commit marker, which is an offset no record is ever read at.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._consumer = Consumer(settings.kafka_config(**{
+            "group.id": settings.topic_prefix + "cli", "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "enable.partition.eof": True, "isolation.level": "read_committed"}))
+
+    def read(self, starts: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int],
+             *, stall_timeout: float = 30.0) -> Iterator[JournalRecord]:
+        """Every record from ``starts`` up to (not including) ``ends``, per partition in order."""
+        pending = {tp: end for tp, end in ends.items() if starts.get(tp, end) < end}
+        if not pending:
+            return
+        self._consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in pending])
+        last_progress = time.monotonic()
+        while pending:
+            try:
+                messages = self._consumer.consume(1000, 0.5)
+            except KafkaException as exc:
+                raise KafkaAdapterError(f"reading {sorted(pending)} failed: {exc}") from exc
+            if not messages and time.monotonic() - last_progress > stall_timeout:
+                raise KafkaAdapterError(
+                    f"reading {sorted(pending)} stalled below their end offsets; is Kafka up?")
+            for m in messages:
+                tp = (m.topic(), m.partition())
+                end = pending.get(tp)  # type: ignore[arg-type]
+                if end is None:
+                    continue
+                last_progress = time.monotonic()
+                error = m.error()
+                offset = m.offset() or 0
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF and offset >= end:
+                        del pending[tp]  # type: ignore[arg-type]
+                    continue
+                if offset >= end:
+                    del pending[tp]  # type: ignore[arg-type]
+                    continue
+                yield JournalRecord(tp[0], tp[1], offset, m.key(), m.value(),  # type: ignore[arg-type]
+                                    m.timestamp()[1], m.headers())  # type: ignore[arg-type]
+                if offset + 1 >= end:
+                    del pending[tp]  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def _partitions(admin: KafkaAdmin, topic: str) -> list[tuple[str, int]]:
+    count = admin.topics().get(topic, 0)
+    return [(topic, p) for p in range(count)]
+
+
+def list_dead_letters(settings: Settings, queue: str, *, limit: int | None = 100
+                      ) -> list[DeadLetter]:
+    """The queue's dead letters, oldest first (the first ``limit``)."""
+    with Store(settings.database_url) as store:
+        definition = queue_definition(store, queue)
+    topic = dead_letter_topic(definition, settings.topic_prefix)
+    admin = KafkaAdmin(settings.kafka_config())
+    pairs = _partitions(admin, topic)
+    if not pairs:
+        return []
+    starts = admin.log_start_offsets(pairs)
+    ends = admin.end_offsets(pairs)
+    reader = RangeReader(settings)
+    letters: list[DeadLetter] = []
+    try:
+        for record in reader.read(starts, ends):
+            letter = _dead_letter(record)
+            if _belongs(letter, queue):
+                letters.append(letter)
+                if limit is not None and len(letters) >= limit:
+                    break
+    finally:
+        reader.close()
+    letters.sort(key=lambda d: (d.timestamp_ms, d.partition, d.offset))
+    return letters
+
+
+# --- redrive -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RedriveResult:
+    """What one redrive run did (or, with ``dry_run``, would do)."""
+
+    dead_letter_topic: str
+    scanned: int = 0
+    moved: int = 0
+    skipped_filter: int = 0
+    skipped_other: int = 0
+    dry_run: bool = False
+    targets: dict[str, int] = field(default_factory=dict)
+
+
+def _redrive_target(definition: QueueDefinition, letter: DeadLetter) -> str:
+    if definition.default_publish_target is not None:
+        return definition.default_publish_target
+    assert letter.info is not None
+    original = header_value(letter.headers, "qlayer.dlq.original-topic")
+    return original.decode() if original else letter.info.original_topic
+
+
+def _redriven_headers(letter: DeadLetter) -> list[tuple[str, bytes | None]]:
+    assert letter.info is not None
+    kept = [(k, v) for k, v in letter.headers if k not in DLQ_HEADER_KEYS and k != REDRIVEN_FROM]
+    kept.append((REDRIVEN_FROM, letter.info.bookmark.format().encode()))
+    return kept
+
+
+class _Transactions:
+    """A transactional producer and a reader in the redrive group: publish + position, atomic."""
+
+    def __init__(self, settings: Settings, queue: str) -> None:
+        group = redrive_group(settings.topic_prefix, queue)
+        self.consumer = Consumer(settings.kafka_config(**{
+            "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed", "enable.partition.eof": False}))
+        self.producer = Producer(settings.kafka_config(**{
+            "transactional.id": group, "enable.idempotence": True, "acks": "all",
+            "linger.ms": 5}))
+        self.producer.init_transactions(30)
+        self.open = False
+
+    def committed(self, pairs: list[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+        found = self.consumer.committed([TopicPartition(t, p) for t, p in pairs], 10)
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
+                for tp in found}
+
+    def send(self, topic: str, letter: DeadLetter) -> None:
+        if not self.open:
+            self.producer.begin_transaction()
+            self.open = True
+        while True:
+            try:
+                self.producer.produce(topic, value=letter.value, key=letter.key,
+                                      headers=_redriven_headers(letter))  # type: ignore[arg-type]
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def commit(self, positions: Mapping[tuple[str, int], int]) -> None:
+        if not positions:
+            return
+        if not self.open:
+            self.producer.begin_transaction()
+            self.open = True
+        offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items()]
+        self.producer.send_offsets_to_transaction(
+            offsets, self.consumer.consumer_group_metadata(), 30)
+        self.producer.commit_transaction(30)
+        self.open = False
+
+    def close(self) -> None:
+        if self.open:
+            # Failing that, the broker aborts it on its own after the transaction timeout.
+            with contextlib.suppress(KafkaException):
+                self.producer.abort_transaction(10)
+            self.open = False
+        self.consumer.close()
+
+
+def redrive(
+    settings: Settings,
+    queue: str,
+    *,
+    rate: float | None = None,
+    filter: str | None = None,
+    dry_run: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RedriveResult:
+    """Re-publish the queue's dead letters to its journal, each exactly once.
+
+    Reads from where the last redrive of this queue stopped up to the end the topic has now
+    (letters that fail again meanwhile wait for the next run). Records of other queues, and
+    with ``filter`` those whose payload does not match, are passed over for good by this
+    queue's redrive position. ``progress(done, total)`` is called as records are read;
+    ``rate`` caps records moved per second.
+    """
+    expression = _filter(filter)
+    with Store(settings.database_url) as store:
+        definition = queue_definition(store, queue)
+    if definition.default_publish_target is None and definition.is_regex_topic:
+        raise QueueConfigError([(f"{queue}.default_publish_target",
+                                 "redrive needs a journal to write to; this queue reads a "
+                                 "regular expression, so set default_publish_target")])
+    topic = dead_letter_topic(definition, settings.topic_prefix)
+    result = RedriveResult(topic, dry_run=dry_run)
+    admin = KafkaAdmin(settings.kafka_config())
+    pairs = _partitions(admin, topic)
+    if not pairs:
+        return result
+    try:
+        tx = _Transactions(settings, queue) if not dry_run else None
+    except KafkaException as exc:
+        raise KafkaAdapterError(f"cannot start the redrive transaction: {exc}") from exc
+    reader = RangeReader(settings)
+    try:
+        log_starts = admin.log_start_offsets(pairs)
+        ends = admin.end_offsets(pairs)
+        committed = (tx.committed(pairs) if tx is not None
+                     else _committed_positions(settings, queue, pairs))
+        starts = {tp: max(committed.get(tp) or 0, log_starts.get(tp, 0)) for tp in pairs}
+        total = sum(max(0, ends[tp] - starts[tp]) for tp in pairs)
+        if progress is not None:
+            progress(0, total)
+        positions: dict[tuple[str, int], int] = {}
+        began = time.monotonic()
+        batch_started = began
+        in_batch = 0
+        for record in reader.read(starts, ends):
+            result.scanned += 1
+            letter = _dead_letter(record)
+            positions[(record.topic, record.partition)] = record.offset + 1
+            if not _belongs(letter, queue):
+                result.skipped_other += 1
+            elif expression is not None and not expression.matches(parse_document(letter.value)):
+                result.skipped_filter += 1
+            else:
+                target = _redrive_target(definition, letter)
+                if rate is not None and rate > 0:
+                    # The n-th record goes no earlier than n / rate seconds after the start.
+                    wait = began + result.moved / rate - time.monotonic()
+                    if wait > 0:
+                        sleep(wait)
+                if tx is not None:
+                    tx.send(target, letter)
+                    in_batch += 1
+                result.moved += 1
+                result.targets[target] = result.targets.get(target, 0) + 1
+            if tx is not None and (in_batch >= REDRIVE_BATCH
+                                   or time.monotonic() - batch_started >= 1.0):
+                tx.commit(positions)
+                positions, in_batch, batch_started = {}, 0, time.monotonic()
+            if progress is not None:
+                progress(result.scanned, total)
+        if tx is not None:
+            tx.commit(positions)
+    except KafkaException as exc:
+        raise KafkaAdapterError(f"redrive of {queue!r} failed (nothing of the open batch was "
+                                f"moved; run it again to continue): {exc}") from exc
+    finally:
+        reader.close()
+        if tx is not None:
+            tx.close()
+    return result
+
+
+def _committed_positions(settings: Settings, queue: str, pairs: list[tuple[str, int]]
+                         ) -> dict[tuple[str, int], int | None]:
+    reader = JournalReader(settings.kafka_config(), group_id=redrive_group(
+        settings.topic_prefix, queue))
+    try:
+        return reader.committed(pairs)
+    finally:
+        reader.close()
+

@@ -1,0 +1,290 @@
+"""`qlayer view` and `qlayer stats`: what a queue holds, computed read-only from stored state.
+
+There is no RPC to the coordinator, so both read what it persisted: recovery points, touched
+entries and counters in PostgreSQL, and the journals themselves in Kafka. Neither leases,
+acknowledges or writes anything.
+
+Approximations, by design (the coordinator's memory is the only exact answer):
+
+- what the coordinator decided but has not committed yet (a lease of the last few
+  milliseconds, an ack in flight) is not seen: such an entry still shows as AVAILABLE;
+- delayed entries (a future ``qlayer.deliver-at``, or released with a delay) are left out, as
+  the coordinator would not deliver them now; entries past the queue's ``expiration`` too;
+- ``target_queue_depth`` and barriers are not modelled: view lists every available entry;
+- stats' ``depth`` counts every journal record past the recovery point that is not done,
+  including records the queue's enqueue filter refuses (reading them all to apply the filter
+  would make ``stats`` as expensive as ``view``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from layer.domain.definitions import QueueDefinition
+from layer.domain.expressions import Document, as_number, compile_expression, parse_document
+from layer.kafka import JournalRecord, KafkaAdmin
+from layer.protocol.headers import parse_deliver_at
+from layer.protocol.topics import TopicNames
+from layer.services.messages import RangeReader, queue_definition
+from layer.settings import Settings
+from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueCounters
+from layer.store.store import Store
+
+__all__ = [
+    "RATE_COUNTERS",
+    "PartitionLag",
+    "QueueStats",
+    "ViewEntry",
+    "queue_stats",
+    "rates",
+    "view_queue",
+]
+
+#: The counters `qlayer stats` turns into per-second rates.
+RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "dead_lettered", "expired")
+_DONE = ("ACKED", "EXPIRED")
+
+
+def _journal_partitions(admin: KafkaAdmin, definition: QueueDefinition, prefix: str
+                        ) -> list[tuple[str, int]]:
+    """The journal partitions the coordinator reads for this queue (internal topics never)."""
+    names = TopicNames(prefix)
+    return [(topic, p) for topic, count in sorted(admin.topics().items())
+            if not names.is_internal(topic) and definition.matches_topic(topic)
+            for p in range(count)]
+
+
+def _start_positions(admin: KafkaAdmin, definition: QueueDefinition,
+                     pairs: list[tuple[str, int]], stored: Mapping[PartitionKey, int]
+                     ) -> dict[tuple[str, int], int]:
+    """Each partition's recovery point; where none is stored yet, where the queue would start
+    (its `recovery_point` setting), exactly as the coordinator decides it."""
+    starts: dict[tuple[str, int], int] = {}
+    fresh = []
+    for topic, partition in pairs:
+        point = stored.get(PartitionKey(definition.name, topic, partition))
+        if point is None:
+            fresh.append((topic, partition))
+        else:
+            starts[(topic, partition)] = point
+    if fresh:
+        if definition.recovery_point == "end":
+            starts.update(admin.end_offsets(fresh))
+        elif definition.recovery_point == "beginning":
+            starts.update(admin.log_start_offsets(fresh))
+        else:
+            moment = definition.recovery_timestamp
+            assert moment is not None
+            starts.update(admin.offsets_for_time(fresh, int(moment.timestamp() * 1000)))
+    # Retention may have deleted what a recovery point still points at.
+    firsts = admin.log_start_offsets(list(starts))
+    return {tp: max(offset, firsts.get(tp, 0)) for tp, offset in starts.items()}
+
+
+# --- view --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ViewEntry:
+    """One AVAILABLE entry, as a consumer would receive it."""
+
+    bookmark: str
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+    delivery_count: int
+    priority: float | None
+    document: Document | None
+
+
+def _available(record: JournalRecord, row: EntryRow | None, definition: QueueDefinition,
+               now: float) -> bool:
+    if row is not None:
+        if row.state != "AVAILABLE":
+            return False  # LEASED, ACKED or EXPIRED: not available
+        if row.available_at is not None and row.available_at > now:
+            return False  # released with a delay
+    else:
+        deliver_at = _deliver_at_ms(record)
+        if deliver_at is not None and deliver_at > now * 1000:
+            return False
+    if definition.expiration is not None:
+        # An unleased entry older than `expiration` leaves the queue (DESIGN §4).
+        return record.timestamp_ms / 1000 + definition.expiration > now
+    return True
+
+
+def _deliver_at_ms(record: JournalRecord) -> int | None:
+    try:
+        return parse_deliver_at(record.headers)
+    except ValueError:
+        return None  # a malformed header: the coordinator delivers at once too
+
+
+def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None = None,
+               limit: int | None = 20) -> list[ViewEntry]:
+    """The queue's AVAILABLE entries in delivery order (priority first when it has one),
+    those matching ``filter``, the first ``limit``. Reads only; see the module's caveats."""
+    expression = None if filter is None else compile_expression(filter)
+    with Store(settings.database_url) as store:
+        definition = queue_definition(store, queue)
+        stored = store.load_recovery_points(queue)
+        rows = {(r.topic, r.partition, r.offset): r for r in store.load_entries(queue)}
+    admin = KafkaAdmin(settings.kafka_config())
+    pairs = _journal_partitions(admin, definition, settings.topic_prefix)
+    if not pairs:
+        return []
+    starts = _start_positions(admin, definition, pairs, stored)
+    ends = admin.end_offsets(pairs)
+    queue_filter = definition.filter_expression
+    priority = definition.priority_expression
+    found: list[ViewEntry] = []
+    reader = RangeReader(settings)
+    try:
+        for record in reader.read(starts, ends):
+            row = rows.get((record.topic, record.partition, record.offset))
+            if not _available(record, row, definition, now):
+                continue
+            document = parse_document(record.value)
+            if queue_filter is not None and not queue_filter.matches(document):
+                continue
+            if expression is not None and not expression.matches(document):
+                continue
+            rank = None
+            if priority is not None:
+                value = as_number(priority.evaluate(document))
+                rank = None if value is None else float(value)
+            found.append(ViewEntry(
+                bookmark=f"{record.topic}/{record.partition}/{record.offset}",
+                topic=record.topic, partition=record.partition, offset=record.offset,
+                key=record.key, value=record.value, timestamp_ms=record.timestamp_ms,
+                delivery_count=row.delivery_count if row is not None else 0,
+                priority=rank, document=document))
+    finally:
+        reader.close()
+    found.sort(key=_delivery_order if priority is not None else _age_order)
+    return found if limit is None else found[:limit]
+
+
+def _age_order(entry: ViewEntry) -> tuple[int, str, int, int]:
+    return (entry.timestamp_ms, entry.topic, entry.partition, entry.offset)
+
+
+def _delivery_order(entry: ViewEntry) -> tuple[int, float, int, str, int, int]:
+    # Highest priority first; non-numeric or null priority is lowest; ties by age.
+    missing = 1 if entry.priority is None else 0
+    return (missing, -(entry.priority or 0.0), *_age_order(entry))
+
+
+# --- stats -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    topic: str
+    partition: int
+    recovery_point: int
+    end_offset: int
+
+    @property
+    def lag(self) -> int:
+        return max(0, self.end_offset - self.recovery_point)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """One sample of a queue's figures; ``rates`` are per second since the previous sample."""
+
+    queue: str
+    depth: int
+    leased: int
+    consumers: int
+    oldest_available_age: float | None
+    counters: dict[str, int]
+    partitions: list[PartitionLag]
+    sampled_at: float
+    rates: dict[str, float] | None = field(default=None)
+
+
+def rates(previous: QueueStats, current: QueueStats) -> dict[str, float]:
+    """Per-second rates of the counters between two samples of one queue."""
+    elapsed = current.sampled_at - previous.sampled_at
+    if elapsed <= 0:
+        return dict.fromkeys(RATE_COUNTERS, 0.0)
+    return {name: max(0, current.counters.get(name, 0) - previous.counters.get(name, 0))
+            / elapsed for name in RATE_COUNTERS}
+
+
+def _subscribed(row: ConsumerRow, queue: str) -> bool:
+    if row.is_regex:
+        try:
+            return re.fullmatch(row.queue, queue) is not None
+        except re.error:
+            return False
+    return row.queue == queue
+
+
+def _oldest_timestamps(settings: Settings, starts: Mapping[tuple[str, int], int],
+                       ends: Mapping[tuple[str, int], int],
+                       done: set[tuple[str, int, int]]) -> int | None:
+    """The timestamp of the first not-done record at or after each recovery point."""
+    oldest: int | None = None
+    seen: set[tuple[str, int]] = set()
+    reader = RangeReader(settings)
+    try:
+        for record in reader.read(starts, ends):
+            tp = (record.topic, record.partition)
+            if tp in seen or (record.topic, record.partition, record.offset) in done:
+                continue
+            seen.add(tp)
+            if oldest is None or record.timestamp_ms < oldest:
+                oldest = record.timestamp_ms
+            if len(seen) == len(starts):
+                break
+    finally:
+        reader.close()
+    return oldest
+
+
+def _counter_values(counters: QueueCounters | None) -> dict[str, int]:
+    return {name: 0 if counters is None else int(getattr(counters, name))
+            for name in RATE_COUNTERS}
+
+
+def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float
+                ) -> list[QueueStats]:
+    """One sample of every queue's figures (or of the named ones)."""
+    admin = KafkaAdmin(settings.kafka_config())
+    out: list[QueueStats] = []
+    with Store(settings.database_url) as store:
+        names = (sorted(queues) if queues is not None
+                 else sorted(r.name for r in store.list_queues()))
+        definitions = [queue_definition(store, name) for name in names]
+        consumers = store.load_consumers()
+        counters = store.load_counters()
+        for definition in definitions:
+            name = definition.name
+            stored = store.load_recovery_points(name)
+            rows = store.load_entries(name)
+            pairs = _journal_partitions(admin, definition, settings.topic_prefix)
+            starts = _start_positions(admin, definition, pairs, stored) if pairs else {}
+            ends = admin.end_offsets(pairs) if pairs else {}
+            lags = [PartitionLag(t, p, starts[(t, p)], ends.get((t, p), starts[(t, p)]))
+                    for t, p in pairs]
+            done = {(r.topic, r.partition, r.offset) for r in rows if r.state in _DONE
+                    and r.offset >= starts.get((r.topic, r.partition), 0)}
+            depth = max(0, sum(lag.lag for lag in lags) - len(done))
+            oldest = (_oldest_timestamps(settings, starts, ends, done) if depth else None)
+            out.append(QueueStats(
+                queue=name, depth=depth,
+                leased=sum(1 for r in rows if r.state == "LEASED"),
+                consumers=sum(1 for c in consumers if _subscribed(c, name)),
+                oldest_available_age=None if oldest is None else max(0.0, now - oldest / 1000),
+                counters=_counter_values(counters.get(name)),
+                partitions=lags, sampled_at=now))
+    return out

@@ -1,0 +1,163 @@
+"""`qlayer publish`, `consume` and `dlq list | redrive` against a real coordinator, Kafka and
+PostgreSQL, through typer's runner."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from cli.main import app
+from layer.kafka import KafkaAdmin
+from layer.protocol import Bookmark, header_value
+from layer.sdk import QueueDirectory
+from layer.settings import Settings
+from tests.support.coordinator import (
+    TopicReader,
+    put_queues,
+    running_coordinator,
+    wait_for_counters,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(bootstrap_servers: str, database_url: str) -> Settings:
+    return Settings(bootstrap_servers=bootstrap_servers, database_url=database_url,
+                    topic_prefix=f"qc{uuid.uuid4().hex[:8]}.")
+
+
+def qlayer(settings: Settings, *args: str, input: str | None = None) -> Result:
+    flags = ["--bootstrap-servers", settings.bootstrap_servers,
+             "--database-url", settings.database_url, "--topic-prefix", settings.topic_prefix]
+    result = CliRunner().invoke(app, [*args, *flags], input=input, catch_exceptions=False,
+                               env={"COLUMNS": "250"})
+    return result
+
+
+def wait_for_directory(settings: Settings, queue: str) -> None:
+    """The coordinator publishes the queue directory when it starts; publishers route by it."""
+    with QueueDirectory(settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
+                        miss_refresh_interval=0.1) as directory:
+        wait_until(lambda: directory.get(queue), what=f"{queue} in the queue directory")
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_publish_routes_a_queue_name_and_consume_acks(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    direct = create_topic(unique_name("OrdersDirect"), partitions=1)
+    put_queues(settings, {"name": "Orders", "underlying_topic": direct,
+                          "default_publish_target": direct})
+    with running_coordinator(settings):
+        wait_for_directory(settings, "Orders")
+        published = qlayer(settings, "publish", "Orders", "--key", "k1", "--header", "src=cli",
+                           input='{"n": 1}\n{"n": 2}\n\n{"n": 3}\n')
+        assert published.exit_code == 0, published.output
+        assert published.stdout.strip() == (
+            f"published 3 message(s) to {direct} (routed from Orders)")
+
+        consumed = qlayer(settings, "consume", "Orders", "--count", "3", "--max-backlog", "3",
+                          "--json")
+        assert consumed.exit_code == 0, consumed.output
+        messages = json_lines(consumed.stdout)
+        assert [m["value"] for m in messages] == ['{"n": 1}', '{"n": 2}', '{"n": 3}']
+        assert {m["key"] for m in messages} == {"k1"}
+        assert all(m["headers"] == {"src": "cli"} for m in messages)
+        assert [m["bookmark"] for m in messages] == [f"{direct}/0/{i}" for i in range(3)]
+        assert {m["settled"] for m in messages} == {"ack"}
+        got = wait_for_counters(settings, "Orders", acked=3)
+        assert (got["enqueued"], got["delivered"], got["acked"]) == (3, 3, 3)
+
+
+def test_reject_dead_letters_list_them_and_redrive_each_exactly_once(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    jobs = create_topic(unique_name("Jobs"), partitions=2)
+    put_queues(settings, {"name": "Jobs", "underlying_topic": jobs})
+    admin = KafkaAdmin(settings.kafka_config())
+    with running_coordinator(settings):
+        lines = "".join(json.dumps({"job": i, "kind": "big" if i % 2 else "small"}) + "\n"
+                        for i in range(6))
+        assert qlayer(settings, "publish", jobs, "--key", "acct-7", input=lines).exit_code == 0
+        rejected = qlayer(settings, "consume", "Jobs", "--count", "6", "--reject",
+                          "--reason", "no such customer")
+        assert rejected.exit_code == 0, rejected.output
+        assert [line.split()[-1] for line in rejected.stdout.splitlines()
+                if "/" in line and "delivery 1" in line] == ["rejected"] * 6
+        wait_for_counters(settings, "Jobs", dead_lettered=6)
+
+        listed = qlayer(settings, "dlq", "list", "Jobs", "--json")
+        assert listed.exit_code == 0, listed.output
+        letters = json.loads(listed.stdout)["dead_letters"]
+        assert len(letters) == 6
+        assert {(d["reason"], d["detail"], d["delivery_count"]) for d in letters} == {
+            ("rejected", "no such customer", 1)}
+        originals = {d["bookmark"]: d["value"] for d in letters}
+        assert {Bookmark.parse(b).topic for b in originals} == {jobs}
+        table = qlayer(settings, "dlq", "list", "Jobs")
+        assert table.exit_code == 0 and "no such customer" in table.stdout
+
+        before = sum(admin.end_offsets([(jobs, 0), (jobs, 1)]).values())
+        dry = qlayer(settings, "dlq", "redrive", "Jobs", "--dry-run", "--json")
+        assert json.loads(dry.stdout)["moved"] == 6
+        assert sum(admin.end_offsets([(jobs, 0), (jobs, 1)]).values()) == before
+
+        moved = qlayer(settings, "dlq", "redrive", "Jobs", "--json", "--rate", "100")
+        assert moved.exit_code == 0, moved.output
+        summary = json.loads(moved.stdout)
+        assert (summary["moved"], summary["targets"]) == (6, {jobs: 6})
+        again = qlayer(settings, "dlq", "redrive", "Jobs")
+        assert again.exit_code == 0, again.output
+        assert again.stdout.startswith("moved 0 dead letter(s) of Jobs")
+
+        # Each dead letter came back into the queue exactly once, as it was, marked.
+        back = qlayer(settings, "consume", "Jobs", "--count", "6", "--max-backlog", "6",
+                      "--json")
+        messages = json_lines(back.stdout)
+        sources = Counter(str(m["headers"]["qlayer.redriven-from"])  # type: ignore[index]
+                          for m in messages)
+        assert sources == Counter(list(originals))
+        assert all(originals[str(m["headers"]["qlayer.redriven-from"])]  # type: ignore[index]
+                   == m["value"] for m in messages)
+        assert not any(name.startswith("qlayer.dlq.") for m in messages
+                       for name in m["headers"])  # type: ignore[union-attr]
+        assert {m["key"] for m in messages} == {"acct-7"}
+        wait_for_counters(settings, "Jobs", acked=6)
+        rest = qlayer(settings, "consume", "Jobs", "--idle-timeout", "2", "--json")
+        assert rest.exit_code == 0 and rest.stdout == ""
+
+
+def test_redrive_with_a_filter_moves_only_matching_letters_once(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    jobs = create_topic(unique_name("Work"), partitions=1)
+    put_queues(settings, {"name": "Work", "underlying_topic": jobs,
+                          "dead_letter_topic": jobs + ".failed"})
+    with running_coordinator(settings):
+        lines = "".join(json.dumps({"n": i, "big": i >= 2}) + "\n" for i in range(4))
+        wait_for_directory(settings, "Work")
+        assert qlayer(settings, "publish", "Work", input=lines).exit_code == 0
+        assert qlayer(settings, "consume", "Work", "--count", "4", "--reject").exit_code == 0
+        wait_for_counters(settings, "Work", dead_lettered=4)
+        first = json.loads(qlayer(settings, "dlq", "redrive", "Work", "--filter",
+                                  "/big = true", "--json").stdout)
+        assert (first["moved"], first["skipped_by_filter"]) == (2, 2)
+        second = json.loads(qlayer(settings, "dlq", "redrive", "Work", "--json").stdout)
+        assert second["moved"] == 0
+        reader = TopicReader(settings.bootstrap_servers, jobs)
+        try:
+            records = reader.read_until(lambda got: len(got) >= 6)
+        finally:
+            reader.close()
+        redriven = [r for r in records if header_value(r.headers, "qlayer.redriven-from")]
+        assert sorted(json.loads(r.value or b"")["n"] for r in redriven) == [2, 3]
