@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli import consumers, coordinator, db, dev, queue
+from cli import consumers, coordinator, db, dev, dlq, messages, queue, stats, view
 from cli.demo import demo as demo_command
 from cli.errors import run_friendly
 
@@ -20,6 +20,11 @@ app = typer.Typer(
 app.add_typer(dev.app, name="dev")
 app.add_typer(db.app, name="db")
 app.add_typer(coordinator.app, name="coordinator")
+app.command(name="publish")(messages.publish)
+app.command(name="consume")(messages.consume)
+app.add_typer(dlq.app, name="dlq")
+app.command(name="view")(view.view)
+app.command(name="stats")(stats.stats)
 app.add_typer(queue.app, name="queue")
 app.add_typer(consumers.app, name="consumers")
 app.command(name="demo")(demo_command)
