@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The demo starts the local stack if needed, migrates, runs its scenes (seconds once the
+# stack is up) and leaves the stack running; `qlayer dev down` stops it.
 demo: install
-	$(VENV)/bin/qlayer dev up
-	$(VENV)/bin/qlayer db upgrade
-	$(VENV)/bin/qlayer dev status
+	$(VENV)/bin/qlayer demo
 
 lint: install
 	$(PY) -m ruff check .

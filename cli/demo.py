@@ -109,11 +109,13 @@ def render(report: DemoReport, console: Console) -> None:
 
     console.print("\n[bold]Look around[/] (the stack is still up; the demo's coordinator "
                   "stopped with it):")
-    env = (f"QLAYER_BOOTSTRAP_SERVERS={report.bootstrap_servers} "
-           f"QLAYER_DATABASE_URL={report.database_url}")
-    if report.topic_prefix != "qlayer.":
-        env += f" QLAYER_TOPIC_PREFIX={report.topic_prefix}"
-    console.print(f"  export {env}", soft_wrap=True)
+    defaults = Settings.model_construct()
+    env = [f"{name}={value}" for name, value, default in (
+        ("QLAYER_BOOTSTRAP_SERVERS", report.bootstrap_servers, defaults.bootstrap_servers),
+        ("QLAYER_DATABASE_URL", report.database_url, defaults.database_url),
+        ("QLAYER_TOPIC_PREFIX", report.topic_prefix, defaults.topic_prefix)) if value != default]
+    if env:
+        console.print(f"  export {' '.join(env)}", soft_wrap=True)
     looks = Table.grid(padding=(0, 3))
     looks.add_row("  qlayer stats", "every queue's depth and counters")
     looks.add_row(f"  qlayer view {q['FailedJobs']}", "what waits in a queue (the dead letters)")
