@@ -25,6 +25,9 @@ class _QueueOrCommand(TyperGroup):
     """`consumers [QUEUE]` beside `consumers evict ID`: click would read `evict` as the QUEUE
     argument, so a first word that names a subcommand is taken as that subcommand."""
 
+    # `consumers Jobs --json`: options may follow the QUEUE argument.
+    allow_interspersed_args = True
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if args and args[0] in self.commands:
             super(TyperGroup, self).parse_args(ctx, [])  # the group's own defaults

@@ -308,7 +308,11 @@ def _print_describe(d: QueueDescription) -> None:
     for p in d.partitions:
         partitions.add_row(p.topic, str(p.partition), _opt(p.recovery_point),
                            _opt(p.end_offset), _opt(p.backlog))
-    renderables: list[Any] = [definition, state, partitions]
+    renderables: list[Any] = [definition, state]
+    if d.partitions:
+        renderables.append(partitions)
+    elif d.kafka_problem is None:
+        renderables.append(f"no journal matches {d.definition.get('underlying_topic')} yet")
     if d.consumers:
         consumers = new_table("consumer", "subscribed as", "max backlog", "filter",
                               title="consumers")

@@ -42,6 +42,9 @@ __all__ = [
     "plan_apply",
 ]
 
+# Seconds describe waits for Kafka before showing the PostgreSQL figures without the backlog.
+KAFKA_TIMEOUT = 5.0
+
 Action = Literal["create", "change", "delete", "unchanged"]
 
 
@@ -396,11 +399,13 @@ class QueueService:
         if with_kafka:
             try:
                 pairs |= set(self._journal_partitions(record))
-                ends = self._admin().end_offsets(sorted(pairs))
+                ends = self._admin().end_offsets(sorted(pairs), timeout=KAFKA_TIMEOUT)
             except (QlayerError, KafkaException) as exc:
                 # KafkaAdmin.topics() lets the driver's error through; either way the figures
                 # from PostgreSQL are still worth showing.
-                kafka_problem = str(exc)
+                servers = (self.settings or Settings.load()).bootstrap_servers
+                kafka_problem = (f"Kafka at {servers} did not answer ({exc}); check "
+                                 "--bootstrap-servers or QLAYER_BOOTSTRAP_SERVERS")
         partitions = [
             PartitionFigures(topic, partition, points.get((topic, partition)),
                              ends.get((topic, partition)))
@@ -467,7 +472,9 @@ class QueueService:
     def _admin(self) -> KafkaAdmin:
         if self.admin is None:
             settings = self.settings or Settings.load()
-            self.admin = KafkaAdmin(settings.kafka_config())
+            # librdkafka would print every failed connection attempt to stderr; describe says
+            # once, in its answer, that the journal offsets are unavailable and why.
+            self.admin = KafkaAdmin(settings.kafka_config(log_level=0))
         return self.admin
 
     def _journal_partitions(self, record: QueueRecord) -> list[tuple[str, int]]:
@@ -479,7 +486,7 @@ class QueueService:
         topics = TopicNames((self.settings or Settings.load()).topic_prefix)
         return [
             (topic, partition)
-            for topic, count in sorted(self._admin().topics().items())
+            for topic, count in sorted(self._admin().topics(timeout=KAFKA_TIMEOUT).items())
             if not topics.is_internal(topic) and definition.matches_topic(topic)
             for partition in range(count)
         ]

@@ -104,3 +104,14 @@ def attach_consumer(settings: Settings, consumer_id: str, queue: str, *,
             last_heartbeat_at=now - heartbeat_age, max_backlog=max_backlog, filter=filter))
         store.commit(batch, "cli-tests", "cli-tests", epoch, now)
         store.release("cli-tests", "cli-tests", epoch, now)
+
+
+@pytest.fixture
+def journal(unique_name: Callable[[str], str], create_topic: Callable[..., str]
+            ) -> Callable[..., str]:
+    """A fresh journal topic: journal("work", partitions=2)."""
+
+    def make(stem: str = "journal", partitions: int = 3) -> str:
+        return create_topic(unique_name(stem), partitions)
+
+    return make
