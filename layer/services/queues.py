@@ -164,7 +164,9 @@ def plan_apply(
         if record is None:
             changes.append(QueueChange(definition.name, "create", None, (), wanted))
             continue
-        have = _normalised(record) or {}
+        # A stored definition that no longer validates is compared as it was written, so the
+        # diff shows what the operator will see replaced.
+        have = _normalised(record) or dict(record.definition)
         fields = tuple(
             FieldChange(name, have.get(name), value)
             for name, value in wanted.items()
