@@ -126,8 +126,9 @@ def consume(
         if json_out:
             typer.echo(json.dumps(_document(message)))
             return
+        settled = _PAST.get(message.settled, message.settled)
         typer.echo(f"{message.bookmark}  delivery {message.delivery_count}  "
-                   f"key={payload_text(message.key)}  {_PAST.get(message.settled, message.settled)}")
+                   f"key={payload_text(message.key)}  {settled}")
         typer.echo(f"  {payload_text(message.value)}")
 
     try:
