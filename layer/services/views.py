@@ -39,6 +39,7 @@ __all__ = [
     "ViewEntry",
     "queue_stats",
     "rates",
+    "sort_for_delivery",
     "view_queue",
 ]
 
@@ -167,8 +168,13 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
                 priority=rank, document=document))
     finally:
         reader.close()
-    found.sort(key=_delivery_order if priority is not None else _age_order)
-    return found if limit is None else found[:limit]
+    ordered = sort_for_delivery(found, by_priority=priority is not None)
+    return ordered if limit is None else ordered[:limit]
+
+
+def sort_for_delivery(entries: Iterable[ViewEntry], *, by_priority: bool) -> list[ViewEntry]:
+    """The order a consumer would get them in: oldest first, or by priority, then age."""
+    return sorted(entries, key=_delivery_order if by_priority else _age_order)
 
 
 def _age_order(entry: ViewEntry) -> tuple[int, str, int, int]:
