@@ -21,12 +21,13 @@ owns the database's queues: then that one serves the demo); the local stack stay
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -50,6 +51,7 @@ from layer.settings import Settings
 from layer.store.store import Store
 
 SHARD = "default"
+_RUN_ID = re.compile(r"d[0-9a-f]{6}")
 T = TypeVar("T")
 Progress = Callable[[str], None]
 
@@ -141,6 +143,17 @@ def demo_queues(run_id: str) -> list[QueueDefinition]:
     """The sample queue file with ``{run}`` replaced by this run's id, validated."""
     text = resources.files("layer.demo").joinpath("queues.yaml").read_text()
     return load_queue_file(text.replace("{run}", run_id))
+
+
+def earlier_demo_queues(names: Iterable[str], run_id: str) -> list[str]:
+    """The queues earlier demo runs left behind: the sample file's names with another run id."""
+    stems = {q.name.removesuffix(f"_{run_id}") for q in demo_queues(run_id)}
+    found = []
+    for name in names:
+        stem, _, run = name.rpartition("_")
+        if stem in stems and run != run_id and _RUN_ID.fullmatch(run):
+            found.append(name)
+    return sorted(found)
 
 
 def _journals(queues: list[QueueDefinition], run_id: str) -> list[str]:
@@ -574,8 +587,14 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
     run = options.run_id
     queues = demo_queues(run)
     with Store(settings.database_url) as store:
+        # Only the last run's queues stay for looking around; older ones would pile up.
+        earlier = earlier_demo_queues([q.name for q in store.list_queues()], run)
+        for name in earlier:
+            store.delete_queue(name, time.time())
         for q in queues:
             store.put_queue(q.name, q.model_dump(mode="json"), time.time())
+    if earlier:
+        progress(f"deleted {len(earlier)} queues of earlier demo runs")
     KafkaAdmin(settings.kafka_config()).ensure_topics(
         TopicSpec(name) for name in _journals(queues, run))
     progress(f"applied {len(queues)} queues (run {run}) and created their journals")

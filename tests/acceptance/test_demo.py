@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -105,4 +106,10 @@ def test_demo_shows_every_headline_feature_and_runs_again(
     assert "delivered C(200) E(100) B(50) F(50) A(10) D(1)" in text
     assert "waited for 4 of 4 earlier trades" in text
     assert "qlayer stats" in text and "qlayer dev down" in text
-    assert report["run"] not in text
+    second_run = re.search(r"qlayer demo run (d[0-9a-f]{6})", text)
+    assert second_run is not None and second_run[1] != report["run"]
+    # Only the latest run's queues stay: the first run's were deleted by the second.
+    with Store(empty_database_url) as store:
+        names = {q.name for q in store.list_queues()}
+    assert f"Jobs_{second_run[1]}" in names
+    assert names.isdisjoint(report["queues"].values())
