@@ -473,8 +473,7 @@ def redrive(
         if progress is not None:
             progress(0, total)
         positions: dict[tuple[str, int], int] = {}
-        began = time.monotonic()
-        batch_started = began
+        began = batch_started = time.monotonic()
         in_batch = 0
         for record in reader.read(starts, ends):
             result.scanned += 1
@@ -492,14 +491,16 @@ def redrive(
                     if wait > 0:
                         sleep(wait)
                 if tx is not None:
+                    if in_batch == 0:
+                        batch_started = time.monotonic()
                     tx.send(target, letter)
                     in_batch += 1
                 result.moved += 1
                 result.targets[target] = result.targets.get(target, 0) + 1
-            if tx is not None and (in_batch >= REDRIVE_BATCH
-                                   or time.monotonic() - batch_started >= 1.0):
+            if tx is not None and in_batch and (
+                    in_batch >= REDRIVE_BATCH or time.monotonic() - batch_started >= 1.0):
                 tx.commit(positions)
-                positions, in_batch, batch_started = {}, 0, time.monotonic()
+                positions, in_batch = {}, 0
             if progress is not None:
                 progress(result.scanned, total)
         if tx is not None:

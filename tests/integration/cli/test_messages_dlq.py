@@ -15,6 +15,7 @@ from cli.main import app
 from layer.kafka import KafkaAdmin
 from layer.protocol import Bookmark, header_value
 from layer.sdk import QueueDirectory
+from layer.services.messages import REDRIVEN_FROM, redrive
 from layer.settings import Settings
 from tests.support.coordinator import (
     TopicReader,
@@ -161,3 +162,35 @@ def test_redrive_with_a_filter_moves_only_matching_letters_once(
             reader.close()
         redriven = [r for r in records if header_value(r.headers, "qlayer.redriven-from")]
         assert sorted(json.loads(r.value or b"")["n"] for r in redriven) == [2, 3]
+
+
+def test_an_interrupted_redrive_leaves_nothing_half_done_and_the_next_run_finishes(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    jobs = create_topic(unique_name("Batch"), partitions=1)
+    put_queues(settings, {"name": "Batch", "underlying_topic": jobs})
+    with running_coordinator(settings):
+        lines = "".join(json.dumps({"n": i}) + "\n" for i in range(5))
+        assert qlayer(settings, "publish", jobs, input=lines).exit_code == 0
+        assert qlayer(settings, "consume", "Batch", "--count", "5", "--reject").exit_code == 0
+        wait_for_counters(settings, "Batch", dead_lettered=5)
+
+    def interrupt(done: int, total: int) -> None:
+        if done == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a batch
+
+    with pytest.raises(KeyboardInterrupt):
+        redrive(settings, "Batch", progress=interrupt)
+    # The interrupted batch was aborted, position and records alike; this run moves it.
+    assert redrive(settings, "Batch").moved >= 3
+    reader = TopicReader(settings.bootstrap_servers, jobs)
+    try:
+        records = reader.read_until(
+            lambda got: sum(1 for r in got if header_value(r.headers, REDRIVEN_FROM)) >= 5)
+        records += reader.read(1.0)  # anything beyond the five would show up here
+    finally:
+        reader.close()
+    sources = Counter(header_value(r.headers, REDRIVEN_FROM) for r in records
+                      if header_value(r.headers, REDRIVEN_FROM))
+    assert sorted(sources.values()) == [1] * 5
+    assert redrive(settings, "Batch").moved == 0
