@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from sqlalchemy.exc import SQLAlchemyError
 
 from layer.coordinator.service import Coordinator, CoordinatorOptions, default_owner_id
 from layer.domain.definitions import QueueDefinition, load_queue_file
@@ -576,7 +577,12 @@ def prepare(options: DemoOptions, progress: Progress) -> Settings:
                                                "database_url": endpoints.database_url})
     from layer.store.migrate import upgrade
 
-    upgrade(settings.database_url)
+    try:
+        upgrade(settings.database_url)
+    except SQLAlchemyError as exc:
+        first_line = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise DemoError(f"demo: cannot migrate the database ({first_line}); is PostgreSQL "
+                        "running? (qlayer dev status)") from exc
     return settings
 
 
@@ -586,6 +592,13 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
     settings = prepare(options, progress)
     run = options.run_id
     queues = demo_queues(run)
+    try:
+        KafkaAdmin(settings.kafka_config()).ensure_topics(
+            [TopicSpec(name) for name in _journals(queues, run)], timeout=15)
+    except (KafkaException, QlayerError) as exc:
+        raise DemoError(f"demo: cannot create the journals on Kafka at "
+                        f"{settings.bootstrap_servers} ({exc}); is it running? "
+                        "(qlayer dev status)") from exc
     with Store(settings.database_url) as store:
         # Only the last run's queues stay for looking around; older ones would pile up.
         earlier = earlier_demo_queues([q.name for q in store.list_queues()], run)
@@ -595,8 +608,6 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
             store.put_queue(q.name, q.model_dump(mode="json"), time.time())
     if earlier:
         progress(f"deleted {len(earlier)} queues of earlier demo runs")
-    KafkaAdmin(settings.kafka_config()).ensure_topics(
-        TopicSpec(name) for name in _journals(queues, run))
     progress(f"applied {len(queues)} queues (run {run}) and created their journals")
     with ExitStack() as stack:
         owner = stack.enter_context(_coordinator(settings, progress))

@@ -113,3 +113,13 @@ def test_demo_shows_every_headline_feature_and_runs_again(
         names = {q.name for q in store.list_queues()}
     assert f"Jobs_{second_run[1]}" in names
     assert names.isdisjoint(report["queues"].values())
+
+
+def test_demo_without_a_database_says_so_in_one_line(bootstrap_servers: str,
+                                                      unique_name: Callable[[str], str]) -> None:
+    result = demo(bootstrap_servers, "postgresql+psycopg://postgres@127.0.0.1:1/qlayer",
+                  unique_name("demo") + ".")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: demo: cannot migrate the database")
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
