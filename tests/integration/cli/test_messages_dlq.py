@@ -4,6 +4,10 @@ PostgreSQL, through typer's runner."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +21,8 @@ from layer.protocol import Bookmark, header_value
 from layer.sdk import QueueDirectory
 from layer.services.messages import REDRIVEN_FROM, redrive
 from layer.settings import Settings
+from layer.store.rows import ConsumerRow
+from layer.store.store import Store
 from tests.support.coordinator import (
     TopicReader,
     put_queues,
@@ -194,3 +200,40 @@ def test_an_interrupted_redrive_leaves_nothing_half_done_and_the_next_run_finish
                       if header_value(r.headers, REDRIVEN_FROM))
     assert sorted(sources.values()) == [1] * 5
     assert redrive(settings, "Batch").moved == 0
+
+
+def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    work = create_topic(unique_name("Live"), partitions=1)
+    put_queues(settings, {"name": "Live", "underlying_topic": work})
+    env = {**os.environ, "QLAYER_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+           "QLAYER_DATABASE_URL": settings.database_url,
+           "QLAYER_TOPIC_PREFIX": settings.topic_prefix, "QLAYER_CONFIG": os.devnull}
+    with running_coordinator(settings):
+        process = subprocess.Popen([sys.executable, "-m", "cli.main", "consume", "Live", "--json"],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        try:
+            wait_until(lambda: any(c.queue == "Live" for c in consumer_rows(settings)),
+                       what="the consume process subscribed")
+            assert qlayer(settings, "publish", work, input="one\ntwo\n").exit_code == 0
+            assert process.stdout is not None
+            lines = [json.loads(process.stdout.readline()) for _ in range(2)]
+            assert [m["value"] for m in lines] == ["one", "two"]
+            wait_for_counters(settings, "Live", acked=2)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert process.returncode == 130
+        assert stderr.strip().splitlines()[-1] == "stopped"
+        # Closing unsubscribed it: the coordinator dropped the consumer.
+        wait_until(lambda: not any(c.queue == "Live" for c in consumer_rows(settings)),
+                   what="the consumer gone after Ctrl-C")
+
+
+def consumer_rows(settings: Settings) -> list[ConsumerRow]:
+    with Store(settings.database_url) as store:
+        return store.load_consumers()
