@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 from layer.domain.definitions import DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG
 from layer.domain.errors import UnknownConsumerError
-from layer.services.queues import NoSuchQueueError, WaitTimedOutError, attached_consumers
+from layer.services.queues import (
+    NoSuchQueueError,
+    WaitTimedOutError,
+    attached_consumers,
+    with_store_hints,
+)
 from layer.settings import Settings
 from layer.store.rows import ConsumerRow
 from layer.store.store import Store
@@ -84,6 +89,7 @@ class ConsumerService:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @with_store_hints
     def list_consumers(self, queue: str | None = None) -> list[ConsumerInfo]:
         """Every consumer, or those attached to ``queue`` (by name or by a regex over names)."""
         now = self.clock()
@@ -98,6 +104,7 @@ class ConsumerService:
             for row in sorted(rows, key=lambda r: (r.queue, r.consumer_id))
         ]
 
+    @with_store_hints
     def evict(self, consumer_id: str, *, wait: float | None = None) -> EvictionResult:
         """Ask the coordinator to evict the consumer; with ``wait``, until its row is gone."""
         requested_at = self.clock()

@@ -7,11 +7,12 @@ spelled out with defaults resolved, which ``QueueDefinition.from_mapping`` reads
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from confluent_kafka import KafkaException
 
@@ -20,6 +21,7 @@ from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
 from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
 from layer.settings import Settings
+from layer.store.errors import StoreError
 from layer.store.rows import ConsumerRow, QueueCounters, QueueRecord
 from layer.store.store import Store
 
@@ -40,6 +42,7 @@ __all__ = [
     "WaitTimedOutError",
     "attached_consumers",
     "plan_apply",
+    "with_store_hints",
 ]
 
 # Seconds describe waits for Kafka before showing the PostgreSQL figures without the backlog.
@@ -89,6 +92,32 @@ class ConsumersAttachedError(QlayerError):
 
 class WaitTimedOutError(QlayerError):
     """A requested change was recorded but did not take effect within the wait."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def with_store_hints(method: Callable[P, R]) -> Callable[P, R]:
+    """Add the operator's next step to the store errors people meet first (no schema yet,
+    PostgreSQL not reachable); the store's own message stays in front."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except StoreError as exc:
+            text = str(exc)
+            if "relation" in text and "does not exist" in text:
+                hint = "the database has no qlayer schema yet; run `qlayer db upgrade`"
+            elif exc.retryable:
+                hint = ("is PostgreSQL running there? check --database-url or "
+                        "QLAYER_DATABASE_URL")
+            else:
+                raise
+            raise StoreError(f"{text}; {hint}", retryable=exc.retryable) from exc
+
+    return wrapper
 
 
 # --- the diff ------------------------------------------------------------------------------------
@@ -293,6 +322,7 @@ class QueueService:
 
     # -- apply -------------------------------------------------------------------------------------
 
+    @with_store_hints
     def apply(
         self,
         text: str,
@@ -344,6 +374,7 @@ class QueueService:
 
     # -- create ------------------------------------------------------------------------------------
 
+    @with_store_hints
     def create(self, values: Mapping[str, object]) -> tuple[QueueDefinition, int]:
         """Create one queue from field values (snake_case, AMPS or kebab-case names).
 
@@ -364,6 +395,7 @@ class QueueService:
 
     # -- read --------------------------------------------------------------------------------------
 
+    @with_store_hints
     def list_queues(self) -> list[QueueSummary]:
         consumers = self.store.load_consumers()
         summaries = []
@@ -380,6 +412,7 @@ class QueueService:
             )
         return summaries
 
+    @with_store_hints
     def describe(self, name: str, *, with_kafka: bool = True) -> QueueDescription:
         """The definition plus live figures: counters, recovery points, consumers, backlog.
 
@@ -418,6 +451,7 @@ class QueueService:
 
     # -- delete / purge ----------------------------------------------------------------------------
 
+    @with_store_hints
     def delete(self, name: str, *, force: bool = False) -> int:
         """Delete a queue; refuses while consumers are attached unless ``force``.
 
@@ -434,6 +468,7 @@ class QueueService:
         except UnknownQueueError:
             raise NoSuchQueueError(name) from None
 
+    @with_store_hints
     def purge(self, name: str, *, wait: float | None = None) -> PurgeResult:
         """Ask the owning coordinator to empty the queue (every entry up to the journal's end).
 

@@ -61,8 +61,9 @@ class Completed:
 def run_cli(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., Completed]:
     """`run_cli("queue", "apply", "-f", path)` as a real process: `python -m cli.main ...`."""
 
-    def run(*args: str, input: str | None = None, timeout: float = 90) -> Completed:
-        env = {**os.environ, **cli_env}
+    def run(*args: str, input: str | None = None, timeout: float = 90,
+            env: dict[str, str] | None = None) -> Completed:
+        env = {**os.environ, **cli_env, **(env or {})}
         done = subprocess.run([sys.executable, "-m", "cli.main", *args], input=input,
                               capture_output=True, text=True, env=env, cwd=tmp_path,
                               timeout=timeout, check=False)

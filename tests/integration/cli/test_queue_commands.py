@@ -95,6 +95,16 @@ def test_unknown_queue_is_one_line_that_says_what_to_do(
     assert isinstance(result.exception, NoSuchQueueError)
 
 
+def test_a_database_without_the_schema_says_to_migrate_it(
+    empty_database_url: str, run_cli: Callable[..., Completed]
+) -> None:
+    done = run_cli("queue", "list", env={"QLAYER_DATABASE_URL": empty_database_url})
+    assert done.code == 1
+    assert done.stderr.startswith("error: ")
+    assert done.stderr.endswith("run `qlayer db upgrade`\n")
+    assert len(done.stderr.splitlines()) == 1
+
+
 def test_delete_refuses_while_consumers_are_attached_unless_forced(
     settings: Settings, invoke: Callable[..., Result], run_cli: Callable[..., Completed]
 ) -> None:
