@@ -12,6 +12,7 @@ from layer.services.consumers import (
     NoSuchConsumerError,
 )
 from layer.services.queues import (
+    ApplyConflictError,
     ApplyPlan,
     ApplyResult,
     ConsumersAttachedError,
@@ -30,6 +31,7 @@ from layer.services.queues import (
 )
 
 __all__ = [
+    "ApplyConflictError",
     "ApplyPlan",
     "ApplyResult",
     "ConsumerInfo",

@@ -21,11 +21,12 @@ from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
 from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
 from layer.settings import Settings
-from layer.store.errors import StoreError
+from layer.store.errors import QueueVersionConflictError, StoreError
 from layer.store.rows import ConsumerRow, QueueCounters, QueueRecord
 from layer.store.store import Store
 
 __all__ = [
+    "ApplyConflictError",
     "ApplyPlan",
     "ApplyResult",
     "ConsumersAttachedError",
@@ -88,6 +89,14 @@ class ConsumersAttachedError(QlayerError):
             "(`qlayer consumers evict ID`) or repeat with --force; nothing was changed"
         )
         self.attached = {queue: list(ids) for queue, ids in attached.items()}
+
+
+class ApplyConflictError(QueueVersionConflictError):
+    """A queue changed between apply's diff and its write; says what the operator does next."""
+
+    def __init__(self, name: str, expected: int, actual: int | None, *, hint: str) -> None:
+        super().__init__(name, expected, actual)
+        self.args = (f"{self.args[0]}; {hint}",)
 
 
 class WaitTimedOutError(QlayerError):
@@ -355,21 +364,29 @@ class QueueService:
             attached = {name: ids for name, ids in attached.items() if ids}
             if attached:
                 raise ConsumersAttachedError(attached)
-        versions = {c.name: c.version for c in plan.changes if c.version is not None}
+        versions = {c.name: c.version for c in plan.changes
+                    if c.version is not None and c.action != "delete"}
         if dry_run:
-            return ApplyResult(plan, True, {d.name: versions[d.name] for d in desired
-                                            if d.name in versions})
+            return ApplyResult(plan, True, versions)
         now = self.clock()
         for change in plan.changes:
-            if change.action in ("create", "change"):
-                assert change.definition is not None
-                versions[change.name] = self.store.put_queue(
-                    change.name, change.definition, now, expected_version=change.version
-                )
-            elif change.action == "delete":
-                assert change.version is not None
-                self.store.delete_queue(change.name, now, expected_version=change.version)
-                versions.pop(change.name, None)
+            try:
+                if change.action in ("create", "change"):
+                    assert change.definition is not None
+                    versions[change.name] = self.store.put_queue(
+                        change.name, change.definition, now, expected_version=change.version
+                    )
+                elif change.action == "delete":
+                    assert change.version is not None
+                    self.store.delete_queue(change.name, now, expected_version=change.version)
+            except UnknownQueueError:
+                continue  # deleted by someone else meanwhile: what the file wants anyway
+            except QueueVersionConflictError as exc:
+                raise ApplyConflictError(
+                    exc.name, exc.expected, exc.actual,
+                    hint="someone changed it during this apply; see the new diff with "
+                    "`qlayer queue apply --dry-run` and apply again",
+                ) from exc
         return ApplyResult(plan, False, versions)
 
     # -- create ------------------------------------------------------------------------------------

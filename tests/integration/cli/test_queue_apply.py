@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from layer.domain.definitions import QueueDefinition
+from layer.services import ApplyConflictError, QueueService
 from layer.settings import Settings
+from layer.store.rows import QueueRecord
+from layer.store.store import Store
 from tests.integration.cli.conftest import Completed, attach_consumer, stored
 
 pytestmark = pytest.mark.integration
@@ -172,3 +176,26 @@ def test_apply_reads_the_file_from_stdin(
     done = run_cli("queue", "apply", "-f", "-", input=FIRST)
     assert done.code == 0, done.stderr
     assert set(stored(settings)) == {"Jobs", "OrderPriority", "Old"}
+
+
+class _ChangedMeanwhile(Store):
+    """A store where another operator changes Jobs right after apply read the queues."""
+
+    def list_queues(self, *, include_deleted: bool = False) -> list[QueueRecord]:
+        found = super().list_queues(include_deleted=include_deleted)
+        self.put_queue("Jobs", {"name": "Jobs", "lease_period": 7}, time.time())
+        return found
+
+
+def test_a_queue_changed_during_apply_stops_it_instead_of_being_overwritten(
+    settings: Settings, run_cli: Callable[..., Completed], queue_file: Callable[[str], Path]
+) -> None:
+    assert run_cli("queue", "apply", "-f", str(queue_file(FIRST))).code == 0
+    with _ChangedMeanwhile(settings.database_url) as store:
+        service = QueueService(store=store, settings=settings)
+        with pytest.raises(ApplyConflictError) as raised:
+            service.apply(SECOND)
+    assert "expected version 1, but it is at version 2" in str(raised.value)
+    assert "`qlayer queue apply --dry-run`" in str(raised.value)
+    version, definition = stored(settings)["Jobs"]
+    assert (version, definition["lease_period"]) == (2, 7)  # the other operator's change stands
