@@ -107,8 +107,9 @@ def render(report: DemoReport, console: Console) -> None:
     console.print(table)
     console.print(f"  (names end in _{report.run} in this run)")
 
-    console.print("\n[bold]Look around[/] (the stack is still up; the demo's coordinator "
-                  "stopped with it):")
+    coordinator = ("the demo's coordinator stopped with it" if report.own_coordinator
+                   else f"coordinator {report.coordinator} keeps serving the queues")
+    console.print(f"\n[bold]Look around[/] (the stack is still up; {coordinator}):")
     defaults = Settings.model_construct()
     env = [f"{name}={value}" for name, value, default in (
         ("QLAYER_BOOTSTRAP_SERVERS", report.bootstrap_servers, defaults.bootstrap_servers),
@@ -120,6 +121,7 @@ def render(report: DemoReport, console: Console) -> None:
     looks.add_row("  qlayer stats", "every queue's depth and counters")
     looks.add_row(f"  qlayer view {q['FailedJobs']}", "what waits in a queue (the dead letters)")
     looks.add_row(f"  qlayer dlq list {q['Jobs']}", "the dead letters and their reasons")
-    looks.add_row("  qlayer coordinator run", "keep the queues going")
+    if report.own_coordinator:
+        looks.add_row("  qlayer coordinator run", "keep the queues going")
     console.print(looks)
     console.print("[bold]Stop[/]: qlayer dev down")

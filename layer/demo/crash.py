@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from layer.sdk import QueueConsumer
+from layer.sdk import NoCoordinatorError, QueueConsumer, UnknownQueueError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,9 +25,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-backlog", type=int, required=True)
     parser.add_argument("--session-timeout", type=float, required=True)
     args = parser.parse_args(argv)
-    consumer = QueueConsumer(args.queue, args.bootstrap_servers, topic_prefix=args.topic_prefix,
-                             consumer_id=args.consumer_id, max_backlog=args.max_backlog,
-                             session_timeout=args.session_timeout)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            consumer = QueueConsumer(args.queue, args.bootstrap_servers,
+                                     topic_prefix=args.topic_prefix,
+                                     consumer_id=args.consumer_id, max_backlog=args.max_backlog,
+                                     session_timeout=args.session_timeout)
+            break
+        except (UnknownQueueError, NoCoordinatorError):
+            # A coordinator that was already running picks new queues up within seconds.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     print(json.dumps({"subscribed": True}), flush=True)
     while True:
         msg = consumer.receive(timeout=0.5)
@@ -35,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(json.dumps({"bookmark": str(msg.bookmark), "id": msg.json()["id"]}), flush=True)
         # Never settled: the process is killed while it holds the lease.
-        time.sleep(0)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ class DemoReport:
     database_url: str
     topic_prefix: str
     coordinator: str
+    #: True when the demo ran its own coordinator (stopped with the demo); False when one
+    #: that was already running served the demo (and keeps running).
+    own_coordinator: bool
     queues: dict[str, str]
     jobs: JobsScene
     priority: PriorityScene
@@ -180,13 +183,13 @@ def _wait(probe: Callable[[], T | None], timeout: float, what: str) -> T:
 
 
 @contextmanager
-def _coordinator(settings: Settings, progress: Progress) -> Iterator[str]:
+def _coordinator(settings: Settings, progress: Progress) -> Iterator[tuple[str, bool]]:
     """Our own coordinator in a thread, unless another live one owns the queues already."""
     with Store(settings.database_url) as store:
         owner = store.owner(SHARD)
     if owner is not None and not owner.expired(time.time()):
         progress(f"using the running coordinator {owner.owner_id}")
-        yield owner.owner_id
+        yield owner.owner_id, False
         return
     owner_id = f"qlayer-demo-{default_owner_id()}"
     # No Kafka transactions: the demo's coordinator is alone and lives for a minute; fencing
@@ -212,7 +215,7 @@ def _coordinator(settings: Settings, progress: Progress) -> Iterator[str]:
                 return current is not None and current.owner_id == owner_id
             _wait(owned, 30, "the coordinator taking ownership")
         progress(f"coordinator {owner_id} running")
-        yield owner_id
+        yield owner_id, True
     finally:
         coordinator.stop()
         thread.join(30)
@@ -440,9 +443,11 @@ def _barrier(settings: Settings, options: DemoOptions, publisher: QueuePublisher
             with lock:
                 log.append(("got", name, int(body["trade"])))
             time.sleep(0.2)  # settling a trade takes a moment: the barrier has to wait
-            msg.ack()
             with lock:
+                # Logged before the ack is sent, so the log can never show the barrier
+                # arriving before the ack that released it.
                 log.append(("acked", name, int(body["trade"])))
+            msg.ack()
 
     names = [f"teller-{n}-{run}" for n in (1, 2)]
     threads = []
@@ -610,7 +615,7 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
         progress(f"deleted {len(earlier)} queues of earlier demo runs")
     progress(f"applied {len(queues)} queues (run {run}) and created their journals")
     with ExitStack() as stack:
-        owner = stack.enter_context(_coordinator(settings, progress))
+        owner, own = stack.enter_context(_coordinator(settings, progress))
         publisher = stack.enter_context(QueuePublisher(
             settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
             kafka_config=settings.kafka, directory_refresh=1.0))
@@ -625,7 +630,7 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
     return DemoReport(
         run=run, bootstrap_servers=settings.bootstrap_servers,
         database_url=settings.database_url, topic_prefix=settings.topic_prefix,
-        coordinator=owner,
+        coordinator=owner, own_coordinator=own,
         queues={_short_queue(q.name, run): q.name for q in queues},
         jobs=jobs, priority=priority, barrier=barrier, fairness=fairness, orders=orders,
         seconds=round(time.monotonic() - started, 1))

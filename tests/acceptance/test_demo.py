@@ -89,7 +89,8 @@ def test_demo_shows_every_headline_feature_and_runs_again(
     assert routes["ORDERS_RISK"]["journal"] == "ORDERS_RISK_DIRECT"
     assert routes["ORDERS_RISK"]["queues"] == ["ORDERS_RISK"]
 
-    # The demo's coordinator stopped with it: it released its ownership.
+    # The demo ran its own coordinator, which stopped with it: it released its ownership.
+    assert report["own_coordinator"] is True
     with Store(empty_database_url) as store:
         owner = store.owner("default")
         assert owner is None or owner.expired(time.time())
