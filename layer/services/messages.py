@@ -271,11 +271,16 @@ class RangeReader:
             "group.id": settings.topic_prefix + "cli", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
             "enable.partition.eof": True, "isolation.level": "read_committed"}))
+        self._pending: dict[tuple[str, int], int] = {}
 
     def read(self, starts: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int],
              *, stall_timeout: float = 30.0) -> Iterator[JournalRecord]:
-        """Every record from ``starts`` up to (not including) ``ends``, per partition in order."""
-        pending = {tp: end for tp, end in ends.items() if starts.get(tp, end) < end}
+        """Every record from ``starts`` up to (not including) ``ends``, per partition in order.
+
+        ``stop(partition)`` while iterating ends one partition early.
+        """
+        self._pending = {tp: end for tp, end in ends.items() if starts.get(tp, end) < end}
+        pending = self._pending
         if not pending:
             return
         self._consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in pending])
@@ -289,8 +294,8 @@ class RangeReader:
                 raise KafkaAdapterError(
                     f"reading {sorted(pending)} stalled below their end offsets; is Kafka up?")
             for m in messages:
-                tp = (m.topic(), m.partition())
-                end = pending.get(tp)  # type: ignore[arg-type]
+                tp: tuple[str, int] = (m.topic(), m.partition())  # type: ignore[assignment]
+                end = pending.get(tp)
                 if end is None:
                     continue
                 last_progress = time.monotonic()
@@ -298,15 +303,19 @@ class RangeReader:
                 offset = m.offset() or 0
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF and offset >= end:
-                        del pending[tp]  # type: ignore[arg-type]
+                        del pending[tp]
                     continue
                 if offset >= end:
-                    del pending[tp]  # type: ignore[arg-type]
+                    del pending[tp]
                     continue
-                yield JournalRecord(tp[0], tp[1], offset, m.key(), m.value(),  # type: ignore[arg-type]
+                yield JournalRecord(tp[0], tp[1], offset, m.key(), m.value(),
                                     m.timestamp()[1], m.headers())  # type: ignore[arg-type]
                 if offset + 1 >= end:
-                    del pending[tp]  # type: ignore[arg-type]
+                    pending.pop(tp, None)
+
+    def stop(self, partition: tuple[str, int]) -> None:
+        """Read no more of this partition (records already fetched are skipped)."""
+        self._pending.pop(partition, None)
 
     def close(self) -> None:
         self._consumer.close()

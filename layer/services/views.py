@@ -18,6 +18,7 @@ Approximations, by design (the coordinator's memory is the only exact answer):
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -144,7 +145,11 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
     ends = admin.end_offsets(pairs)
     queue_filter = definition.filter_expression
     priority = definition.priority_expression
+    # Without a priority, delivery follows each partition's journal order, so a partition can
+    # stop being read once it has `limit` entries to show; with one, every entry competes.
+    early_stop = priority is None and limit is not None
     found: list[ViewEntry] = []
+    per_partition: dict[tuple[str, int], int] = {}
     reader = RangeReader(settings)
     try:
         for record in reader.read(starts, ends):
@@ -166,6 +171,10 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
                 key=record.key, value=record.value, timestamp_ms=record.timestamp_ms,
                 delivery_count=row.delivery_count if row is not None else 0,
                 priority=rank, document=document))
+            tp = (record.topic, record.partition)
+            per_partition[tp] = per_partition.get(tp, 0) + 1
+            if early_stop and per_partition[tp] >= (limit or 0):
+                reader.stop(tp)
     finally:
         reader.close()
     ordered = sort_for_delivery(found, by_priority=priority is not None)
@@ -173,8 +182,16 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
 
 
 def sort_for_delivery(entries: Iterable[ViewEntry], *, by_priority: bool) -> list[ViewEntry]:
-    """The order a consumer would get them in: oldest first, or by priority, then age."""
-    return sorted(entries, key=_delivery_order if by_priority else _age_order)
+    """The order a consumer would get them in: with a priority, highest first (non-numeric
+    last), ties by age; else each partition in journal order, partitions interleaved by
+    record timestamp (the coordinator takes them in the order it reads them)."""
+    if by_priority:
+        return sorted(entries, key=_delivery_order)
+    partitions: dict[tuple[str, int], list[ViewEntry]] = {}
+    for entry in entries:
+        partitions.setdefault((entry.topic, entry.partition), []).append(entry)
+    runs = [sorted(run, key=lambda e: e.offset) for _, run in sorted(partitions.items())]
+    return list(heapq.merge(*runs, key=lambda e: e.timestamp_ms))
 
 
 def _age_order(entry: ViewEntry) -> tuple[int, str, int, int]:

@@ -60,8 +60,10 @@ def test_rates_are_per_second_between_two_samples() -> None:
     assert set(rates(after, after).values()) == {0.0}
 
 
-def entry(offset: int, timestamp_ms: int, priority: float | None) -> ViewEntry:
-    return ViewEntry(bookmark=f"J/0/{offset}", topic="J", partition=0, offset=offset,
+def entry(offset: int, timestamp_ms: int, priority: float | None = None, partition: int = 0
+          ) -> ViewEntry:
+    return ViewEntry(bookmark=f"J/{partition}/{offset}", topic="J", partition=partition,
+                     offset=offset,
                      key=None, value=None, timestamp_ms=timestamp_ms, delivery_count=0,
                      priority=priority, document=None)
 
@@ -70,4 +72,12 @@ def test_delivery_order_priority_highest_first_null_last_ties_by_age() -> None:
     entries = [entry(0, 10, 1), entry(1, 11, None), entry(2, 12, 5), entry(3, 13, 5),
                entry(4, 9, -2)]
     assert [e.offset for e in sort_for_delivery(entries, by_priority=True)] == [2, 3, 0, 4, 1]
-    assert [e.offset for e in sort_for_delivery(entries, by_priority=False)] == [4, 0, 1, 2, 3]
+
+
+def test_fifo_keeps_each_partitions_journal_order_and_interleaves_partitions_by_time() -> None:
+    # Offset 4 has an earlier producer timestamp than offset 0: journal order still wins.
+    one = [entry(0, 10), entry(1, 11), entry(4, 9)]
+    two = [entry(0, 5, partition=1), entry(1, 10, partition=1), entry(2, 30, partition=1)]
+    ordered = sort_for_delivery(reversed(one + two), by_priority=False)
+    assert [(e.partition, e.offset) for e in ordered] == [
+        (1, 0), (0, 0), (1, 1), (0, 1), (0, 4), (1, 2)]
