@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--consumer-id", required=True)
     parser.add_argument("--max-backlog", type=int, required=True)
     parser.add_argument("--session-timeout", type=float, required=True)
+    parser.add_argument("--kafka-config", type=json.loads, default={},
+                        help="librdkafka properties as a JSON object (security settings)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + 20
     while True:
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
             consumer = QueueConsumer(args.queue, args.bootstrap_servers,
                                      topic_prefix=args.topic_prefix,
                                      consumer_id=args.consumer_id, max_backlog=args.max_backlog,
-                                     session_timeout=args.session_timeout)
+                                     session_timeout=args.session_timeout,
+                                     kafka_config=args.kafka_config)
             break
         except (UnknownQueueError, NoCoordinatorError):
             # A coordinator that was already running picks new queues up within seconds.

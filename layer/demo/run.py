@@ -177,8 +177,8 @@ def _wait(probe: Callable[[], T | None], timeout: float, what: str) -> T:
         if value:
             return value
         if time.monotonic() > deadline:
-            raise DemoError(f"demo: {what} did not happen within {timeout:g}s; is the "
-                            "coordinator running? (see its log with --debug)")
+            raise DemoError(f"demo: {what} did not happen within {timeout:g}s; the "
+                            "coordinator's warnings, if any, are above")
         time.sleep(0.1)
 
 
@@ -250,7 +250,8 @@ def _jobs(settings: Settings, options: DemoOptions, publisher: QueuePublisher,
         [sys.executable, "-m", "layer.demo.crash", "--bootstrap-servers",
          settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix, "--queue", queue,
          "--consumer-id", crasher_id, "--max-backlog", str(crasher_backlog),
-         "--session-timeout", str(options.session_timeout)],
+         "--session-timeout", str(options.session_timeout),
+         "--kafka-config", json.dumps(settings.kafka)],
         stdout=subprocess.PIPE, text=True)
     stack.callback(_kill, crasher)
     lines: list[dict[str, Any]] = []
@@ -321,8 +322,10 @@ def _jobs(settings: Settings, options: DemoOptions, publisher: QueuePublisher,
 
     dead = _dead_letters(settings, failed, 2, options)
     with Store(settings.database_url) as store:
-        counters = _wait(lambda: _counters_when(store, queue, lambda c: c["dead_lettered"] >= 2),
-                         options.scene_timeout, f"{queue}'s counters")
+        # Acks travel asynchronously: wait until the coordinator has applied every one.
+        counters = _wait(lambda: _counters_when(
+            store, queue, lambda c: c["dead_lettered"] >= 2 and c["acked"] >= len(acked)),
+            options.scene_timeout, f"{queue}'s counters")
     return JobsScene(published=total, processed_by={_short(k, run): v
                                                     for k, v in sorted(processed.items())},
                      crashed_consumer=_short(crasher_id, run), crashed_held=held,
