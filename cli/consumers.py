@@ -75,7 +75,7 @@ def consumers(
         heartbeat = f"{age_text(c.heartbeat_age)} ago"
         if c.evict_requested_at is not None:
             heartbeat += " [yellow](eviction requested)[/]"
-        table.add_row(c.consumer_id, c.session_id[:12], c.queue + (" (regex)" if c.is_regex
+        table.add_row(c.consumer_id, c.session_id[:8], c.queue + (" (regex)" if c.is_regex
                                                                    else ""),
                       limit, c.filter or "-", heartbeat, c.delivery_topic)
     show(table)

@@ -44,7 +44,11 @@ def emit_json(document: Any) -> None:
 
 
 def new_table(*columns: str, title: str | None = None) -> Table:
-    table = Table(*columns, title=title, title_justify="left", title_style="bold")
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for index, column in enumerate(columns):
+        # The first column names the thing (queue, consumer id) and is copied into commands:
+        # keep it whole; the others fold rather than end in "…".
+        table.add_column(column, overflow="fold", no_wrap=index == 0)
     return table
 
 
