@@ -113,7 +113,8 @@ def redrive_(
         emit_json({"queue": queue, "dead_letter_topic": result.dead_letter_topic,
                    "dry_run": result.dry_run, "scanned": result.scanned,
                    "moved": result.moved, "skipped_by_filter": result.skipped_filter,
-                   "skipped_other_queues": result.skipped_other, "targets": result.targets})
+                   "skipped_other_queues": result.skipped_other,
+                   "skipped_duplicates": result.skipped_duplicate, "targets": result.targets})
         return
     verb = "would move" if dry_run else "moved"
     where = ", ".join(f"{n} to {t}" for t, n in sorted(result.targets.items())) or "nothing"
@@ -121,3 +122,5 @@ def redrive_(
                f"{result.dead_letter_topic}: {where}")
     if result.skipped_filter:
         typer.echo(f"{result.skipped_filter} did not match the filter and were passed over")
+    if result.skipped_duplicate:
+        typer.echo(f"{result.skipped_duplicate} duplicate dead letter(s) were passed over")

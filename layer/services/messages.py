@@ -26,6 +26,7 @@ from layer.domain.durations import parse_duration
 from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
 from layer.domain.expressions import Expression, compile_expression, parse_document
 from layer.kafka import JournalReader, JournalRecord, KafkaAdapterError, KafkaAdmin
+from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
     DLQ_HEADER_KEYS,
@@ -365,6 +366,7 @@ class RedriveResult:
     moved: int = 0
     skipped_filter: int = 0
     skipped_other: int = 0
+    skipped_duplicate: int = 0
     dry_run: bool = False
     targets: dict[str, int] = field(default_factory=dict)
 
@@ -483,6 +485,7 @@ def redrive(
             progress(0, total)
         positions: dict[tuple[str, int], int] = {}
         began = batch_started = time.monotonic()
+        seen: set[Bookmark] = set()
         in_batch = 0
         for record in reader.read(starts, ends):
             result.scanned += 1
@@ -490,9 +493,15 @@ def redrive(
             positions[(record.topic, record.partition)] = record.offset + 1
             if not _belongs(letter, queue):
                 result.skipped_other += 1
+            elif letter.info is not None and letter.info.bookmark in seen:
+                # The coordinator writes a dead letter twice when it crashes between writing
+                # it and recording it (docs/coordinator.md); the entry comes back once.
+                result.skipped_duplicate += 1
             elif expression is not None and not expression.matches(parse_document(letter.value)):
                 result.skipped_filter += 1
             else:
+                assert letter.info is not None
+                seen.add(letter.info.bookmark)
                 target = _redrive_target(definition, letter)
                 if rate is not None and rate > 0:
                     # The n-th record goes no earlier than n / rate seconds after the start.

@@ -25,6 +25,7 @@ from layer.store.rows import ConsumerRow
 from layer.store.store import Store
 from tests.support.coordinator import (
     TopicReader,
+    produce,
     put_queues,
     running_coordinator,
     wait_for_counters,
@@ -180,6 +181,15 @@ def test_an_interrupted_redrive_leaves_nothing_half_done_and_the_next_run_finish
         assert qlayer(settings, "publish", jobs, input=lines).exit_code == 0
         assert qlayer(settings, "consume", "Batch", "--count", "5", "--reject").exit_code == 0
         wait_for_counters(settings, "Batch", dead_lettered=5)
+    # A coordinator that crashed between writing a dead letter and recording it writes it
+    # again on recovery: the same entry twice on the dead-letter topic.
+    dlq = TopicReader(settings.bootstrap_servers, f"{settings.topic_prefix}dlq.Batch")
+    try:
+        copy = dlq.read_until(lambda got: len(got) >= 5)[2]
+    finally:
+        dlq.close()
+    produce(settings.bootstrap_servers, f"{settings.topic_prefix}dlq.Batch", [copy.value],
+            keys=[copy.key], headers=[(k, v or b"") for k, v in copy.headers])
 
     def interrupt(done: int, total: int) -> None:
         if done == 3:
