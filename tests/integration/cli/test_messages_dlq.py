@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
@@ -247,3 +248,28 @@ def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
 def consumer_rows(settings: Settings) -> list[ConsumerRow]:
     with Store(settings.database_url) as store:
         return store.load_consumers()
+
+
+def test_publish_from_a_file_consume_with_a_filter_and_release(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str],
+    tmp_path: Path
+) -> None:
+    work = create_topic(unique_name("Files"), partitions=1)
+    put_queues(settings, {"name": "Files", "underlying_topic": work})
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(4)))
+    with running_coordinator(settings):
+        published = qlayer(settings, "publish", work, "--file", str(lines))
+        assert published.stdout.strip() == f"published 4 message(s) to {work}"
+        released = qlayer(settings, "consume", "Files", "--filter", "/n >= 2", "--count", "2",
+                          "--release", "--json")
+        assert released.exit_code == 0, released.output
+        # A released entry keeps its place at the front: the same one comes again.
+        assert [(json.loads(str(m["value"]))["n"], m["delivery_count"], m["settled"])
+                for m in json_lines(released.stdout)] == [(2, 1, "release"), (2, 2, "release")]
+        wait_for_counters(settings, "Files", released=2)
+        everything = qlayer(settings, "consume", "Files", "--count", "4", "--max-backlog", "4",
+                            "--json")
+        counts = {json.loads(str(m["value"]))["n"]: m["delivery_count"]
+                  for m in json_lines(everything.stdout)}
+        assert counts == {0: 1, 1: 1, 2: 3, 3: 1}
