@@ -35,7 +35,7 @@ class KafkaAdmin:
         wanted = {s.name: s for s in specs}
         if not wanted:
             return []
-        existing = set(self._admin.list_topics(timeout=timeout).topics)
+        existing = set(self.topics(timeout))
         missing = [s for n, s in wanted.items() if n not in existing]
         if not missing:
             return []
@@ -71,7 +71,10 @@ class KafkaAdmin:
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
         """Every topic with its partition count."""
-        md = self._admin.list_topics(timeout=timeout)
+        try:
+            md = self._admin.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            raise KafkaAdapterError(f"cannot list topics: {exc}") from exc
         return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
     def matching_topics(self, pattern: re.Pattern[str], timeout: float = 10.0) -> dict[str, int]:
