@@ -9,6 +9,14 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, pool
+from sqlalchemy.engine import make_url
+
+from layer.store.errors import translate_errors
+
+
+def _where(database_url: str) -> str:
+    """The database for messages, without its password."""
+    return make_url(database_url).render_as_string(hide_password=True)
 
 
 def alembic_config(database_url: str) -> Config:
@@ -22,19 +30,23 @@ def alembic_config(database_url: str) -> Config:
 
 def upgrade(database_url: str, revision: str = "head") -> str | None:
     """Apply migrations up to revision; returns the revision the database is at afterwards."""
-    command.upgrade(alembic_config(database_url), revision)
+    with translate_errors(f"migrating {_where(database_url)} (is PostgreSQL running? "
+                          "`qlayer dev up` starts a local one)"):
+        command.upgrade(alembic_config(database_url), revision)
     return current_revision(database_url)
 
 
 def downgrade(database_url: str, revision: str = "base") -> str | None:
-    command.downgrade(alembic_config(database_url), revision)
+    with translate_errors(f"migrating {_where(database_url)} down"):
+        command.downgrade(alembic_config(database_url), revision)
     return current_revision(database_url)
 
 
 def current_revision(database_url: str) -> str | None:
     engine = create_engine(database_url, poolclass=pool.NullPool)
     try:
-        with engine.connect() as conn:
+        with translate_errors(f"reading the schema revision of {_where(database_url)}"), \
+                engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()
