@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from cli.output import table_console
 from layer.localstack import LocalStack, StackConfig
 
 app = typer.Typer(help="Run a local Kafka broker and PostgreSQL server (no Docker needed).",
@@ -75,7 +75,7 @@ def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
         for n in nodes:
             table.add_row(n.name, "[green]running[/]" if n.running else "[red]stopped[/]",
                           str(n.pid or "-"), n.endpoint)
-        Console().print(table)
+        table_console().print(table)
     if not all(n.running for n in nodes):
         raise typer.Exit(1)
 

@@ -52,8 +52,15 @@ def new_table(*columns: str, title: str | None = None) -> Table:
     return table
 
 
+def table_console() -> Console:
+    """A console for tables: the terminal's width, or a wide page when output is piped (a
+    terminal-less 80 columns would fold wide tables such as `qlayer stats` beyond reading)."""
+    out = Console()
+    return out if out.is_terminal else Console(width=max(out.width, 200))
+
+
 def show(*renderables: Any) -> None:
-    console = Console()
+    console = table_console()
     for renderable in renderables:
         console.print(renderable)
 
