@@ -359,9 +359,10 @@ def purge(
         help="Seconds to wait with --wait before giving up (exit 1).")] = 30.0,
     database_url: DatabaseUrl = None,
 ) -> None:
-    """Empty a queue: every entry up to the journal's current end leaves it.
+    """Empty a queue: every entry it holds leaves it, acknowledged by the operator.
 
-    The owning coordinator carries it out within its refresh interval.
+    The owning coordinator carries it out within its refresh interval, for every record it has
+    read from the journals by then (it reads them as they arrive); later records enter as usual.
     """
     with _service(database_url) as service:
         result = service.purge(name, wait=timeout if wait else None)
