@@ -1174,14 +1174,9 @@ class Coordinator:
             self.release(clock())
 
     def _recover(self, now: float) -> None:
-        """Drop all in-memory state after a failure; keep nothing that was not persisted."""
-        epoch = self.epoch
-        if epoch is not None:
-            try:
-                self.store.release(self.options.shard, self.options.owner_id, epoch, now)
-            except QlayerError as exc:
-                # The database may be what failed; ownership then lapses by its TTL.
-                log.warning("could not release ownership: %s", exc)
-        self._close_clients()
-        self.epoch = None
+        """Drop all in-memory state after a failure; keep nothing that was not persisted.
+
+        The shard is handed back (if the database is what failed, ownership lapses by its TTL)
+        and taken again, with a new epoch, by the next iteration of `run`."""
+        self.release(now)
         self._reset_state()
