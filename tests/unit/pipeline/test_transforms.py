@@ -1,0 +1,179 @@
+"""The pipeline's transforms on small hand-built event and journal frames."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+
+from layer.pipeline.transforms import (
+    Outcome,
+    Violation,
+    counters,
+    event_schema,
+    lifecycle,
+    reconcile,
+    violations,
+)
+
+TOPIC = "orders"
+T0 = 1_700_000_000_000
+
+
+def ev(kind: str, at: int, offset: int, queue: str = "Q", **fields: Any) -> dict[str, Any]:
+    """One entry event, as the coordinator writes it, ``at`` ms after T0."""
+    row: dict[str, Any] = {name: None for name in event_schema().fieldNames()}
+    row.update(type=kind, timestamp_ms=T0 + at, coordinator_id="c1", coordinator_epoch=1,
+               queue=queue, bookmark=f"{TOPIC}/0/{offset}", topic=TOPIC, partition=0,
+               offset=offset)
+    if kind == "ENQUEUED":
+        row["record_timestamp_ms"] = T0 + at - 5
+    row.update(fields)
+    return row
+
+
+def leased(at: int, offset: int, consumer: str, count: int) -> dict[str, Any]:
+    return ev("LEASED", at, offset, consumer_id=consumer, session_id=f"s-{consumer}",
+              delivery_count=count, lease_expires_ms=T0 + at + 30_000)
+
+
+def acked(at: int, offset: int, consumer: str, count: int) -> dict[str, Any]:
+    return ev("ACKED", at, offset, consumer_id=consumer, delivery_count=count)
+
+
+def frame(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
+    schema = event_schema()
+    return spark.createDataFrame([tuple(r[n] for n in schema.fieldNames()) for r in rows],
+                                 schema)
+
+
+def journal(spark: SparkSession, offsets: range, at: int = 0) -> DataFrame:
+    when = datetime.fromtimestamp((T0 + at) / 1000, UTC)
+    return spark.createDataFrame([(TOPIC, 0, o, when) for o in offsets],
+                                 "topic string, partition int, offset long, timestamp timestamp")
+
+
+def healthy() -> list[dict[str, Any]]:
+    """Offsets 0..4: acked first time, redelivered then acked, dead-lettered after a reject,
+    still leased (pending), expired by its deadline without a delivery."""
+    return [
+        ev("ENQUEUED", 0, 0), leased(10, 0, "a", 1), acked(50, 0, "a", 1),
+        ev("ENQUEUED", 0, 1), leased(10, 1, "a", 1),
+        ev("LEASE_EXPIRED", 1000, 1, consumer_id="a", delivery_count=1, reason="deadline"),
+        leased(1010, 1, "b", 2), acked(1100, 1, "b", 2),
+        ev("ENQUEUED", 0, 2), leased(20, 2, "b", 1),
+        ev("REJECTED", 30, 2, consumer_id="b", delivery_count=1, reason="bad order"),
+        ev("DEAD_LETTERED", 30, 2, delivery_count=1, reason="rejected"),
+        ev("EXPIRED", 30, 2, delivery_count=1, reason="rejected"),
+        ev("ENQUEUED", 0, 3), leased(40, 3, "a", 1),
+        ev("ENQUEUED", 0, 4), ev("EXPIRED", 5000, 4, delivery_count=0, reason="expiration"),
+    ]
+
+
+def by_bookmark(frame: DataFrame) -> dict[int, dict[str, Any]]:
+    return {row["offset"]: row.asDict(recursive=True) for row in frame.collect()}
+
+
+def test_lifecycle_has_one_row_per_entry_with_its_deliveries_and_outcome(
+    spark: SparkSession,
+) -> None:
+    rows = by_bookmark(lifecycle(frame(spark, healthy())))
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    first, redelivered, dead, pending, expired = (rows[i] for i in range(5))
+
+    assert first["outcome"] == Outcome.ACKED
+    assert first["outcome_consumer_id"] == "a"
+    assert (first["enqueued_ms"], first["record_timestamp_ms"]) == (T0, T0 - 5)
+    assert (first["time_in_queue_ms"], first["processing_time_ms"]) == (50, 40)
+
+    assert [(d["consumer_id"], d["timestamp_ms"] - T0, d["delivery_count"])
+            for d in redelivered["deliveries"]] == [("a", 10, 1), ("b", 1010, 2)]
+    assert redelivered["delivery_count"] == 2
+    assert (redelivered["time_in_queue_ms"], redelivered["processing_time_ms"]) == (1100, 90)
+
+    assert (dead["outcome"], dead["outcome_reason"]) == (Outcome.DEAD_LETTERED, "rejected")
+    assert (pending["outcome"], pending["outcome_ms"], pending["time_in_queue_ms"]) == (
+        Outcome.PENDING, None, None)
+    assert (expired["outcome"], expired["outcome_reason"]) == (Outcome.EXPIRED, "expiration")
+    assert (expired["delivery_count"], expired["processing_time_ms"]) == (0, None)
+    assert {r["outcome_count"] for r in rows.values()} == {0, 1}
+
+
+def test_at_most_once_and_barrier_outcomes(spark: SparkSession) -> None:
+    rows = by_bookmark(lifecycle(frame(spark, [
+        ev("ENQUEUED", 0, 0), ev("DELIVERED_AT_MOST_ONCE", 7, 0, consumer_id="a"),
+        ev("ENQUEUED", 0, 1), ev("BARRIER_DELIVERED", 9, 1),
+    ])))
+    assert (rows[0]["outcome"], rows[0]["delivery_count"], rows[0]["time_in_queue_ms"]) == (
+        Outcome.AT_MOST_ONCE, 1, 7)
+    assert rows[0]["deliveries"][0]["consumer_id"] == "a"
+    assert (rows[1]["outcome"], rows[1]["delivery_count"]) == (Outcome.BARRIER, 0)
+
+
+def test_a_repeated_enqueued_after_a_restart_counts_once(spark: SparkSession) -> None:
+    events = [*healthy(), ev("ENQUEUED", 3000, 3, coordinator_epoch=2)]
+    rows = by_bookmark(lifecycle(frame(spark, events)))
+    assert rows[3]["enqueued_ms"] == T0
+    reconciled = reconcile(frame(spark, events), journal(spark, range(5)), "Q")
+    assert violations(reconciled).count() == 0
+    totals = counters(frame(spark, events)).collect()[0].asDict()
+    assert totals["enqueued"] == 5
+
+
+def test_a_healthy_queue_reconciles_with_one_pending_entry(spark: SparkSession) -> None:
+    reconciled = by_bookmark(reconcile(frame(spark, healthy()), journal(spark, range(5)), "Q"))
+    assert {o: r["status"] for o, r in reconciled.items()} == {
+        0: "done", 1: "done", 2: "done", 3: "pending", 4: "done"}
+    assert all(r["violations"] == [] for r in reconciled.values())
+
+
+@pytest.mark.parametrize(("injected", "offset", "violation"), [
+    ([acked(60, 0, "a", 1)], 0, Violation.ACKED_TWICE),
+    ([leased(2000, 1, "c", 3)], 1, Violation.DELIVERED_AFTER_ACK),
+    ([ev("EXPIRED", 70, 0, reason="expiration")], 0, Violation.SEVERAL_OUTCOMES),
+])
+def test_an_injected_violation_is_found_and_named(
+    spark: SparkSession, injected: list[dict[str, Any]], offset: int, violation: str,
+) -> None:
+    reconciled = reconcile(frame(spark, healthy() + injected), journal(spark, range(5)), "Q")
+    found = [(r["offset"], r["violation"]) for r in violations(reconciled).collect()]
+    assert found == [(offset, violation)]
+    statuses = by_bookmark(reconciled)
+    assert statuses[offset]["status"] == "violation"
+
+
+def test_a_missing_outcome_is_found(spark: SparkSession) -> None:
+    # Offset 2 without its EXPIRED: dead-lettered, so gone from the queue, yet no outcome.
+    events = [e for e in healthy() if not (e["offset"] == 2 and e["type"] == "EXPIRED")]
+    reconciled = reconcile(frame(spark, events), journal(spark, range(5)), "Q")
+    assert [(r["offset"], r["violation"]) for r in violations(reconciled).collect()] == [
+        (2, Violation.MISSING_OUTCOME)]
+
+
+def test_an_entry_never_enqueued_is_found(spark: SparkSession) -> None:
+    events = [e for e in healthy() if not (e["offset"] == 0 and e["type"] == "ENQUEUED")]
+    reconciled = reconcile(frame(spark, events), journal(spark, range(5)), "Q")
+    assert [(r["offset"], r["violation"]) for r in violations(reconciled).collect()] == [
+        (0, Violation.MISSING_ENQUEUED)]
+
+
+def test_reconcile_keeps_to_its_queue_and_journal_time_range(spark: SparkSession) -> None:
+    other = [ev("ENQUEUED", 0, 0, queue="Other"), acked(5, 0, "x", 1) | {"queue": "Other"},
+             acked(6, 0, "x", 1) | {"queue": "Other"}]
+    records = journal(spark, range(3), at=0).unionByName(journal(spark, range(3, 5), at=10_000))
+    reconciled = reconcile(frame(spark, healthy() + other), records, "Q",
+                           start_ms=T0, end_ms=T0 + 10_000)
+    # Other's double ack is not Q's; offsets 3 and 4 were journaled after the range.
+    assert sorted(by_bookmark(reconciled)) == [0, 1, 2]
+    assert violations(reconciled).count() == 0
+    # Records the queue never admitted (no events: refused by its filter) are not its entries.
+    assert reconcile(frame(spark, healthy()), journal(spark, range(9)), "Q").count() == 5
+
+
+def test_counters_recomputed_from_events(spark: SparkSession) -> None:
+    totals = counters(frame(spark, healthy())).collect()[0].asDict()
+    assert totals == {"queue": "Q", "enqueued": 5, "delivered": 5, "redelivered": 1,
+                      "acked": 2, "released": 0, "lease_expired": 1, "expired": 2,
+                      "dead_lettered": 1}
