@@ -15,6 +15,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro
 
+from layer.domain.definitions import is_topic_regex
 from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
 
@@ -55,14 +56,19 @@ def kafka_options(bootstrap_servers: str, security: Mapping[str, str] | None = N
                   ) -> dict[str, str]:
     """Options for Spark's Kafka source; `security` holds Kafka client settings
     (security.protocol, sasl.*), passed with the source's ``kafka.`` prefix."""
-    options = {"kafka.bootstrap.servers": bootstrap_servers}
+    # read_committed: a transactional coordinator's aborted writes are not events.
+    options = {"kafka.bootstrap.servers": bootstrap_servers,
+               "kafka.isolation.level": "read_committed"}
     options.update({f"kafka.{k}": v for k, v in (security or {}).items()})
     return options
 
 
 def _read_topic(spark: SparkSession, topic: str, options: Mapping[str, str],
                 start_ms: int | None, end_ms: int | None) -> DataFrame:
-    reader = spark.read.format("kafka").options(**options).option("subscribe", topic)
+    # A queue's underlying topic may be a regular expression (DESIGN §2): the source reads
+    # every topic it matches.
+    how = "subscribePattern" if is_topic_regex(topic) else "subscribe"
+    reader = spark.read.format("kafka").options(**options).option(how, topic)
     # By time when a range is given: the source turns times into offsets per partition, so
     # only the range is read. Without one, the whole topic as it is now.
     if start_ms is not None:
@@ -103,7 +109,8 @@ def read_events(spark: SparkSession, events_topic: str, options: Mapping[str, st
 
 def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],
                  start_ms: int | None = None, end_ms: int | None = None) -> DataFrame:
-    """A journal's records (topic, partition, offset, timestamp, key, value) in a time range."""
+    """A journal's records (topic, partition, offset, timestamp, key, value) in a time range;
+    ``topic`` may be a queue's regular expression."""
     return _read_topic(spark, topic, options, start_ms, end_ms).select(
         "topic", "partition", "offset", "timestamp", "key", "value")
 

@@ -1,0 +1,112 @@
+"""The pipeline against a real coordinator run, through Spark's Kafka source on local[2].
+
+A queue sees a rejection, a release past max_cancels (both dead-lettered), a lease that
+expires and is redelivered, plain acks, and two messages still waiting when the run ends. The
+jobs must agree exactly with the coordinator's own counters, and a duplicated ACKED event
+written to the real events topic must make `reconcile` fail, naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from pyspark.sql import SparkSession
+
+from layer.pipeline import transforms
+from layer.pipeline.jobs import EventSource, main, run_lifecycle, run_reconcile
+from layer.pipeline.transforms import Outcome, Violation
+from layer.protocol import AckType, Codec, EventType, TopicNames
+from layer.settings import Settings
+from tests.support.coordinator import (
+    Consumers,
+    TopicReader,
+    counters,
+    produce,
+    put_queues,
+    running_coordinator,
+    wait_for_counters,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def coordinator_run(settings: Settings, work: str) -> dict[str, int]:
+    """Drive the queue through its cases; the counters once the coordinator has stopped."""
+    put_queues(settings, {"name": "Work", "underlying_topic": work, "max_cancels": 1,
+                          "lease_period": "1s"})
+    produce(settings.bootstrap_servers, work, [f"m{i}".encode() for i in range(8)],
+            keys=[f"k{i}".encode() for i in range(8)])
+    with running_coordinator(settings), Consumers(settings) as pool:
+        worker = pool.subscribe("Work", max_backlog=8)
+        deliveries = {d.value: d for d in worker.receive(8)}
+        worker.ack([deliveries[b"m0"]], AckType.REJECT, reason="bad payload")
+        worker.ack([deliveries[b"m1"]], AckType.RELEASE)  # max_cancels 1: dead-lettered
+        worker.ack([d for v, d in deliveries.items() if v not in (b"m0", b"m1", b"m2")])
+        (again,) = worker.receive(1, timeout=10)  # m2's lease expired: delivered again
+        assert again.value == b"m2"
+        worker.ack([again])
+        wait_for_counters(settings, "Work", acked=6, expired=2)
+        worker.unsubscribe()
+        # Nobody left to deliver to: these two stay pending.
+        produce(settings.bootstrap_servers, work, [b"p0", b"p1"])
+        wait_for_counters(settings, "Work", enqueued=10)
+    return counters(settings, "Work")
+
+
+def test_lifecycle_and_reconcile_agree_with_the_coordinator(
+    spark: SparkSession, settings: Settings, journal: Callable[..., str]
+) -> None:
+    work = journal("Work")
+    start_ms = int(time.time() * 1000) - 1000
+    expected = coordinator_run(settings, work)
+    assert expected["redelivered"] == 1 and expected["dead_lettered"] == 2  # the cases ran
+    source = EventSource(settings.bootstrap_servers, settings.topic_prefix)
+
+    table = run_lifecycle(spark, source, queue="Work", start_ms=start_ms).cache()
+    rows = {r["bookmark"]: r for r in table.collect()}
+    assert len(rows) == expected["enqueued"] == 10
+    outcomes = Counter(r["outcome"] for r in rows.values())
+    assert outcomes == {Outcome.ACKED: expected["acked"],
+                        Outcome.DEAD_LETTERED: expected["dead_lettered"],
+                        Outcome.PENDING: 2}
+    assert sum(r["delivery_count"] for r in rows.values()) == expected["delivered"]
+    assert sum(r["delivery_count"] > 1 for r in rows.values()) == expected["redelivered"]
+    assert all(r["time_in_queue_ms"] >= 0 for r in rows.values() if r["outcome_ms"])
+    reasons = Counter(r["outcome_reason"] for r in rows.values()
+                      if r["outcome"] == Outcome.DEAD_LETTERED)
+    assert reasons == {"rejected": 1, "max_cancels": 1}
+
+    from layer.pipeline.io import read_events
+
+    events = read_events(spark, source.events_topic, source.options())
+    recomputed = transforms.counters(events).where("queue = 'Work'").collect()[0].asDict()
+    assert {k: v for k, v in recomputed.items() if k != "queue"} == expected
+
+    report = run_reconcile(spark, source, "Work", work, start_ms=start_ms)
+    assert (report.done, report.pending, report.violations) == (8, 2, [])
+    table.unpersist()
+
+    # A duplicated ACKED event, byte for byte, as a coordinator writing twice would leave it.
+    reader = TopicReader(settings.bootstrap_servers, source.events_topic)
+    codec = Codec()
+    records = reader.read_until(lambda rs: len(rs) > 0)
+    while reader.read():
+        pass
+    reader.close()
+    ack = next(r for r in records
+               if codec.decode_event(r.value).type is EventType.ACKED
+               and codec.decode_event(r.value).queue == "Work")
+    produce(settings.bootstrap_servers, TopicNames(settings.topic_prefix).events, [ack.value])
+    bookmark = str(codec.decode_event(ack.value).bookmark)
+
+    status = main(["--bootstrap-servers", settings.bootstrap_servers,
+                   "--topic-prefix", settings.topic_prefix, "--from-submit",
+                   "--start-ms", str(start_ms), "reconcile", "--queue", "Work",
+                   "--journal", work])
+    assert status == 1
+    again = run_reconcile(spark, source, "Work", work, start_ms=start_ms)
+    assert [(v.bookmark, v.violation) for v in again.violations] == [
+        (bookmark, Violation.ACKED_TWICE)]
