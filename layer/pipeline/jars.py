@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -91,3 +92,18 @@ def _fetch(jars: Path, version: str) -> None:
             jar.unlink()
     shutil.rmtree(jars, ignore_errors=True)
     tmp.rename(jars)
+
+
+def main() -> int:
+    """Print the jars comma-separated, for ``spark-submit --jars "$(python -m ...)"``."""
+    try:
+        found = ensure_spark_jars()
+    except PipelineSetupError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(",".join(str(jar) for jar in found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

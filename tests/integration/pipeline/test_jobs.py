@@ -16,6 +16,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from layer.pipeline import transforms
+from layer.pipeline.io import read_events
 from layer.pipeline.jobs import EventSource, main, run_lifecycle, run_reconcile
 from layer.pipeline.transforms import Outcome, Violation
 from layer.protocol import AckType, Codec, EventType, TopicNames
@@ -78,8 +79,6 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
     reasons = Counter(r["outcome_reason"] for r in rows.values()
                       if r["outcome"] == Outcome.DEAD_LETTERED)
     assert reasons == {"rejected": 1, "max_cancels": 1}
-
-    from layer.pipeline.io import read_events
 
     events = read_events(spark, source.events_topic, source.options())
     recomputed = transforms.counters(events).where("queue = 'Work'").collect()[0].asDict()
