@@ -39,5 +39,13 @@ acceptance: install
 test: lint typecheck
 	$(PY) -m pytest
 
+# Side by side with the raw Kafka relay and Kafka share groups on the local stack (quick,
+# ~5 minutes; BENCH_FULL=1 for the full matrix; BENCH_ARGS="--bootstrap-servers ... --database-url
+# ..." for another stack). Writes benchmarks/results/bench.json and docs/benchmarks.md.
+bench: install
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/report.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import struct
 import sys
@@ -34,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import create_topic, machine, scratch_database
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from layer.coordinator.service import Coordinator, CoordinatorOptions
 from layer.settings import Settings
-from layer.store.migrate import upgrade
 from layer.store.store import Store
 
 STAMP = struct.Struct(">d")
@@ -69,26 +67,6 @@ def consume(settings: dict[str, str], queue: str, done: Any, total: int,
     consumer.close()
     if latencies is not None:
         latencies.put(mine)
-
-
-def create_topic(bootstrap: str, name: str, partitions: int) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(name, partitions, 1)])[name].result(30)
-    time.sleep(1.0)  # leaders elected
-
-
-def scratch_database(admin_url: str) -> str:
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    u = make_url(admin_url)
-    name = f"bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(host=u.host, port=u.port, user=u.username, password=u.password,
-                         dbname="postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
-    url = u.set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    return url
 
 
 def acked(store: Store, queue: str) -> int:
@@ -168,19 +146,6 @@ def run_phase(settings: Settings, queue: str, messages: int, size: int, consumer
     coordinator.stop()
     thread.join(30)
     return result
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "platform": platform.platform()}
 
 
 def main() -> None:
