@@ -2,13 +2,15 @@
 
 Run locally with ``python -m layer.pipeline.jobs lifecycle|reconcile ...`` (a `local[2]`
 session with the jars Maven fetched) or on a cluster with ``spark-submit ... --from-submit``
-(docs/pipeline.md). ``reconcile`` exits with status 1 when it finds a violation.
+(docs/pipeline.md). ``reconcile`` exits with status 1 when it finds a violation; a job that
+fails (Kafka unreachable, jars missing) exits with status 2, so the two are told apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ __all__ = [
     "ReconcileReport",
     "ViolationRow",
     "main",
+    "run",
     "run_lifecycle",
     "run_reconcile",
 ]
@@ -140,18 +143,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _source(args: argparse.Namespace) -> EventSource:
+def _source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EventSource:
     pairs = [item.partition("=") for item in args.kafka_option]
     bad = [key for key, sep, _ in pairs if not sep]
     if bad:
-        raise SystemExit(f"--kafka-option takes KEY=VALUE; got {', '.join(bad)}")
+        parser.error(f"--kafka-option takes KEY=VALUE; got {', '.join(bad)}")  # exits 2
     return EventSource(args.bootstrap_servers, args.topic_prefix,
                        {key: value for key, _, value in pairs})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    source = _source(args)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    source = _source(args, parser)
     if args.from_submit:
         spark = SparkSession.builder.appName(f"qlayer-{args.job}").getOrCreate()
     else:
@@ -178,5 +182,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             spark.stop()
 
 
+def run(argv: Sequence[str] | None = None) -> int:
+    """`main`, with a failure of the job itself as status 2 (1 means violations)."""
+    try:
+        return main(argv)
+    except Exception:
+        traceback.print_exc()
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -3,11 +3,14 @@
 A queue sees a rejection, a release past max_cancels (both dead-lettered), a lease that
 expires and is redelivered, plain acks, and two messages still waiting when the run ends. The
 jobs must agree exactly with the coordinator's own counters, and a duplicated ACKED event
-written to the real events topic must make `reconcile` fail, naming it.
+written to the real events topic must make `reconcile` fail, naming it, also when the job runs
+as its own process on two executors (`local-cluster`).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -17,7 +20,7 @@ from pyspark.sql import SparkSession
 
 from layer.pipeline import transforms
 from layer.pipeline.io import read_events
-from layer.pipeline.jobs import EventSource, main, run_lifecycle, run_reconcile
+from layer.pipeline.jobs import EventSource, run_lifecycle, run_reconcile
 from layer.pipeline.transforms import Outcome, Violation
 from layer.protocol import AckType, Codec, EventType, TopicNames
 from layer.settings import Settings
@@ -101,11 +104,16 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
     produce(settings.bootstrap_servers, TopicNames(settings.topic_prefix).events, [ack.value])
     bookmark = str(codec.decode_event(ack.value).bookmark)
 
-    status = main(["--bootstrap-servers", settings.bootstrap_servers,
-                   "--topic-prefix", settings.topic_prefix, "--from-submit",
-                   "--start-ms", str(start_ms), "reconcile", "--queue", "Work",
-                   "--journal", work])
-    assert status == 1
+    # The job as a process, on two executor JVMs: nothing may depend on one JVM's memory.
+    job = subprocess.run(
+        [sys.executable, "-m", "layer.pipeline.jobs", "--master", "local-cluster[2,1,1024]",
+         "--bootstrap-servers", settings.bootstrap_servers,
+         "--topic-prefix", settings.topic_prefix, "--start-ms", str(start_ms),
+         "reconcile", "--queue", "Work", "--journal", work],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.stdout.splitlines() == ["Work: 7 done, 2 pending, 1 violations",
+                                       f"acked_twice\tWork\t{bookmark}"]
     again = run_reconcile(spark, source, "Work", work, start_ms=start_ms)
     assert [(v.bookmark, v.violation) for v in again.violations] == [
         (bookmark, Violation.ACKED_TWICE)]

@@ -1,0 +1,22 @@
+"""The job's exit statuses: 1 is kept for violations, so usage errors and failures are 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from layer.pipeline.jobs import run
+
+
+def test_a_malformed_kafka_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run(["--kafka-option", "security.protocol", "reconcile", "--queue", "Q",
+             "--journal", "orders"])
+    assert exited.value.code == 2
+    assert "--kafka-option takes KEY=VALUE; got security.protocol" in capsys.readouterr().err
+
+
+def test_reconcile_needs_its_queue_and_journal(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run(["reconcile", "--queue", "Q"])
+    assert exited.value.code == 2
+    assert "--journal" in capsys.readouterr().err
