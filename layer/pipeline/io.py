@@ -7,7 +7,6 @@ schema) are skipped; `from_avro` decodes the body with the `.avsc` shipped in th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
 
 __all__ = [
-    "describe_options",
     "event_header_hex",
     "kafka_options",
     "local_session",
@@ -119,8 +117,3 @@ def write_parquet(frame: DataFrame, path: str, mode: str = "overwrite") -> None:
     """Write one job's output as Parquet (a directory; a path any Hadoop filesystem takes)."""
     frame.write.mode(mode).parquet(path)
 
-
-def describe_options(options: Mapping[str, str]) -> str:
-    """The source options without secrets, for logs."""
-    return json.dumps({k: ("***" if "sasl.jaas" in k or "password" in k else v)
-                       for k, v in options.items()})
