@@ -228,7 +228,7 @@ class Coordinator:
         self._input_offsets: dict[tuple[str, int], int] = {}
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this iteration (the engines never see
         # what was refused, so these do not come from their outboxes).
-        self._refusals: list[Event] = []
+        self._pending_events: list[Event] = []
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._admin: KafkaAdmin | None = None
@@ -264,8 +264,27 @@ class Coordinator:
         self.epoch = None
         self._reset_state()
 
+    def _ownership_events(self, kind: EventType, now: float) -> None:
+        """OWNERSHIP_ACQUIRED / OWNERSHIP_LOST for every queue of the shard (events topic)."""
+        assert self.epoch is not None
+        self._pending_events.extend(
+            Event(type=kind, timestamp_ms=ms(now), coordinator_id=self.options.owner_id,
+                  coordinator_epoch=self.epoch, queue=name) for name in self.engines)
+
     def release(self, now: float) -> None:
         """Hand the shard over at once (clean shutdown), so a standby need not wait."""
+        if self.epoch is not None and self._writer is not None and self.engines:
+            # Best effort: a clean stop says so on the events topic; a crash cannot.
+            self._ownership_events(EventType.OWNERSHIP_LOST, now)
+            encode = self.codec.encode_event
+            try:
+                self._writer.send(OutgoingRecord(self.topics.events, encode(e),
+                                                 (e.queue or "").encode())
+                                  for e in self._pending_events)
+                self._writer.flush(5.0)
+            except QlayerError as exc:
+                log.warning("could not write OWNERSHIP_LOST events: %s", exc)
+            self._pending_events = []
         if self.epoch is not None:
             try:
                 self.store.release(self.options.shard, self.options.owner_id, self.epoch, now)
@@ -302,6 +321,7 @@ class Coordinator:
         for record in self.store.load_queues():
             self._add_queue(record.name, record.definition, record.version, now, session_of)
         self._restore_sessions(now)
+        self._ownership_events(EventType.OWNERSHIP_ACQUIRED, now)
         self._sync_directory()
         inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
         inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
@@ -533,8 +553,8 @@ class Coordinator:
         wire = wire_events(events, self.options.owner_id, self.epoch,
                            session_of=self._session_id_of,
                            record_time_of=lambda b: _timestamp_ms(fresh.get(b)))
-        wire.extend(self._refusals)
-        self._refusals = []
+        wire.extend(self._pending_events)
+        self._pending_events = []
         stats.events = len(wire)
         encode = self.codec.encode_event
         out.extend(OutgoingRecord(self.topics.events, encode(w), (w.queue or "").encode())
@@ -758,7 +778,7 @@ class Coordinator:
                  session_id: str, queue: str | None, bookmark: WireBookmark | None = None
                  ) -> None:
         assert self.epoch is not None
-        self._refusals.append(Event(type=kind, timestamp_ms=ms(now),
+        self._pending_events.append(Event(type=kind, timestamp_ms=ms(now),
                                     coordinator_id=self.options.owner_id,
                                     coordinator_epoch=self.epoch, queue=queue,
                                     bookmark=bookmark, consumer_id=consumer_id,
