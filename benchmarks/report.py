@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,50 @@ def plot_latency(latency: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
-def render(data: dict[str, Any]) -> str:
+def _source(frame: str) -> str:
+    """The line of qlayer's own code a frame points at, so the table reads without the source."""
+    match = re.search(r"\((layer/[^:]+):(\d+)\)$", frame)
+    if match is None:
+        return ""
+    try:
+        text = (ROOT / match[1]).read_text().splitlines()[int(match[2]) - 1].strip()
+    except (OSError, IndexError):
+        return ""
+    return f": `{text[:90]}`".replace("|", "\\|")
+
+
+def profile_summary(raw: Path, top: int = 25) -> list[str]:
+    """The coordinator's busiest functions by inclusive time, from py-spy's raw (collapsed) output.
+
+    Each line of the raw file is one distinct stack and how many samples it had; a function's
+    inclusive share is the samples of the stacks it appears in, over all samples.
+    """
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, _, count = line.rpartition(" ")
+        samples = int(count)
+        total += samples
+        frames = stack.split(";")
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + samples
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+    if not total:
+        return []
+    skip = ("threading.py", "multiprocessing/", "<module>")
+    rows = [(n, f) for f, n in inclusive.items() if not any(s in f for s in skip)]
+    lines = [f"{total:,} samples at 100 Hz over 12 s, coordinator process, every thread that was "
+             "not idle.", "", "| inclusive | self | function (file:line) |", "|---:|---:|---|"]
+    for n, frame in sorted(rows, reverse=True)[:top]:
+        lines.append(f"| {100 * n / total:.1f} % | {100 * own.get(frame, 0) / total:.1f} % | "
+                     f"`{frame}`{_source(frame)} |")
+    return lines
+
+
+def render(data: dict[str, Any], profile: Path | None = None) -> str:
     cells = data["throughput"]
     plan = data["plan"]
     m = data["machine"]
@@ -100,7 +144,7 @@ def render(data: dict[str, Any]) -> str:
         "shared with other work, so figures are noisy",
         f"- plan: {plan['messages']:,} messages per repetition, {plan['repetitions']} "
         f"repetitions (median) after a {plan['warmup']:,}-message warm-up; journal of 4 "
-        "partitions; payload bytes drawn from a fixed seed",
+        "partitions; 1,000 distinct random payloads from a fixed seed, cycled",
         "",
         "## Throughput (acknowledged messages per second, median)",
         "",
@@ -130,13 +174,13 @@ def render(data: dict[str, Any]) -> str:
         "## qlayer's ratios (same run, same cell)",
         "",
         "| qlayer | size | consumers | ÷ raw relay | ÷ share group (confluent-kafka) "
-        "| ÷ ShareConsumerPerformance |",
+        "| ÷ ShareConsumerPerformance drain |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in data["ratios"]:
         lines.append(f"| {LABELS[r['system']]} | {r['size']} | {r['consumers']} | "
                      f"{_fmt(r['vs_relay'], 2)} | {_fmt(r['vs_share-ck'], 2)} | "
-                     f"{_fmt(r['vs_share-tool'], 2)} |")
+                     f"{_fmt(r['vs_share-tool-drain'], 2)} |")
     lines += [
         "",
         "The issue's target is qlayer at-least-once ≥ 1.0 × the confluent-kafka share consumer "
@@ -155,6 +199,12 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"| {LABELS.get(c['system'], c['system'])} | {c['size']} | "
                      f"{c['consumers']} | {c['latency_samples']:,} | {_fmt(q['p50'], 1)} | "
                      f"{_fmt(q['p99'], 1)} | {_fmt(q['p99.9'], 1)} |")
+    if profile is not None and profile.exists():
+        lines += ["", "## Where the coordinator spends its time (qlayer at-least-once)", "",
+                  "`benchmarks/profile_coordinator.sh`: py-spy on the coordinator process during "
+                  "an at-least-once throughput cell (1 KiB, 4 consumers, 2 × 40,000 messages); "
+                  "raw profile in `benchmarks/results/coordinator-profile.txt`.", ""]
+        lines += profile_summary(profile)
     lines += ["", METHOD]
     return "\n".join(lines) + "\n"
 
@@ -172,7 +222,8 @@ METHOD = """## How each figure is measured
   records produced beforehand (at least 20,000) and times itself from its start, so its
   nMsg.sec includes joining the share group (about 5 s here); the *drain* figure counts from
   the first record any of its consumers received, i.e. what the records cost once the group
-  is formed. Neither includes producing.
+  is formed. Neither includes producing; qlayer's ratio is to the drain figure (to nMsg.sec
+  it would mostly compare with five seconds of group join).
 - **Raw relay**: one Python process consumes the journal (batches of up to 2,000), produces
   each record to a second 4-partition topic (same partition), flushes, then commits — the
   least an at-least-once layer of this shape pays; its final consumers commit synchronously
@@ -207,7 +258,7 @@ def main() -> None:
     plot_throughput(data["throughput"], PLOTS / "throughput.png")
     if data["latency"]:
         plot_latency(data["latency"], PLOTS / "latency.png")
-    DOC.write_text(render(data))
+    DOC.write_text(render(data, args.results.parent / "coordinator-profile.txt"))
     print(f"written to {DOC}")
 
 
