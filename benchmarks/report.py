@@ -97,7 +97,7 @@ def _source(frame: str) -> str:
     return f": `{text[:90]}`".replace("|", "\\|")
 
 
-def profile_summary(raw: Path, top: int = 25) -> list[str]:
+def profile_summary(raw: Path, top: int = 12) -> list[str]:
     """The coordinator's busiest functions by inclusive time, from py-spy's raw (collapsed) output.
 
     Each line of the raw file is one distinct stack and how many samples it had; a function's
@@ -118,13 +118,26 @@ def profile_summary(raw: Path, top: int = 25) -> list[str]:
         own[frames[-1]] = own.get(frames[-1], 0) + samples
     if not total:
         return []
-    skip = ("threading.py", "multiprocessing/", "<module>")
-    rows = [(n, f) for f, n in inclusive.items() if not any(s in f for s in skip)]
-    lines = [f"{total:,} samples at 100 Hz over 12 s, coordinator process, every thread that was "
-             "not idle.", "", "| inclusive | self | function (file:line) |", "|---:|---:|---|"]
-    for n, frame in sorted(rows, reverse=True)[:top]:
-        lines.append(f"| {100 * n / total:.1f} % | {100 * own.get(frame, 0) / total:.1f} % | "
-                     f"`{frame}`{_source(frame)} |")
+
+    def table(title: str, rows: list[tuple[int, str]], counts: dict[str, int]) -> list[str]:
+        out = ["", title, "", "| share | function (file:line) |", "|---:|---|"]
+        for n, frame in sorted(rows, reverse=True)[:top]:
+            out.append(f"| {100 * n / total:.1f} % | `{frame}`{_source(frame)} |")
+        return out
+
+    # Steps of one iteration: samples under each line of run_once that the loop was in.
+    steps: dict[str, int] = {}
+    for frame, n in inclusive.items():
+        if frame.startswith("Coordinator.run_once (layer/coordinator/service.py:"):
+            steps[frame] = n
+    lines = [f"{total:,} samples at 100 Hz over 12 s in the coordinator process (threads that "
+             "were not idle)."]
+    lines += table("By step of `Coordinator.run_once` (inclusive):",
+                   [(n, f) for f, n in steps.items()], inclusive)
+    ours = [(n, f) for f, n in inclusive.items()
+            if "(layer/" in f and not f.startswith(("Coordinator.run (", "Coordinator.run_once ("))]
+    lines += table("qlayer's own functions, inclusive:", ours, inclusive)
+    lines += table("Self time, any code:", [(n, f) for f, n in own.items()], own)
     return lines
 
 
