@@ -50,9 +50,11 @@ def plot_throughput(cells: list[dict[str, Any]], out: Path) -> None:
         for size, consumers in groups:
             match = [c for c in cells if (c["system"], c["size"], c["consumers"]) ==
                      (system, size, consumers)]
-            heights.append(match[0].get("acked_per_second") or 0 if match else 0)
-        ax.bar([g + i * width for g in range(len(groups))], heights, width,
-               label=LABELS[system])
+            # The tool's own figure is mostly its group join: plot what its records cost.
+            figure = "drain_per_second" if system == "share-tool" else "acked_per_second"
+            heights.append(match[0].get(figure) or 0 if match else 0)
+        label = LABELS[system] + (" (drain)" if system == "share-tool" else "")
+        ax.bar([g + i * width for g in range(len(groups))], heights, width, label=label)
     ax.set_xticks([g + width * (len(systems) - 1) / 2 for g in range(len(groups))])
     ax.set_xticklabels([f"{size} B, {n} consumer{'s' if n > 1 else ''}"
                         for size, n in groups])
