@@ -587,7 +587,7 @@ def prepare(options: DemoOptions, progress: Progress) -> Settings:
 
     try:
         upgrade(settings.database_url)
-    except SQLAlchemyError as exc:
+    except (SQLAlchemyError, QlayerError) as exc:
         first_line = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise DemoError(f"demo: cannot migrate the database ({first_line}); is PostgreSQL "
                         "running? (qlayer dev status)") from exc

@@ -141,8 +141,11 @@ def test_deliveries_of_a_consumer_that_went_away(
         leaver = pool.subscribe("Work")
         produce(settings.bootstrap_servers, work, [b"first"])
         (first,) = leaver.receive(1)
-        silent = pool.subscribe("Work", session_timeout_ms=1000)
+        # Published before `silent` subscribes (the leaver's one backlog slot is taken, so it
+        # waits): `silent` heartbeats only while it polls, and a slow produce on a loaded
+        # machine must not outlast its 1 s session before it has received anything.
         produce(settings.bootstrap_servers, work, [b"second"])
+        silent = pool.subscribe("Work", session_timeout_ms=1000)
         (second,) = silent.receive(1)
 
         leaver.unsubscribe()  # with its delivery unacknowledged
