@@ -39,8 +39,10 @@ pytestmark = pytest.mark.integration
 
 def coordinator_run(settings: Settings, work: str) -> dict[str, int]:
     """Drive the queue through its cases; the counters once the coordinator has stopped."""
+    # Long enough that no lease runs out before the acks below are applied on a loaded
+    # machine (a 1 s lease expired m0 before its REJECT arrived in CI), short for m2's expiry.
     put_queues(settings, {"name": "Work", "underlying_topic": work, "max_cancels": 1,
-                          "lease_period": "1s"})
+                          "lease_period": "4s"})
     produce(settings.bootstrap_servers, work, [f"m{i}".encode() for i in range(8)],
             keys=[f"k{i}".encode() for i in range(8)])
     with running_coordinator(settings), Consumers(settings) as pool:
@@ -49,7 +51,7 @@ def coordinator_run(settings: Settings, work: str) -> dict[str, int]:
         worker.ack([deliveries[b"m0"]], AckType.REJECT, reason="bad payload")
         worker.ack([deliveries[b"m1"]], AckType.RELEASE)  # max_cancels 1: dead-lettered
         worker.ack([d for v, d in deliveries.items() if v not in (b"m0", b"m1", b"m2")])
-        (again,) = worker.receive(1, timeout=10)  # m2's lease expired: delivered again
+        (again,) = worker.receive(1, timeout=20)  # m2's lease expired: delivered again
         assert again.value == b"m2"
         worker.ack([again])
         wait_for_counters(settings, "Work", acked=6, expired=2)
