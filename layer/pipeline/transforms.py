@@ -20,17 +20,22 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from layer.pipeline.views import ViewDefinition
 from layer.protocol.records import EventType
 
 __all__ = [
     "OUTCOME_TYPES",
+    "PERCENTILES",
     "Outcome",
     "Violation",
+    "available_entries",
     "counters",
     "entry_events",
     "event_schema",
     "lifecycle",
+    "metrics",
     "reconcile",
+    "view",
     "violations",
 ]
 
@@ -267,5 +272,195 @@ def counters(events: DataFrame) -> DataFrame:
             count(_is(EventType.LEASE_EXPIRED)).alias("lease_expired"),
             count(_is(EventType.EXPIRED)).alias("expired"),
             count(_is(EventType.EXPIRED) & F.col("dead").isNotNull()).alias("dead_lettered"),
+        )
+    )
+
+
+# Order of an entry's lease-related events within one millisecond and delivery: a lease is
+# granted after the entry was (re)admitted, renewed after it was granted, ended after both.
+_LEASE_STEP = {EventType.ENQUEUED.value: 0, EventType.REDRIVEN.value: 0,
+               EventType.LEASED.value: 1, EventType.RENEWED.value: 2,
+               EventType.RELEASED.value: 3, EventType.LEASE_EXPIRED.value: 3}
+_HOLDING = (EventType.LEASED.value, EventType.RENEWED.value)
+
+
+def available_entries(events: DataFrame, as_of_ms: int, include_leased: bool = False
+                      ) -> DataFrame:
+    """The entries waiting in their queue at ``as_of_ms``, from the events written up to then.
+
+    An entry is *pending* when it has no outcome and has not left its queue (a REJECTED or
+    DEAD_LETTERED last event means its EXPIRED is on the way); it is *available* when it is
+    also not leased (its last lease event is not LEASED or RENEWED) and not delayed (the
+    ``available_at_ms`` of its last ENQUEUED or RELEASED is not after ``as_of_ms``). With
+    ``include_leased`` the leased and delayed entries are kept too (every pending entry).
+
+    Columns: queue, bookmark, topic, partition, offset, enqueued_ms, record_timestamp_ms,
+    delivery_count, leased (bool), available_at_ms.
+    """
+    e = entry_events(events.where(F.col("timestamp_ms") <= F.lit(as_of_ms)))
+    step = F.create_map(*[F.lit(x) for pair in _LEASE_STEP.items() for x in pair])
+    lease_event = F.col("type").isin(*_LEASE_STEP)
+    delay_event = _is(EventType.ENQUEUED) | _is(EventType.RELEASED)
+    per_entry = e.groupBy("queue", "bookmark").agg(
+        F.first("topic", ignorenulls=True).alias("topic"),
+        F.first("partition", ignorenulls=True).alias("partition"),
+        F.first("offset", ignorenulls=True).alias("offset"),
+        F.min(F.when(_is(EventType.ENQUEUED), F.col("timestamp_ms"))).alias("enqueued_ms"),
+        F.min(F.when(_is(EventType.ENQUEUED), F.col("record_timestamp_ms")))
+        .alias("record_timestamp_ms"),
+        F.max(F.when(_is(EventType.LEASED), F.col("delivery_count"))).alias("delivery_count"),
+        F.count(F.when(F.col("type").isin(*OUTCOME_TYPES, *_LEAVING_TYPES), F.lit(1)))
+        .alias("finished"),
+        F.max(F.when(lease_event, F.struct(
+            F.col("timestamp_ms"), F.coalesce(F.col("delivery_count"), F.lit(0)),
+            step[F.col("type")], F.col("type").alias("type"))))
+        .getField("type").alias("lease_state"),
+        F.max(F.when(delay_event, F.struct(F.col("timestamp_ms"), F.col("available_at_ms"))))
+        .getField("available_at_ms").alias("available_at_ms"),
+    )
+    pending = per_entry.where((F.col("finished") == 0) & F.col("enqueued_ms").isNotNull())
+    pending = pending.withColumn("leased", F.col("lease_state").isin(*_HOLDING))
+    if not include_leased:
+        delayed = F.coalesce(F.col("available_at_ms") > F.lit(as_of_ms), F.lit(False))
+        pending = pending.where(~F.col("leased") & ~delayed)
+    return pending.select("queue", "bookmark", "topic", "partition", "offset", "enqueued_ms",
+                          "record_timestamp_ms", "delivery_count", "leased", "available_at_ms")
+
+
+def view(entries: DataFrame, journal: DataFrame, definition: ViewDefinition) -> DataFrame:
+    """An AMPS view over ``entries`` (`available_entries`): the definition's fields per queue
+    and group, computed over the entries' journal payloads (JSON documents).
+
+    ``journal`` has the Kafka source's topic, partition, offset and value columns; entries
+    whose record is not in it are left out (read the journal from the oldest entry's record
+    time). Columns: queue, then the definition's fields in order.
+    """
+    records = journal.select("topic", "partition", "offset",
+                             F.col("value").cast("string").alias("payload"))
+    rows = entries.join(records.dropDuplicates(["topic", "partition", "offset"]),
+                        ["topic", "partition", "offset"], "inner")
+    if definition.where is not None:
+        # A filter matches only when it is exactly true (null is no match), as in AMPS.
+        rows = rows.where(F.coalesce(definition.where, F.lit(False)))
+    keys = [f"_group{i}" for i in range(len(definition.group_by))]
+    rows = rows.select("queue", "payload", *[c.alias(k)
+                                             for c, k in zip(definition.group_by, keys,
+                                                             strict=True)])
+    aggregates = [f.column for f in definition.fields if f.group is None]
+    if not aggregates:  # grouping fields only: the distinct groups
+        aggregates = [F.count(F.lit(1)).alias("_rows")]
+    grouped = rows.groupBy("queue", *keys).agg(*aggregates)
+    return grouped.select("queue", *[
+        F.col(f.name) if f.group is None else F.col(keys[f.group]).alias(f.name)
+        for f in definition.fields])
+
+
+#: The latency percentiles `metrics` reports, with their column suffixes.
+PERCENTILES = ((0.5, "p50"), (0.99, "p99"), (0.999, "p999"))
+
+
+def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
+    """Per queue and tumbling ``window`` (a Spark interval: ``1 minute``, ``10 seconds``): the
+    SLA figures, each counted in the window in which it happened.
+
+    Counts: enqueued, delivered (LEASED and at-most-once deliveries), redelivered (LEASED with
+    delivery_count > 1), acked, dead_lettered, expired (EXPIRED that was not a dead letter),
+    outcomes. Rates: throughput_per_s (acked / window length), redelivery_rate (redelivered /
+    delivered), dead_letter_rate (dead_lettered / outcomes). Latencies in ms with
+    `percentile_approx` (``_p50``, ``_p99``, ``_p999``): wait (enqueue to first delivery, in
+    the window of the delivery), time_in_queue (enqueue to outcome, window of the outcome),
+    processing (the acked delivery to its ack, window of the ack). ``consumers``: each
+    consumer's acks and share of the window's acks, most first.
+    """
+    e = entry_events(events)
+    table = lifecycle(events)
+    first_delivery = F.get(F.col("deliveries"), 0).getField("timestamp_ms")
+    acked = F.col("outcome") == F.lit(Outcome.ACKED)
+
+    def sample(at: Column, measure: str | Column, value: Column | None,
+               consumer: Column | None = None) -> list[Column]:
+        kind = F.lit(measure) if isinstance(measure, str) else measure
+        return [F.col("queue"), at.alias("at_ms"), kind.alias("measure"),
+                (value if value is not None else F.lit(None)).cast("double").alias("value"),
+                (consumer if consumer is not None else F.lit(None)).cast("string")
+                .alias("consumer_id")]
+
+    dead = (e.where(_is(EventType.DEAD_LETTERED)).select("queue", "bookmark").distinct()
+            .withColumn("dead", F.lit(True)))
+    # ACKED outcomes are the "acked" samples; the others are classified here.
+    outcome_events = e.where(F.col("type").isin(*OUTCOME_TYPES) & ~_is(EventType.ACKED)).join(
+        dead, ["queue", "bookmark"], "left")
+    samples = (
+        e.where(_is(EventType.ENQUEUED)).select(*sample(F.col("timestamp_ms"), "enqueued", None))
+        .unionByName(e.where(_is(EventType.LEASED) | _is(EventType.DELIVERED_AT_MOST_ONCE))
+                     .select(*sample(F.col("timestamp_ms"), "delivered",
+                                     F.col("delivery_count"))))
+        .unionByName(e.where(_is(EventType.ACKED))
+                     .select(*sample(F.col("timestamp_ms"), "acked", None,
+                                     F.col("consumer_id"))))
+        .unionByName(outcome_events.select(*sample(
+            F.col("timestamp_ms"),
+            F.when(_is(EventType.EXPIRED) & F.col("dead").isNotNull(), "dead_lettered")
+            .when(_is(EventType.EXPIRED), "expired").otherwise("outcome"), None)))
+        .unionByName(table.where(first_delivery.isNotNull()).select(*sample(
+            first_delivery, "wait", first_delivery - F.col("enqueued_ms"))))
+        .unionByName(table.where(F.col("time_in_queue_ms").isNotNull()).select(*sample(
+            F.col("outcome_ms"), "time_in_queue", F.col("time_in_queue_ms"))))
+        .unionByName(table.where(acked & F.col("processing_time_ms").isNotNull()).select(
+            *sample(F.col("outcome_ms"), "processing", F.col("processing_time_ms"))))
+        .withColumn("window", F.window(F.timestamp_millis(F.col("at_ms")), window))
+    )
+
+    def count(measure: str, extra: Column | None = None) -> Column:
+        condition = F.col("measure") == F.lit(measure)
+        if extra is not None:
+            condition = condition & extra
+        return F.count(F.when(condition, F.lit(1)))
+
+    def latency(measure: str) -> list[Column]:
+        values = F.percentile_approx(
+            F.when(F.col("measure") == F.lit(measure), F.col("value")),
+            [q for q, _ in PERCENTILES])
+        return [values[i].alias(f"{measure}_ms_{suffix}")
+                for i, (_, suffix) in enumerate(PERCENTILES)]
+
+    totals = samples.groupBy("queue", "window").agg(
+        count("enqueued").alias("enqueued"),
+        count("delivered").alias("delivered"),
+        count("delivered", F.col("value") > 1).alias("redelivered"),
+        count("acked").alias("acked"),
+        count("dead_lettered").alias("dead_lettered"),
+        count("expired").alias("expired"),
+        count("outcome").alias("other"),
+        *latency("wait"), *latency("time_in_queue"), *latency("processing"),
+    )
+    outcomes = F.col("acked") + F.col("dead_lettered") + F.col("expired") + F.col("other")
+    per_consumer = (
+        samples.where(F.col("measure") == F.lit("acked"))
+        .groupBy("queue", "window", "consumer_id").agg(F.count(F.lit(1)).alias("acks"))
+        .groupBy("queue", "window")
+        .agg(F.sort_array(F.collect_list(F.struct(F.col("acks"), F.col("consumer_id"))),
+                          asc=False).alias("by_consumer"))
+    )
+    seconds = (F.unix_micros(F.col("window.end")) - F.unix_micros(F.col("window.start"))) / 1e6
+    return (
+        totals.join(per_consumer, ["queue", "window"], "left")
+        .select(
+            "queue",
+            F.col("window.start").alias("window_start"),
+            F.col("window.end").alias("window_end"),
+            "enqueued", "delivered", "redelivered", "acked", "dead_lettered", "expired",
+            outcomes.alias("outcomes"),
+            (F.col("acked") / seconds).alias("throughput_per_s"),
+            F.when(F.col("delivered") > 0, F.col("redelivered") / F.col("delivered"))
+            .alias("redelivery_rate"),
+            F.when(outcomes > 0, F.col("dead_lettered") / outcomes).alias("dead_letter_rate"),
+            *[f"{m}_ms_{suffix}" for m in ("wait", "time_in_queue", "processing")
+              for _, suffix in PERCENTILES],
+            F.transform(F.coalesce(F.col("by_consumer"), F.array()), lambda c: F.struct(
+                c.getField("consumer_id").alias("consumer_id"),
+                c.getField("acks").alias("acks"),
+                (c.getField("acks") / F.col("acked")).alias("share"),
+            )).alias("consumers"),
         )
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -12,47 +11,11 @@ from layer.pipeline.transforms import (
     Outcome,
     Violation,
     counters,
-    event_schema,
     lifecycle,
     reconcile,
     violations,
 )
-
-TOPIC = "orders"
-T0 = 1_700_000_000_000
-
-
-def ev(kind: str, at: int, offset: int, queue: str = "Q", **fields: Any) -> dict[str, Any]:
-    """One entry event, as the coordinator writes it, ``at`` ms after T0."""
-    row: dict[str, Any] = {name: None for name in event_schema().fieldNames()}
-    row.update(type=kind, timestamp_ms=T0 + at, coordinator_id="c1", coordinator_epoch=1,
-               queue=queue, bookmark=f"{TOPIC}/0/{offset}", topic=TOPIC, partition=0,
-               offset=offset)
-    if kind == "ENQUEUED":
-        row["record_timestamp_ms"] = T0 + at - 5
-    row.update(fields)
-    return row
-
-
-def leased(at: int, offset: int, consumer: str, count: int) -> dict[str, Any]:
-    return ev("LEASED", at, offset, consumer_id=consumer, session_id=f"s-{consumer}",
-              delivery_count=count, lease_expires_ms=T0 + at + 30_000)
-
-
-def acked(at: int, offset: int, consumer: str, count: int) -> dict[str, Any]:
-    return ev("ACKED", at, offset, consumer_id=consumer, delivery_count=count)
-
-
-def frame(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
-    schema = event_schema()
-    return spark.createDataFrame([tuple(r[n] for n in schema.fieldNames()) for r in rows],
-                                 schema)
-
-
-def journal(spark: SparkSession, offsets: range, at: int = 0) -> DataFrame:
-    when = datetime.fromtimestamp((T0 + at) / 1000, UTC)
-    return spark.createDataFrame([(TOPIC, 0, o, when) for o in offsets],
-                                 "topic string, partition int, offset long, timestamp timestamp")
+from tests.unit.pipeline.frames import T0, acked, ev, frame, journal, leased
 
 
 def healthy() -> list[dict[str, Any]]:
