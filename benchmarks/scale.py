@@ -98,10 +98,13 @@ def coordinator_process(settings: dict[str, str], budget: int | None, target: in
             marks["owner"] = now
         for mark, reached in (("first_iteration", c["iterations"] >= 1),
                               ("first_record", c["journal_records"] >= 1),
+                              ("first_ack", c["ack_items"] >= 1),
                               ("first_delivery", c["deliveries"] >= 1),
                               ("all_records", target > 0 and c["journal_records"] >= target)):
             if reached and mark not in marks:
                 marks[mark] = now
+                # How far the journal replay had come (an ack or a delivery waiting on it).
+                marks[f"records_at_{mark}"] = c["journal_records"]
         if not conn.poll(0.005):
             continue
         command = conn.recv()
@@ -450,7 +453,10 @@ class Scale:
             "spawn_to_imported_s": since("imported"),
             "spawn_to_owner_s": since("owner"),
             "spawn_to_first_iteration_s": since("first_iteration"),
+            "spawn_to_first_ack_read_s": since("first_ack"),
+            "records_replayed_at_first_ack": marks.get("records_at_first_ack"),
             "spawn_to_first_delivery_produced_s": since("first_delivery"),
+            "records_replayed_at_first_delivery": marks.get("records_at_first_delivery"),
             "spawn_to_first_delivery_received_s": round(received_first - new.spawned_at, 3),
             "kill_to_first_delivery_received_s": round(received_first - killed, 3),
             "spawn_to_replayed_s": since("all_records") if replayed else None,
