@@ -31,6 +31,7 @@ from fastavro.schema import to_parsing_canonical_form
 
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
+from layer.protocol.eventwire import EventEncoder
 from layer.protocol.records import (
     AckItem,
     AckItemResult,
@@ -150,9 +151,14 @@ def _checked_header(data: bytes | None) -> tuple[bytes, bytes]:
 
 
 class Codec:
-    """Encodes and decodes every qlayer protocol record. Immutable after construction."""
+    """Encodes and decodes every qlayer protocol record.
 
-    __slots__ = ("_ack", "_by_fingerprint", "_control", "_event", "_reply", "_schemas")
+    Immutable after construction but for the event encoder's caches of encoded values, which
+    only ever hold what a value encodes to (safe to share between threads under the GIL).
+    """
+
+    __slots__ = ("_ack", "_by_fingerprint", "_control", "_event", "_event_encoder", "_reply",
+                 "_schemas")
 
     def __init__(self) -> None:
         self._control = ProtocolSchema.load(SchemaKind.CONTROL)
@@ -161,6 +167,8 @@ class Codec:
         self._event = ProtocolSchema.load(SchemaKind.EVENT)
         self._schemas = {s.kind: s for s in (self._control, self._ack, self._reply, self._event)}
         self._by_fingerprint = {s.fingerprint: s for s in self._schemas.values()}
+        self._event_encoder = EventEncoder(self._event.header,
+                                           self._event.parsed["fields"][0]["type"]["symbols"])
 
     def schema(self, kind: SchemaKind) -> ProtocolSchema:
         return self._schemas[kind]
@@ -431,28 +439,31 @@ class Codec:
     # --- events ----------------------------------------------------------------------------
 
     def encode_event(self, event: Event) -> bytes:
+        """The event's record; written by `EventEncoder`, byte for byte what fastavro writes
+        from `event_datum` (fastavro took a third of the coordinator's time)."""
+        return self._event_encoder.encode(event)
+
+    def event_datum(self, event: Event) -> dict[str, Any]:
+        """The event as the dict a generic Avro library (fastavro) encodes."""
         bookmark = event.bookmark
-        return self._encode(
-            self._event,
-            {
-                "type": event.type.value,
-                "timestamp_ms": event.timestamp_ms,
-                "coordinator_id": event.coordinator_id,
-                "coordinator_epoch": event.coordinator_epoch,
-                "queue": event.queue,
-                "bookmark": None if bookmark is None else bookmark.format(),
-                "topic": None if bookmark is None else bookmark.topic,
-                "partition": None if bookmark is None else bookmark.partition,
-                "offset": None if bookmark is None else bookmark.offset,
-                "consumer_id": event.consumer_id,
-                "session_id": event.session_id,
-                "delivery_count": event.delivery_count,
-                "reason": event.reason,
-                "lease_expires_ms": event.lease_expires_ms,
-                "available_at_ms": event.available_at_ms,
-                "record_timestamp_ms": event.record_timestamp_ms,
-            },
-        )
+        return {
+            "type": event.type.value,
+            "timestamp_ms": event.timestamp_ms,
+            "coordinator_id": event.coordinator_id,
+            "coordinator_epoch": event.coordinator_epoch,
+            "queue": event.queue,
+            "bookmark": None if bookmark is None else bookmark.format(),
+            "topic": None if bookmark is None else bookmark.topic,
+            "partition": None if bookmark is None else bookmark.partition,
+            "offset": None if bookmark is None else bookmark.offset,
+            "consumer_id": event.consumer_id,
+            "session_id": event.session_id,
+            "delivery_count": event.delivery_count,
+            "reason": event.reason,
+            "lease_expires_ms": event.lease_expires_ms,
+            "available_at_ms": event.available_at_ms,
+            "record_timestamp_ms": event.record_timestamp_ms,
+        }
 
     def decode_event(self, data: bytes | None) -> Event:
         datum = self._decode(self._event, data, unions=False)
