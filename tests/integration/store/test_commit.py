@@ -299,3 +299,21 @@ def test_forgetting_a_queue_drops_its_state_before_the_rest_of_the_batch(
     assert store.load_recovery_points("Work") == {PartitionKey("Work", "orders", 0): 500}
     assert "Work" not in store.load_counters()
     assert len(store.load_entries("Jobs")) == 1
+
+
+@pytest.mark.parametrize("text", ['plain', '', 'NULL', 'with "quotes"', "back\\slash\\", "a,b",
+                                  "{braces}", " spaces ", "ünïcödé ✓", "new\nline", "'single'"])
+def test_any_text_survives_the_array_literal_a_batch_is_sent_as(
+        store: Store, epoch: int, text: str) -> None:
+    # Batches travel as PostgreSQL array literals ('{"a","b",NULL}'): whatever a consumer id,
+    # lease token or reason holds must come back unchanged, and None must stay NULL.
+    leased = EntryRow(queue="Work", topic="orders", partition=0, offset=7, state="LEASED",
+                      delivery_count=2, cancel_count=1, lease_consumer=text, lease_token=text,
+                      lease_deadline=T0 + 30.25, available_at=None)
+    expired = EntryRow(queue="Work", topic="orders", partition=0, offset=8, state="EXPIRED",
+                       delivery_count=3, available_at=T0 + 1.5, reason=text)
+    batch = WriteBatch()
+    batch.put_entry(leased)
+    batch.put_entry(expired)
+    store.commit(batch, SHARD, OWNER, epoch, T0)
+    assert store.load_entries("Work") == [leased, expired]
