@@ -1,4 +1,5 @@
-"""Spark I/O, apart from the transforms: the Kafka source in batch mode, Avro decoding, Parquet.
+"""Spark I/O, apart from the transforms: the Kafka source (batch and streaming), Avro decoding,
+Parquet and Postgres (JDBC) output.
 
 The events topic holds single-object-encoded `Event` records (docs/protocol.md §11): a 10-byte
 header (magic + schema fingerprint) then the Avro body. Records with another header (a future
@@ -8,23 +9,35 @@ schema) are skipped; `from_avro` decodes the body with the `.avsc` shipped in th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro
+from pyspark.sql.types import ArrayType, MapType, StructType
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from layer.domain.definitions import is_topic_regex
+from layer.domain.errors import QlayerError
 from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
 
 __all__ = [
+    "OutputError",
+    "Sink",
+    "decode_events",
     "event_header_hex",
+    "jdbc_ready",
     "kafka_options",
     "local_session",
+    "parse_sink",
     "read_events",
     "read_journal",
+    "stream_events",
     "write_parquet",
+    "write_table",
 ]
 
 
@@ -94,7 +107,26 @@ def read_events(spark: SparkSession, events_topic: str, options: Mapping[str, st
     happen, so read a range wider than the journal's when reconciling (the outcomes of the last
     records come later).
     """
-    raw = _read_topic(spark, events_topic, options, start_ms, end_ms)
+    return decode_events(_read_topic(spark, events_topic, options, start_ms, end_ms))
+
+
+def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, str],
+                  max_offsets_per_trigger: int | None = None) -> DataFrame:
+    """The events topic as a stream (Spark's Kafka source), decoded like `read_events`; a new
+    checkpoint starts at the earliest event, an existing one where it stopped."""
+    reader = (spark.readStream.format("kafka").options(**options)
+              .option("subscribe", events_topic).option("startingOffsets", "earliest")
+              # Retention may have deleted events a checkpoint still points at: go on from
+              # the oldest left rather than stop the stream (the gap shows in reconcile).
+              .option("failOnDataLoss", "false"))
+    if max_offsets_per_trigger is not None:
+        reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
+    return decode_events(reader.load())
+
+
+def decode_events(raw: DataFrame) -> DataFrame:
+    """Kafka source rows of the events topic as `Event` columns. The events' wire format is
+    known here only: every reader (batch, stream) goes through this function."""
     avsc = ProtocolSchema.load(SchemaKind.EVENT).text
     header = F.unhex(F.lit(event_header_hex()))
     body = F.expr(f"substring(value, {HEADER_LENGTH + 1})")
@@ -116,4 +148,84 @@ def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],
 def write_parquet(frame: DataFrame, path: str, mode: str = "overwrite") -> None:
     """Write one job's output as Parquet (a directory; a path any Hadoop filesystem takes)."""
     frame.write.mode(mode).parquet(path)
+
+
+class OutputError(QlayerError, ValueError):
+    """An ``--output`` that names no place the pipeline can write to."""
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a job's table goes: a Parquet directory, or a Postgres table through JDBC."""
+
+    path: str | None = None
+    jdbc_url: str | None = None
+    table: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    @property
+    def is_jdbc(self) -> bool:
+        return self.jdbc_url is not None
+
+    def describe(self) -> str:
+        """Where the output went, for people (no password)."""
+        return f"{self.jdbc_url} table {self.table}" if self.is_jdbc else str(self.path)
+
+
+_POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2")
+
+
+def parse_sink(target: str, table: str) -> Sink:
+    """``--output``: a directory (Parquet), a PostgreSQL URL (``postgresql://user:pw@host/db``,
+    SQLAlchemy's ``postgresql+psycopg://`` as in qlayer's settings too) or a JDBC URL
+    (``jdbc:postgresql://host/db?user=...``). ``table`` names the Postgres table."""
+    scheme = target.split(":", 1)[0].lower() if "://" in target else ""
+    if not scheme:
+        return Sink(path=target)
+    if scheme == "jdbc":
+        if not target.lower().startswith("jdbc:postgresql://"):
+            raise OutputError(f"--output {target!r}: only jdbc:postgresql:// URLs are supported")
+        return Sink(jdbc_url=target, table=table)
+    if scheme not in _POSTGRES_SCHEMES:
+        # Hadoop filesystems (s3a://, hdfs://, file://) are Parquet directories.
+        return Sink(path=target)
+    try:
+        url = make_url(target)
+    except ArgumentError as exc:
+        raise OutputError(f"--output {target!r} is not a PostgreSQL URL: {exc}") from None
+    if not url.database:
+        raise OutputError(f"--output {target!r} names no database (postgresql://host/DB)")
+    host = url.host or "localhost"
+    port = f":{url.port}" if url.port else ""
+    query = "&".join(f"{k}={v}" for k, v in sorted(url.query.items()) if isinstance(v, str))
+    jdbc = f"jdbc:postgresql://{host}{port}/{url.database}" + (f"?{query}" if query else "")
+    return Sink(jdbc_url=jdbc, table=table, user=url.username, password=url.password)
+
+
+def jdbc_ready(frame: DataFrame) -> DataFrame:
+    """Nested columns (arrays, structs, maps) as JSON text: Postgres' JDBC writer takes only
+    flat columns, and jsonb-castable text keeps them queryable."""
+    nested = (ArrayType, MapType, StructType)
+    return frame.select(*[
+        F.to_json(F.col(f.name)).alias(f.name) if isinstance(f.dataType, nested)
+        else F.col(f.name)
+        for f in frame.schema.fields])
+
+
+def write_table(frame: DataFrame, sink: Sink, mode: str = "overwrite") -> None:
+    """Write a job's table to its sink. A Postgres table is replaced by ``overwrite`` with a
+    TRUNCATE (its grants and indexes stay) and created on the first write."""
+    if not sink.is_jdbc:
+        assert sink.path is not None
+        write_parquet(frame, sink.path, mode)
+        return
+    writer = (jdbc_ready(frame).write.format("jdbc").mode(mode)
+              .option("url", sink.jdbc_url).option("dbtable", sink.table)
+              .option("driver", "org.postgresql.Driver").option("truncate", "true"))
+    if sink.user is not None:
+        writer = writer.option("user", sink.user)
+    if sink.password is not None:
+        writer = writer.option("password", sink.password)
+    writer.save()
 

@@ -7,6 +7,7 @@ proxies); so Maven fetches them once, with `pom.xml` beside this file, into
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -57,10 +58,21 @@ def ensure_spark_jars(cache_dir: Path | None = None, version: str | None = None)
     version = version or pyspark_version()
     jars = (cache_dir or _default_cache()) / f"spark-{version}" / "jars"
     marker = jars / ".complete"
-    if not marker.exists():
+    # The marker names the pom it was fetched with: a dependency added to the pom (the
+    # Postgres driver) fetches again instead of running without it.
+    stamp = f"{version} {_pom_digest()}\n"
+    if not marker.exists() or marker.read_text() != stamp:
         _fetch(jars, version)
-        marker.write_text(version + "\n")
+        marker.write_text(stamp)
     return sorted(jars.glob("*.jar"))
+
+
+def _pom() -> Path:
+    return Path(str(resources.files("layer.pipeline").joinpath("pom.xml")))
+
+
+def _pom_digest() -> str:
+    return hashlib.sha256(_pom().read_bytes()).hexdigest()[:16]
 
 
 def _fetch(jars: Path, version: str) -> None:
@@ -72,7 +84,7 @@ def _fetch(jars: Path, version: str) -> None:
     tmp = jars.with_name("jars.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    pom = Path(str(resources.files("layer.pipeline").joinpath("pom.xml")))
+    pom = _pom()
     cmd = [
         "mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies",
         f"-Dspark.version={version}", "-DincludeScope=runtime", f"-DoutputDirectory={tmp}",

@@ -1,42 +1,76 @@
-"""The pipeline's batch jobs: read with Spark's Kafka source, transform, write Parquet, report.
+"""The pipeline's jobs: read with Spark's Kafka source, transform, write Parquet or Postgres.
 
-Run locally with ``python -m layer.pipeline.jobs lifecycle|reconcile ...`` (a `local[2]`
-session with the jars Maven fetched) or on a cluster with ``spark-submit ... --from-submit``
-(docs/pipeline.md). ``reconcile`` exits with status 1 when it finds a violation; a job that
-fails (Kafka unreachable, jars missing) exits with status 2, so the two are told apart.
+Two front ends run the same `run_job`: ``qlayer pipeline ...`` (cli/pipeline.py) and
+``python -m layer.pipeline.jobs ...``, the file ``spark-submit`` runs on a cluster with
+``--from-submit`` (docs/pipeline.md). Exit statuses, the same in both: 0 done, 1 the job failed
+(Kafka unreachable, jars missing, a bad view definition), 2 usage error, 3 ``reconcile`` found a
+violation.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Final
 
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
+    Sink,
     kafka_options,
     local_session,
+    parse_sink,
     read_events,
     read_journal,
-    write_parquet,
+    stream_events,
+    write_table,
 )
+from layer.pipeline.views import ViewDefinition, parse_view
 from layer.protocol import TopicNames
 
 __all__ = [
     "CLOCK_SKEW_MS",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "EXIT_VIOLATIONS",
     "EventSource",
+    "Job",
+    "JobResult",
+    "LifecycleJob",
+    "MetricsJob",
+    "PipelineUsageError",
+    "ReconcileJob",
     "ReconcileReport",
+    "SessionOptions",
+    "StreamOptions",
+    "StreamSummary",
+    "ViewsJob",
     "ViolationRow",
     "main",
+    "print_result",
     "run",
+    "run_job",
     "run_lifecycle",
+    "run_metrics",
     "run_reconcile",
+    "run_views",
 ]
+
+#: Exit statuses of both front ends (the CLI's own: 0 ok, 1 error, 2 usage).
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_VIOLATIONS: Final = 3
 
 #: Events are read from this long before the journal range starts: an entry's ENQUEUED is
 #: written after its record was journaled, but the two timestamps come from different clocks.
@@ -83,33 +117,51 @@ class ReconcileReport:
         return not self.violations
 
 
+# ------------------------------------------------------------------------------------------
+# Batch jobs: each reads its range, transforms, writes, and returns the (lazy) table.
+# ------------------------------------------------------------------------------------------
+
+
+def _sink(output: str | Sink | None, table: str) -> Sink | None:
+    return parse_sink(output, table) if isinstance(output, str) else output
+
+
 def run_lifecycle(spark: SparkSession, source: EventSource, *, queue: str | None = None,
                   start_ms: int | None = None, end_ms: int | None = None,
-                  output: str | None = None) -> DataFrame:
-    """The lifecycle table from the events written in ``[start_ms, end_ms)``; written as
-    Parquet to ``output`` when given. Returns the (lazy) table."""
+                  output: str | Sink | None = None) -> DataFrame:
+    """The lifecycle table from the events written in ``[start_ms, end_ms)``; written to
+    ``output`` (a Parquet directory, a Postgres URL or a `Sink`) when given."""
     events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
-    if queue is not None:
-        events = events.where(F.col("queue") == F.lit(queue))
-    table = transforms.lifecycle(events)
-    if output is not None:
-        write_parquet(table, output)
+    table = _lifecycle(queue)(events)
+    sink = _sink(output, "qlayer_lifecycle")
+    if sink is not None:
+        write_table(table, sink)
     return table
+
+
+def _lifecycle(queue: str | None) -> Callable[[DataFrame], DataFrame]:
+    def build(events: DataFrame) -> DataFrame:
+        if queue is not None:
+            events = events.where(F.col("queue") == F.lit(queue))
+        return transforms.lifecycle(events)
+
+    return build
 
 
 def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal: str, *,
                   start_ms: int | None = None, end_ms: int | None = None,
-                  output: str | None = None) -> ReconcileReport:
+                  output: str | Sink | None = None) -> ReconcileReport:
     """Reconcile ``queue`` over the records of ``journal`` (its underlying topic) journaled in
     ``[start_ms, end_ms)`` against every event written since; ``output`` gets the per-entry
-    statuses as Parquet."""
+    statuses."""
     events_from = None if start_ms is None else start_ms - CLOCK_SKEW_MS
     events = read_events(spark, source.events_topic, source.options(), events_from, None)
     records = read_journal(spark, journal, source.options(), start_ms, end_ms)
     reconciled = transforms.reconcile(events, records, queue, start_ms, end_ms).cache()
     try:
-        if output is not None:
-            write_parquet(reconciled, output)
+        sink = _sink(output, "qlayer_reconcile")
+        if sink is not None:
+            write_table(reconciled, sink)
         by_status = {row["status"]: int(row["count"])
                      for row in reconciled.groupBy("status").count().collect()}
         found = [ViolationRow(r["queue"], r["bookmark"], r["violation"])
@@ -120,9 +172,287 @@ def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal:
     return ReconcileReport(queue, by_status.get("done", 0), by_status.get("pending", 0), found)
 
 
+def run_views(spark: SparkSession, source: EventSource, queue: str, journal: str,
+              definition: ViewDefinition, *, as_of_ms: int, include_leased: bool = False,
+              output: str | Sink | None = None) -> DataFrame:
+    """The view over ``queue``'s entries available at ``as_of_ms`` (with ``include_leased``:
+    every pending entry), payloads from ``journal``. Computed and written at once (the state
+    of the queue is read now); returns the computed view."""
+    events = read_events(spark, source.events_topic, source.options())
+    table = _views(spark, source, queue, journal, definition, as_of_ms, include_leased)(events)
+    sink = _sink(output, "qlayer_view")
+    if sink is not None:
+        write_table(table, sink)
+    return table
+
+
+def _views(spark: SparkSession, source: EventSource, queue: str, journal: str,
+           definition: ViewDefinition, as_of_ms: int | None, include_leased: bool
+           ) -> Callable[[DataFrame], DataFrame]:
+    def build(events: DataFrame) -> DataFrame:
+        at = as_of_ms if as_of_ms is not None else int(time.time() * 1000)
+        entries = transforms.available_entries(
+            events.where(F.col("queue") == F.lit(queue)), at, include_leased)
+        # Read the journal only from the oldest waiting entry's record on: a queue's backlog
+        # is usually a thin tail of a long journal.
+        oldest = entries.agg(F.min("record_timestamp_ms")).collect()[0][0]
+        records = read_journal(spark, journal, source.options(),
+                               None if oldest is None else int(oldest))
+        return transforms.view(entries, records, definition)
+
+    return build
+
+
+def run_metrics(spark: SparkSession, source: EventSource, *, queue: str | None = None,
+                window: str = "1 minute", start_ms: int | None = None,
+                end_ms: int | None = None, output: str | Sink | None = None) -> DataFrame:
+    """SLA metrics per queue and ``window`` from the events written in ``[start_ms, end_ms)``
+    (`transforms.metrics`); written to ``output`` when given."""
+    events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
+    table = _metrics(queue, window)(events)
+    sink = _sink(output, "qlayer_metrics")
+    if sink is not None:
+        write_table(table, sink)
+    return table
+
+
+def _metrics(queue: str | None, window: str) -> Callable[[DataFrame], DataFrame]:
+    def build(events: DataFrame) -> DataFrame:
+        if queue is not None:
+            events = events.where(F.col("queue") == F.lit(queue))
+        return transforms.metrics(events, window)
+
+    return build
+
+
+# ------------------------------------------------------------------------------------------
+# Streaming: the events are landed exactly once, the table is derived from what was landed.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Structured streaming: ``checkpoint`` keeps the Kafka offsets and the landed events;
+    ``available_now`` processes what is there and stops, otherwise a micro-batch runs every
+    ``trigger`` until the process is stopped."""
+
+    checkpoint: str
+    available_now: bool = False
+    trigger: str = "1 minute"
+    max_offsets_per_trigger: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    batches: int
+    events: int
+    landed: int
+
+
+def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFrame], DataFrame],
+               sink: Sink, stream: StreamOptions) -> StreamSummary:
+    """Run ``build`` as a structured stream over the events topic.
+
+    Each micro-batch appends its decoded events under ``<checkpoint>/events/batch=<id>``
+    (overwriting that one directory, so a batch Spark replays after a crash lands once), then
+    rebuilds the table from every landed event and replaces the output with it. The Kafka
+    offsets live in the checkpoint: a second run continues where the first stopped, and no
+    event is counted twice. ``build`` is the same pure transform the batch job uses, so both
+    modes give the same table for the same events.
+    """
+    landed_dir = stream.checkpoint.rstrip("/") + "/events"
+    counted = {"batches": 0, "events": 0}
+
+    def each_batch(batch: DataFrame, batch_id: int) -> None:
+        batch.write.mode("overwrite").parquet(f"{landed_dir}/batch={batch_id}")
+        counted["batches"] += 1
+        counted["events"] += batch.sparkSession.read.parquet(
+            f"{landed_dir}/batch={batch_id}").count()
+        landed = batch.sparkSession.read.parquet(landed_dir).drop("batch")
+        write_table(build(landed), sink)
+
+    writer = (stream_events(spark, source.events_topic, source.options(),
+                            stream.max_offsets_per_trigger)
+              .writeStream.foreachBatch(each_batch)
+              .option("checkpointLocation", stream.checkpoint.rstrip("/") + "/offsets"))
+    if stream.available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=stream.trigger)
+    query = writer.start()
+    try:
+        query.awaitTermination()
+    finally:
+        query.stop()
+    total = 0
+    try:
+        total = spark.read.parquet(landed_dir).count()
+    except AnalysisException:  # nothing landed yet: no events directory
+        total = 0
+    return StreamSummary(counted["batches"], counted["events"], total)
+
+
+# ------------------------------------------------------------------------------------------
+# One entry point for both front ends.
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How to get a SparkSession: a local one on ``master`` or spark-submit's own."""
+
+    master: str = "local[2]"
+    from_submit: bool = False
+
+
+@dataclass(frozen=True)
+class LifecycleJob:
+    queue: str | None = None
+
+
+@dataclass(frozen=True)
+class ReconcileJob:
+    queue: str
+    journal: str
+
+
+@dataclass(frozen=True)
+class ViewsJob:
+    queue: str
+    journal: str
+    fields: tuple[str, ...]
+    group_by: tuple[str, ...] = ()
+    where: str | None = None
+    include_leased: bool = False
+    as_of_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class MetricsJob:
+    queue: str | None = None
+    window: str = "1 minute"
+
+
+Job = LifecycleJob | ReconcileJob | ViewsJob | MetricsJob
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a job did: ``rows`` a small summary to show (the view itself, the metrics, counts
+    by outcome), ``report`` for reconcile, ``stream`` for a streaming run."""
+
+    job: str
+    rows: list[dict[str, Any]]
+    output: str | None = None
+    report: ReconcileReport | None = None
+    stream: StreamSummary | None = None
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_VIOLATIONS if self.report is not None and not self.report.ok else EXIT_OK
+
+
+class PipelineUsageError(QlayerError, ValueError):
+    """Options that do not go together (``--stream`` for reconcile, no checkpoint)."""
+
+
+_NAMES: Final[dict[type[Any], str]] = {LifecycleJob: "lifecycle", ReconcileJob: "reconcile",
+                                      ViewsJob: "views", MetricsJob: "metrics"}
+_TABLES: Final[dict[str, str]] = {"lifecycle": "qlayer_lifecycle",
+                                  "reconcile": "qlayer_reconcile", "views": "qlayer_view",
+                                  "metrics": "qlayer_metrics"}
+
+
+@contextmanager
+def _session(options: SessionOptions, job: str) -> Iterator[SparkSession]:
+    if options.from_submit:
+        # Under spark-submit the application ends with the driver: leave the session be.
+        yield SparkSession.builder.appName(f"qlayer-{job}").getOrCreate()
+        return
+    spark = local_session(options.master, app_name=f"qlayer-{job}")
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def _rows(frame: DataFrame, limit: int) -> list[dict[str, Any]]:
+    return [row.asDict(recursive=True) for row in frame.limit(limit).collect()]
+
+
+def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = None,
+            spark: SparkSession | None = None, start_ms: int | None = None,
+            end_ms: int | None = None, output: str | None = None, table: str | None = None,
+            stream: StreamOptions | None = None, limit: int = 100) -> JobResult:
+    """Run one job in a session of its own (or ``spark``, left running) and say what it did.
+
+    Raises `QlayerError` subclasses for definitions and options that cannot work (a view
+    that does not parse, ``--stream`` without an output).
+    """
+    name = _NAMES[type(job)]
+    sink = parse_sink(output, table or _TABLES[name]) if output is not None else None
+    if stream is not None:
+        if isinstance(job, ReconcileJob):
+            raise PipelineUsageError(
+                "reconcile runs in batch only: its verdict is about a closed range of journal "
+                "time (docs/pipeline.md)")
+        if sink is None:
+            raise PipelineUsageError("--stream needs --output: the table it keeps up to date")
+    if spark is not None:
+        return _run(job, spark, source, start_ms, end_ms, sink, stream, limit)
+    with _session(session or SessionOptions(), name) as own:
+        return _run(job, own, source, start_ms, end_ms, sink, stream, limit)
+
+
+def _run(job: Job, spark: SparkSession, source: EventSource, start_ms: int | None,
+         end_ms: int | None, sink: Sink | None, stream: StreamOptions | None, limit: int
+         ) -> JobResult:
+    name = _NAMES[type(job)]
+    # Spark columns exist only in a session: the view is translated once one runs.
+    definition = (parse_view(job.fields, job.group_by, job.where)
+                  if isinstance(job, ViewsJob) else None)
+    where = sink.describe() if sink is not None else None
+    if stream is not None and sink is not None:
+        build: Callable[[DataFrame], DataFrame]
+        if isinstance(job, LifecycleJob):
+            build = _lifecycle(job.queue)
+        elif isinstance(job, MetricsJob):
+            build = _metrics(job.queue, job.window)
+        else:
+            assert isinstance(job, ViewsJob) and definition is not None
+            build = _views(spark, source, job.queue, job.journal, definition, job.as_of_ms,
+                           job.include_leased)
+        summary = run_stream(spark, source, build, sink, stream)
+        return JobResult(name, [], where, stream=summary)
+    if isinstance(job, LifecycleJob):
+        life = run_lifecycle(spark, source, queue=job.queue, start_ms=start_ms, end_ms=end_ms,
+                             output=sink)
+        counts = life.groupBy("queue", "outcome").count().orderBy("queue", "outcome")
+        return JobResult(name, _rows(counts, limit), where)
+    if isinstance(job, ReconcileJob):
+        report = run_reconcile(spark, source, job.queue, job.journal, start_ms=start_ms,
+                               end_ms=end_ms, output=sink)
+        return JobResult(name, [], where, report=report)
+    if isinstance(job, ViewsJob):
+        assert definition is not None
+        at = job.as_of_ms if job.as_of_ms is not None else int(time.time() * 1000)
+        result = run_views(spark, source, job.queue, job.journal, definition, as_of_ms=at,
+                           include_leased=job.include_leased, output=sink)
+        return JobResult(name, _rows(result, limit), where)
+    found = run_metrics(spark, source, queue=job.queue, window=job.window, start_ms=start_ms,
+                        end_ms=end_ms, output=sink)
+    return JobResult(name, _rows(found.orderBy("queue", "window_start"), limit), where)
+
+
+# ------------------------------------------------------------------------------------------
+# python -m layer.pipeline.jobs: the spark-submit entry point.
+# ------------------------------------------------------------------------------------------
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m layer.pipeline.jobs",
-                                     description="qlayer's Spark batch jobs")
+    parser = argparse.ArgumentParser(
+        prog="python -m layer.pipeline.jobs", description="qlayer's Spark jobs",
+        epilog="exit status: 0 done, 1 failed, 2 usage error, 3 reconcile found violations")
     parser.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
     parser.add_argument("--topic-prefix", default="qlayer.",
                         help="the coordinator's topic prefix (its events topic is <prefix>events)")
@@ -133,13 +463,35 @@ def _parser() -> argparse.ArgumentParser:
                         help="use the session spark-submit configured (its --master and --jars)")
     parser.add_argument("--start-ms", type=int, help="range start, epoch milliseconds")
     parser.add_argument("--end-ms", type=int, help="range end (exclusive), epoch milliseconds")
-    parser.add_argument("--output", help="directory for the Parquet output")
+    parser.add_argument("--output", help="a directory for Parquet, or a postgresql:// URL")
+    parser.add_argument("--table", help="the Postgres table (default qlayer_<job>)")
+    parser.add_argument("--stream", action="store_true",
+                        help="structured streaming with --checkpoint (not for reconcile)")
+    parser.add_argument("--checkpoint", help="the stream's checkpoint directory")
+    parser.add_argument("--available-now", action="store_true",
+                        help="with --stream: process what is there, then stop")
+    parser.add_argument("--trigger", default="1 minute",
+                        help="with --stream: how often a micro-batch runs")
     jobs = parser.add_subparsers(dest="job", required=True)
     life = jobs.add_parser("lifecycle", help="one row per (queue, bookmark)")
     life.add_argument("--queue")
     recon = jobs.add_parser("reconcile", help="every admitted message has exactly one outcome")
     recon.add_argument("--queue", required=True)
     recon.add_argument("--journal", required=True, help="the queue's underlying topic")
+    views = jobs.add_parser("views", help="aggregates over a queue's available entries")
+    views.add_argument("--queue", required=True)
+    views.add_argument("--journal", required=True, help="the queue's underlying topic")
+    views.add_argument("--field", action="append", required=True, dest="fields",
+                       help="a projection field: /path or 'SUM(/a * /b) AS /name'")
+    views.add_argument("--group-by", action="append", default=[],
+                       help="a grouping field or expression")
+    views.add_argument("--where", help="a filter on the payloads")
+    views.add_argument("--include-leased", action="store_true",
+                       help="every pending entry, leased and delayed ones too")
+    views.add_argument("--as-of-ms", type=int, help="the queue as it was then (default now)")
+    met = jobs.add_parser("metrics", help="throughput, latencies and rates per window")
+    met.add_argument("--queue")
+    met.add_argument("--window", default="1 minute", help="a Spark interval: '1 minute'")
     return parser
 
 
@@ -152,44 +504,62 @@ def _source(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EventS
                        {key: value for key, _, value in pairs})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    source = _source(args, parser)
-    if args.from_submit:
-        spark = SparkSession.builder.appName(f"qlayer-{args.job}").getOrCreate()
-    else:
-        spark = local_session(args.master, app_name=f"qlayer-{args.job}")
-    try:
-        if args.job == "lifecycle":
-            table = run_lifecycle(spark, source, queue=args.queue, start_ms=args.start_ms,
-                                  end_ms=args.end_ms, output=args.output)
-            totals = table.groupBy("queue", "outcome").count().orderBy("queue", "outcome")
-            for row in totals.collect():
-                print(f"{row['queue']}\t{row['outcome']}\t{row['count']}")
-            return 0
-        report = run_reconcile(spark, source, args.queue, args.journal, start_ms=args.start_ms,
-                               end_ms=args.end_ms, output=args.output)
+def _job(args: argparse.Namespace) -> Job:
+    if args.job == "lifecycle":
+        return LifecycleJob(args.queue)
+    if args.job == "reconcile":
+        return ReconcileJob(args.queue, args.journal)
+    if args.job == "views":
+        return ViewsJob(args.queue, args.journal, tuple(args.fields), tuple(args.group_by),
+                        args.where, args.include_leased, args.as_of_ms)
+    return MetricsJob(args.queue, args.window)
+
+
+def print_result(result: JobResult) -> None:
+    """The plain-text report both front ends print (tab-separated, for scripts)."""
+    if result.stream is not None:
+        s = result.stream
+        print(f"{result.job}: {s.batches} micro-batches, {s.events} new events, "
+              f"{s.landed} events in all")
+    elif result.report is not None:
+        report = result.report
         print(f"{report.queue}: {report.done} done, {report.pending} pending, "
               f"{len(report.violations)} violations")
         for v in report.violations:
             print(f"{v.violation}\t{v.queue}\t{v.bookmark}")
-        return 0 if report.ok else 1
-    finally:
-        # Under spark-submit the application ends with the driver; a session the job did not
-        # create (a notebook's, a test's) is left to its owner.
-        if not args.from_submit:
-            spark.stop()
+    else:
+        for row in result.rows:
+            print("\t".join("" if v is None else str(v) for v in row.values()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    source = _source(args, parser)
+    if args.stream and not args.checkpoint:
+        parser.error("--stream needs --checkpoint DIR")
+    stream = (StreamOptions(args.checkpoint, args.available_now, args.trigger)
+              if args.stream else None)
+    result = run_job(_job(args), source,
+                     session=SessionOptions(args.master, args.from_submit),
+                     start_ms=args.start_ms, end_ms=args.end_ms, output=args.output,
+                     table=args.table, stream=stream)
+    print_result(result)
+    return result.exit_status
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """`main`, with a failure of the job itself as status 2 (1 means violations)."""
+    """`main`, with a failure of the job itself as status 1 (3 means violations)."""
     try:
         return main(argv)
+    except QlayerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except Exception:
         traceback.print_exc()
-        return 2
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":
     sys.exit(run())
+

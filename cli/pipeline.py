@@ -1,0 +1,271 @@
+"""`qlayer pipeline lifecycle | reconcile | views | metrics`: the Spark jobs (docs/pipeline.md).
+
+Each command starts a local Spark session (``--master``, default ``local[2]``), runs one job
+with `layer.pipeline.jobs.run_job` and prints what it did. Exit statuses: 0 done, 1 error,
+2 usage error, 3 ``reconcile`` found a violation.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import typer
+
+from cli.output import (
+    BootstrapServers,
+    JsonOut,
+    TopicPrefix,
+    emit_json,
+    load_settings,
+    new_table,
+    show,
+)
+from layer.domain.errors import QlayerError
+from layer.pipeline.jobs import (
+    EXIT_VIOLATIONS,
+    EventSource,
+    Job,
+    JobResult,
+    LifecycleJob,
+    MetricsJob,
+    ReconcileJob,
+    SessionOptions,
+    StreamOptions,
+    ViewsJob,
+    run_job,
+)
+
+app = typer.Typer(
+    help="Spark jobs over the events topic and the journals: lifecycle, reconcile, views, "
+    "metrics.",
+    no_args_is_help=True,
+)
+
+
+class PipelineFailed(QlayerError):
+    """A Spark job failed (Kafka unreachable, Maven missing, ...); the message says which."""
+
+
+KafkaOption = Annotated[list[str] | None, typer.Option(
+    "--kafka-option", metavar="KEY=VALUE",
+    help="A Kafka Java client setting for Spark's source (security.protocol=SASL_SSL); "
+    "repeatable.")]
+Master = Annotated[str, typer.Option("--master", help="The Spark master.")]
+Start = Annotated[str | None, typer.Option(
+    "--start", help="Range start: epoch milliseconds or an ISO-8601 time (UTC if no zone).")]
+End = Annotated[str | None, typer.Option(
+    "--end", help="Range end, exclusive: epoch milliseconds or an ISO-8601 time.")]
+Output = Annotated[str | None, typer.Option(
+    "--output", help="Write the table here: a directory (Parquet) or a PostgreSQL URL "
+    "(postgresql://user:pw@host/db or jdbc:postgresql://...).")]
+Table = Annotated[str | None, typer.Option(
+    "--table", help="The Postgres table to write (default qlayer_<job>).")]
+Stream = Annotated[bool, typer.Option(
+    "--stream", help="Structured streaming: keep the output up to date from new events.")]
+Checkpoint = Annotated[str | None, typer.Option(
+    "--checkpoint", help="With --stream: the directory keeping the stream's Kafka offsets "
+    "and landed events; a second run goes on where the first stopped.")]
+AvailableNow = Annotated[bool, typer.Option(
+    "--available-now", help="With --stream: process the events there are, then stop.")]
+Trigger = Annotated[str, typer.Option(
+    "--trigger", help="With --stream: how often a micro-batch runs ('30 seconds').")]
+Limit = Annotated[int, typer.Option("--limit", min=1, help="Show at most this many rows.")]
+
+
+def _millis(option: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    if value.strip().lstrip("-").isdigit():
+        return int(value)
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time",
+                                 param_hint=option) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
+def _source(bootstrap_servers: str | None, topic_prefix: str | None,
+            kafka_option: list[str] | None) -> EventSource:
+    settings = load_settings(None, bootstrap_servers, topic_prefix)
+    pairs = [item.partition("=") for item in kafka_option or []]
+    bad = [key for key, sep, _ in pairs if not sep]
+    if bad:
+        raise typer.BadParameter(f"takes KEY=VALUE; got {', '.join(bad)}",
+                                 param_hint="--kafka-option")
+    return EventSource(settings.bootstrap_servers, settings.topic_prefix,
+                       {key: value for key, _, value in pairs})
+
+
+def _stream(stream: bool, checkpoint: str | None, available_now: bool, trigger: str
+            ) -> StreamOptions | None:
+    if not stream:
+        if checkpoint is not None or available_now:
+            raise typer.BadParameter("--checkpoint and --available-now go with --stream",
+                                     param_hint="--stream")
+        return None
+    if checkpoint is None:
+        raise typer.BadParameter("--stream needs --checkpoint DIR", param_hint="--checkpoint")
+    return StreamOptions(checkpoint, available_now, trigger)
+
+
+def _run(job: Job, source: EventSource, master: str, *, start: str | None = None,
+         end: str | None = None, output: str | None = None, table: str | None = None,
+         stream: StreamOptions | None = None, limit: int = 100) -> JobResult:
+    start_ms, end_ms = _millis("--start", start), _millis("--end", end)
+    try:
+        return run_job(job, source, session=SessionOptions(master), start_ms=start_ms,
+                       end_ms=end_ms, output=output, table=table, stream=stream, limit=limit)
+    except QlayerError:
+        raise
+    except Exception as exc:
+        # Spark's errors are Java stack traces: the first line names the cause.
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PipelineFailed(f"the {type(job).__name__.removesuffix('Job').lower()} job "
+                             f"failed: {first}") from exc
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, list):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    return value
+
+
+def _show(result: JobResult, json_out: bool, title: str) -> None:
+    stream = result.stream
+    if json_out:
+        document: dict[str, Any] = {"job": result.job, "output": result.output}
+        if stream is not None:
+            document["stream"] = {"micro_batches": stream.batches, "new_events": stream.events,
+                                  "events": stream.landed}
+        else:
+            document["rows"] = _json_value(result.rows)
+        emit_json(document)
+        return
+    if stream is not None:
+        typer.echo(f"{result.job}: {stream.batches} micro-batch(es), {stream.events} new "
+                   f"event(s), {stream.landed} in all; output {result.output}")
+        return
+    if result.rows:
+        table = new_table(*result.rows[0].keys(), title=title)
+        for row in result.rows:
+            table.add_row(*["-" if v is None else str(_json_value(v)) for v in row.values()])
+        show(table)
+    else:
+        typer.echo(f"{title}: no rows")
+    if result.output is not None:
+        typer.echo(f"written to {result.output}")
+
+
+@app.command("lifecycle")
+def lifecycle(
+    queue: Annotated[str | None, typer.Option("--queue", help="Only this queue.")] = None,
+    start: Start = None, end: End = None, output: Output = None, table: Table = None,
+    stream: Stream = False, checkpoint: Checkpoint = None, available_now: AvailableNow = False,
+    trigger: Trigger = "1 minute", master: Master = "local[2]", json_out: JsonOut = False,
+    bootstrap_servers: BootstrapServers = None, topic_prefix: TopicPrefix = None,
+    kafka_option: KafkaOption = None,
+) -> None:
+    """One row per (queue, bookmark): enqueue time, every delivery, outcome, latencies.
+
+    Prints the entries per queue and outcome; --output writes the whole table.
+    """
+    result = _run(LifecycleJob(queue), _source(bootstrap_servers, topic_prefix, kafka_option),
+                  master, start=start, end=end, output=output, table=table,
+                  stream=_stream(stream, checkpoint, available_now, trigger))
+    _show(result, json_out, "entries by outcome")
+
+
+@app.command("reconcile")
+def reconcile(
+    queue: Annotated[str, typer.Argument(help="The queue to audit.")],
+    journal: Annotated[str, typer.Option(
+        "--journal", help="The queue's underlying topic (or its regular expression).")],
+    start: Start = None, end: End = None, output: Output = None, table: Table = None,
+    master: Master = "local[2]", json_out: JsonOut = False,
+    bootstrap_servers: BootstrapServers = None, topic_prefix: TopicPrefix = None,
+    kafka_option: KafkaOption = None,
+) -> None:
+    """Prove every journal record the queue admitted in [start, end) reached exactly one
+    outcome or is pending; list every violation. Exit status 3 when there is one.
+    """
+    result = _run(ReconcileJob(queue, journal),
+                  _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
+                  end=end, output=output, table=table)
+    report = result.report
+    assert report is not None
+    if json_out:
+        emit_json({"queue": report.queue, "done": report.done, "pending": report.pending,
+                   "ok": report.ok, "output": result.output,
+                   "violations": [{"bookmark": v.bookmark, "violation": v.violation}
+                                  for v in report.violations]})
+    else:
+        typer.echo(f"{report.queue}: {report.done} done, {report.pending} pending, "
+                   f"{len(report.violations)} violations")
+        for v in report.violations:
+            typer.echo(f"{v.violation}\t{v.queue}\t{v.bookmark}")
+    if result.exit_status == EXIT_VIOLATIONS:
+        raise typer.Exit(EXIT_VIOLATIONS)
+
+
+@app.command("views")
+def views(
+    queue: Annotated[str, typer.Argument(help="The queue to aggregate.")],
+    journal: Annotated[str, typer.Option(
+        "--journal", help="The queue's underlying topic, where the payloads are.")],
+    field: Annotated[list[str], typer.Option(
+        "--field", help="A projection field, AMPS style: /region or "
+        "'SUM(/price * /qty) AS /total'; repeatable, in output order.")],
+    group_by: Annotated[list[str] | None, typer.Option(
+        "--group-by", help="A grouping field or expression (/region); repeatable.")] = None,
+    where: Annotated[str | None, typer.Option(
+        "--where", help="Only entries whose payload matches this filter expression.")] = None,
+    include_leased: Annotated[bool, typer.Option(
+        "--include-leased", help="Every pending entry, leased and delayed ones too (default: "
+        "the available ones only).")] = False,
+    as_of: Annotated[str | None, typer.Option(
+        "--as-of", help="The queue as it was then: epoch ms or ISO-8601 (default now).")] = None,
+    output: Output = None, table: Table = None, stream: Stream = False,
+    checkpoint: Checkpoint = None, available_now: AvailableNow = False,
+    trigger: Trigger = "1 minute", master: Master = "local[2]", limit: Limit = 100,
+    json_out: JsonOut = False, bootstrap_servers: BootstrapServers = None,
+    topic_prefix: TopicPrefix = None, kafka_option: KafkaOption = None,
+) -> None:
+    """An AMPS view over the queue: aggregates of the payloads of its available entries
+    (pending, not leased), grouped by fields or expressions.
+    """
+    job = ViewsJob(queue, journal, tuple(field), tuple(group_by or ()), where, include_leased,
+                   _millis("--as-of", as_of))
+    result = _run(job, _source(bootstrap_servers, topic_prefix, kafka_option), master,
+                  output=output, table=table,
+                  stream=_stream(stream, checkpoint, available_now, trigger), limit=limit)
+    _show(result, json_out, f"view of {queue}")
+
+
+@app.command("metrics")
+def metrics(
+    queue: Annotated[str | None, typer.Option("--queue", help="Only this queue.")] = None,
+    window: Annotated[str, typer.Option(
+        "--window", help="Tumbling window length, a Spark interval: '1 minute', "
+        "'10 seconds', '1 hour'.")] = "1 minute",
+    start: Start = None, end: End = None, output: Output = None, table: Table = None,
+    stream: Stream = False, checkpoint: Checkpoint = None, available_now: AvailableNow = False,
+    trigger: Trigger = "1 minute", master: Master = "local[2]", limit: Limit = 100,
+    json_out: JsonOut = False, bootstrap_servers: BootstrapServers = None,
+    topic_prefix: TopicPrefix = None, kafka_option: KafkaOption = None,
+) -> None:
+    """Per queue and window: throughput, latency percentiles (p50/p99/p99.9 of wait, time in
+    queue, processing), redelivery and dead-letter rates, each consumer's share of acks.
+    """
+    result = _run(MetricsJob(queue, window),
+                  _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
+                  end=end, output=output, table=table,
+                  stream=_stream(stream, checkpoint, available_now, trigger), limit=limit)
+    _show(result, json_out, "metrics per window")

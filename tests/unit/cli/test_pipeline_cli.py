@@ -1,0 +1,66 @@
+"""`qlayer pipeline`: help on every command and option, usage errors (2), definition errors
+(1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["lifecycle", "reconcile", "views", "metrics"])
+def test_every_command_explains_itself_and_its_options(command: str) -> None:
+    result = runner.invoke(app, ["pipeline", command, "--help"])
+    assert result.exit_code == 0
+    assert "--output" in result.output and "--bootstrap-servers" in result.output
+    group = typer.main.get_command(app).commands["pipeline"]  # type: ignore[attr-defined]
+    params = group.commands[command].params
+    assert params and all(p.help for p in params), [p.name for p in params if not p.help]
+
+
+def test_the_group_lists_its_jobs() -> None:
+    result = runner.invoke(app, ["pipeline", "--help"])
+    assert result.exit_code == 0
+    for command in ("lifecycle", "reconcile", "views", "metrics"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["lifecycle", "--stream"], "--stream needs --checkpoint DIR"),
+    (["metrics", "--available-now"], "--checkpoint and --available-now go with --stream"),
+    (["metrics", "--start", "yesterday"], "neither epoch milliseconds nor an ISO-8601 time"),
+    (["lifecycle", "--kafka-option", "security.protocol"], "takes KEY=VALUE"),
+    (["reconcile", "Q"], "Missing option '--journal'"),
+])
+def test_usage_errors_exit_2(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["pipeline", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_a_bad_view_definition_is_one_line_and_status_1() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "pipeline", "views", "Orders", "--journal", "orders",
+         "--field", "/region", "--field", "SUM(/price * ) AS /total", "--group-by", "/region"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    # Spark's start-up lines come first on stderr; the error is the last line.
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: syntax error: unexpected ')' at column 14 in 'SUM(/price * ) AS /total'")
+    assert done.stdout == ""
+
+
+def test_reconcile_refuses_to_stream() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "pipeline", "lifecycle", "--stream",
+         "--checkpoint", "/tmp/x"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "error: --stream needs --output: the table it keeps up to date"
