@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli import consumers, coordinator, db, dev, dlq, messages, queue, stats, view
+from cli import consumers, coordinator, db, dev, dlq, messages, pipeline, queue, stats, view
 from cli.demo import demo as demo_command
 from cli.errors import run_friendly
 
@@ -27,6 +27,7 @@ app.command(name="view")(view.view)
 app.command(name="stats")(stats.stats)
 app.add_typer(queue.app, name="queue")
 app.add_typer(consumers.app, name="consumers")
+app.add_typer(pipeline.app, name="pipeline")
 app.command(name="demo")(demo_command)
 
 
