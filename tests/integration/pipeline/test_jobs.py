@@ -3,8 +3,8 @@
 A queue sees a rejection, a release past max_cancels (both dead-lettered), a lease that
 expires and is redelivered, plain acks, and two messages still waiting when the run ends. The
 jobs must agree exactly with the coordinator's own counters, and a duplicated ACKED event
-written to the real events topic must make `reconcile` fail, naming it, also when the job runs
-as its own process on two executors (`local-cluster`).
+written to the real events topic must make `reconcile` exit with status 3, naming it, also
+when the job runs as its own process on two executors (`local-cluster`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
          "--topic-prefix", settings.topic_prefix, "--start-ms", str(start_ms),
          "reconcile", "--queue", "Work", "--journal", work],
         capture_output=True, text=True, timeout=300, check=False)
-    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.returncode == 3, job.stderr[-3000:]  # 3: violations found
     assert job.stdout.splitlines() == ["Work: 7 done, 2 pending, 1 violations",
                                        f"acked_twice\tWork\t{bookmark}"]
     again = run_reconcile(spark, source, "Work", work, start_ms=start_ms)
