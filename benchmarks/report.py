@@ -313,9 +313,11 @@ def render_scale(data: dict[str, Any]) -> str:
             "",
             f"{restart['holders']} consumers hold {restart['backlog_per_holder']:,} leases each "
             f"(lease period {p['lease_period_s']:.0f} s, never acked); a prober consumer "
-            f"(backlog {restart['prober_backlog']}) acks what it gets. The coordinator "
-            "(default options) is SIGKILLed and a new process started; times from just before "
-            f"the new process is spawned, median of {len(rounds)} kills:",
+            f"holds a full backlog ({restart['prober_backlog']}) it has received. The "
+            "coordinator (default options) is SIGKILLed, the prober acks its backlog while "
+            "no coordinator runs (so its next message needs the new one to read an ack, free "
+            "a slot and deliver) and a new process is started; times from just before it is "
+            f"spawned, median of {len(rounds)} kills:",
             "",
             "| milestone | median s | each kill |",
             "|---|---:|---|",
