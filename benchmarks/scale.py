@@ -41,6 +41,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -167,6 +168,23 @@ class CoordinatorProcess:
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
         self.process.join(30)
+
+
+def code_state() -> dict[str, Any]:
+    """Which code was measured: the tree is shared with engineers changing the coordinator."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=30)
+        except OSError:
+            return ""
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted_in_layer": [line[3:] for line in
+                                     git("status", "--porcelain", "--", "layer").splitlines()]}
 
 
 def rss_mb(pid: int) -> float:
@@ -410,11 +428,17 @@ class Scale:
         receipts, errors = out.get(timeout=120)
         consumers.join(60)
         final = coordinator.stop()
+        counts = store.load_counters(QUEUE)[QUEUE]
         store.close()
         return {"holders": holders, "backlog_per_holder": backlog,
                 "prober_backlog": args.prober_backlog, "leases_taken_s": round(lease_seconds, 1),
                 "rounds": rounds, "medians": medians(rounds),
                 "correctness": check(receipts, errors),
+                # Running totals as `qlayer stats` shows them after the restarts.
+                "queue_counters_at_end": {"enqueued": counts.enqueued,
+                                          "delivered": counts.delivered,
+                                          "redelivered": counts.redelivered,
+                                          "acked": counts.acked},
                 "last_coordinator_counters": {k: v for k, v in final["counters"].items()
                                               if v}}
 
@@ -561,6 +585,7 @@ def main() -> None:
     started = time.time()
     report: dict[str, Any] = {
         "command": "make bench-scale", "argv": sys.argv, "machine": machine(),
+        "code": code_state(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "parameters": {"messages": args.messages, "leased": args.leased,
                        "partitions": PARTITIONS, "payload_bytes": PAYLOAD_BYTES,
