@@ -1,16 +1,19 @@
-"""The records the Kafka adapters hand to the coordinator: plain slotted values, no driver types."""
+"""The records the Kafka adapters hand to the coordinator: plain tuples, no driver types.
+
+Named tuples rather than frozen dataclasses: the coordinator makes several per message (a
+journal record read, a delivery, events written), and a tuple is built three times faster.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # confluent-kafka accepts None header values and returns them as None.
 Headers = list[tuple[str, bytes | None]]
 
 
-@dataclass(slots=True, frozen=True)
-class JournalRecord:
+class JournalRecord(NamedTuple):
     """One record read from a journal (or an input topic). Timestamp in ms since the epoch."""
 
     topic: str
@@ -22,8 +25,7 @@ class JournalRecord:
     headers: Headers | None
 
 
-@dataclass(slots=True, frozen=True)
-class OutgoingRecord:
+class OutgoingRecord(NamedTuple):
     """One record to write: a delivery, a dead letter, an event or a reply."""
 
     topic: str

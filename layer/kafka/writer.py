@@ -32,12 +32,16 @@ class RecordWriter:
             "queue.buffering.max.messages": 1_000_000,
             "queue.buffering.max.kbytes": 1_048_576,
             "compression.type": "lz4",
+            # One producer-wide callback that librdkafka calls for failures only: a report
+            # per written record cost a Python call per record, for nothing to do.
+            "on_delivery": self._on_delivery,
+            "delivery.report.only.error": True,
         }
         if transactional_id is not None:
             settings["transactional.id"] = transactional_id
+        self._failures: list[str] = []
         self._producer = Producer(settings)
         self._transactional = transactional_id is not None
-        self._failures: list[str] = []
         self._in_transaction = False
         if self._transactional:
             try:
@@ -58,17 +62,15 @@ class RecordWriter:
             self._in_transaction = True
         n = 0
         for r in records:
-            kwargs: dict[str, Any] = {"key": r.key, "value": r.value,
-                                      "on_delivery": self._on_delivery}
-            if r.headers:
-                kwargs["headers"] = r.headers
-            if r.timestamp_ms is not None:
-                kwargs["timestamp"] = r.timestamp_ms
-            if r.partition is not None:
-                kwargs["partition"] = r.partition
             while True:
                 try:
-                    produce(r.topic, **kwargs)
+                    # librdkafka's own defaults stand for "none": partition -1 lets the
+                    # partitioner choose, timestamp 0 means now. (The stubs want a list of
+                    # headers; any sequence of pairs is accepted.)
+                    produce(r.topic, r.value, r.key,
+                            partition=-1 if r.partition is None else r.partition,
+                            timestamp=r.timestamp_ms or 0,
+                            headers=r.headers or None)  # type: ignore[arg-type]
                     break
                 except BufferError:
                     # The local queue is full: let librdkafka drain it, then retry.
