@@ -25,8 +25,10 @@ DEFAULT_PAYLOAD_BUDGET = 512 * 1024 * 1024
 
 
 def _size(record: JournalRecord) -> int:
-    headers = sum(len(k) + len(v or b"") for k, v in record.headers or ())
-    return len(record.value or b"") + len(record.key or b"") + headers
+    size = len(record.value or b"") + len(record.key or b"")
+    if record.headers:
+        size += sum(len(k) + len(v or b"") for k, v in record.headers)
+    return size
 
 
 @dataclass

@@ -24,6 +24,7 @@ from layer.protocol.headers import (
     dead_letter_headers,
     deliver_at_header,
     delivery_headers,
+    encoded_delivery_headers,
     header_value,
     is_reply,
     parse_dead_letter_headers,
@@ -31,6 +32,7 @@ from layer.protocol.headers import (
     parse_delivery_headers,
     reply_headers,
     with_delivery_headers,
+    without_delivery_headers,
 )
 from layer.protocol.records import (
     AckItem,
@@ -57,6 +59,7 @@ from layer.protocol.records import (
     SubscribeStatus,
     Unsubscribe,
     ack_item_problem,
+    ack_item_shape_problem,
 )
 from layer.protocol.topics import (
     DEFAULT_TOPIC_PREFIX,
@@ -107,9 +110,11 @@ __all__ = [
     "TopicNames",
     "Unsubscribe",
     "ack_item_problem",
+    "ack_item_shape_problem",
     "dead_letter_headers",
     "deliver_at_header",
     "delivery_headers",
+    "encoded_delivery_headers",
     "header_value",
     "is_reply",
     "parse_dead_letter_headers",
@@ -121,4 +126,5 @@ __all__ = [
     "topic_name_problem",
     "validate_topic_name",
     "with_delivery_headers",
+    "without_delivery_headers",
 ]

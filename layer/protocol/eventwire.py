@@ -18,10 +18,11 @@ enum is its symbol's index as an int; a union is the branch index as an int, the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from layer.protocol.records import Event, EventType
 
-__all__ = ["EventEncoder", "encode_long", "encode_string"]
+__all__ = ["EventEncoder", "Located", "encode_long", "encode_string"]
 
 _NULL = b"\x00"
 _SOME = b"\x02"  # union branch 1: the non-null type
@@ -46,6 +47,19 @@ def encode_long(n: int) -> bytes:
 def encode_string(text: str) -> bytes:
     data = text.encode()
     return encode_long(len(data)) + data
+
+
+class Located(Protocol):
+    """Anything with a bookmark's three parts (the protocol's `Bookmark`, the engine's)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
 
 
 class EventEncoder:
@@ -83,32 +97,41 @@ class EventEncoder:
         return found
 
     def encode(self, event: Event) -> bytes:
-        b = event.bookmark
+        return self.encode_fields(
+            event.coordinator_id, event.coordinator_epoch, event.type, event.timestamp_ms,
+            event.queue, event.bookmark, event.consumer_id, event.session_id,
+            event.delivery_count, event.reason, event.lease_expires_ms, event.available_at_ms,
+            event.record_timestamp_ms)
+
+    def encode_fields(self, coordinator_id: str, coordinator_epoch: int, type: EventType,
+                      timestamp_ms: int, queue: str | None, bookmark: Located | None,
+                      consumer_id: str | None = None, session_id: str | None = None,
+                      delivery_count: int | None = None, reason: str | None = None,
+                      lease_expires_ms: int | None = None, available_at_ms: int | None = None,
+                      record_timestamp_ms: int | None = None) -> bytes:
+        """An `Event` from its fields, in schema order, without building the `Event`."""
+        b = bookmark
         if b is None:
             where = _NULL * 4
         else:
             text = f"{b.topic}/{b.partition}/{b.offset}".encode()
             where = b"".join((_SOME, encode_long(len(text)), text, self._string(b.topic),
                               _SOME, encode_long(b.partition), _SOME, encode_long(b.offset)))
-        coordinator_id, epoch, fixed = self._coordinator
-        if event.coordinator_id != coordinator_id or event.coordinator_epoch != epoch:
-            fixed = encode_string(event.coordinator_id) + encode_long(event.coordinator_epoch)
-            self._coordinator = (event.coordinator_id, event.coordinator_epoch, fixed)
-        count = event.delivery_count
-        expires = event.lease_expires_ms
-        available = event.available_at_ms
-        recorded = event.record_timestamp_ms
+        known_id, known_epoch, fixed = self._coordinator
+        if coordinator_id != known_id or coordinator_epoch != known_epoch:
+            fixed = encode_string(coordinator_id) + encode_long(coordinator_epoch)
+            self._coordinator = (coordinator_id, coordinator_epoch, fixed)
         return b"".join((
-            self._types[event.type],
-            self._long(event.timestamp_ms),
+            self._types[type],
+            self._long(timestamp_ms),
             fixed,
-            self._string(event.queue),
+            self._string(queue),
             where,
-            self._string(event.consumer_id),
-            self._string(event.session_id),
-            _NULL if count is None else _SOME + encode_long(count),
-            self._string(event.reason),
-            _NULL if expires is None else _SOME + self._long(expires),
-            _NULL if available is None else _SOME + encode_long(available),
-            _NULL if recorded is None else _SOME + encode_long(recorded),
+            self._string(consumer_id),
+            self._string(session_id),
+            _NULL if delivery_count is None else _SOME + encode_long(delivery_count),
+            self._string(reason),
+            _NULL if lease_expires_ms is None else _SOME + self._long(lease_expires_ms),
+            _NULL if available_at_ms is None else _SOME + encode_long(available_at_ms),
+            _NULL if record_timestamp_ms is None else _SOME + encode_long(record_timestamp_ms),
         ))

@@ -45,6 +45,7 @@ __all__ = [
     "dead_letter_headers",
     "deliver_at_header",
     "delivery_headers",
+    "encoded_delivery_headers",
     "header_value",
     "is_reply",
     "parse_dead_letter_headers",
@@ -52,6 +53,7 @@ __all__ = [
     "parse_delivery_headers",
     "reply_headers",
     "with_delivery_headers",
+    "without_delivery_headers",
 ]
 
 Headers = list[tuple[str, bytes]]
@@ -190,19 +192,36 @@ class DeliveryInfo:
 
 def delivery_headers(info: DeliveryInfo) -> Headers:
     """The ``qlayer.*`` headers of one delivery, to append to the original record's."""
+    return encoded_delivery_headers(
+        info.queue.encode(), info.bookmark.format().encode(), info.lease.encode(),
+        info.lease_expires_ms, info.delivery_count, info.barrier,
+        None if info.consumer_id is None else info.consumer_id.encode(),
+        None if info.session_id is None else info.session_id.encode())
+
+
+def encoded_delivery_headers(queue: bytes, bookmark: bytes, lease: bytes, lease_expires_ms: int,
+                             delivery_count: int, barrier: bool, consumer_id: bytes | None,
+                             session_id: bytes | None) -> Headers:
+    """`delivery_headers` from values already encoded: the coordinator encodes a queue's name
+    and a consumer's ids once, not once per delivery."""
     headers: Headers = [
-        (QUEUE, info.queue.encode()),
-        (BOOKMARK, info.bookmark.format().encode()),
-        (LEASE, info.lease.encode()),
-        (LEASE_EXPIRES, b"%d" % info.lease_expires_ms),
-        (DELIVERY_COUNT, b"%d" % info.delivery_count),
-        (BARRIER, _TRUE if info.barrier else _FALSE),
+        (QUEUE, queue),
+        (BOOKMARK, bookmark),
+        (LEASE, lease),
+        (LEASE_EXPIRES, b"%d" % lease_expires_ms),
+        (DELIVERY_COUNT, b"%d" % delivery_count),
+        (BARRIER, _TRUE if barrier else _FALSE),
     ]
-    if info.consumer_id is not None:
-        headers.append((CONSUMER, info.consumer_id.encode()))
-    if info.session_id is not None:
-        headers.append((SESSION, info.session_id.encode()))
+    if consumer_id is not None:
+        headers.append((CONSUMER, consumer_id))
+    if session_id is not None:
+        headers.append((SESSION, session_id))
     return headers
+
+
+def without_delivery_headers(headers: InputHeaders) -> RecordHeaders:
+    """A record's own headers, without ``qlayer.*`` delivery headers a previous hop added."""
+    return _without(headers, DELIVERY_HEADER_KEYS)
 
 
 def _without(headers: InputHeaders, keys: frozenset[str]) -> RecordHeaders:

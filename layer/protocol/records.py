@@ -40,6 +40,7 @@ __all__ = [
     "SubscribeStatus",
     "Unsubscribe",
     "ack_item_problem",
+    "ack_item_shape_problem",
 ]
 
 
@@ -226,6 +227,11 @@ def ack_item_problem(item: AckItem) -> str | None:
         Bookmark.parse(item.bookmark)
     except ProtocolError as error:
         return error.message
+    return ack_item_shape_problem(item)
+
+
+def ack_item_shape_problem(item: AckItem) -> str | None:
+    """`ack_item_problem` for an item whose bookmark was already parsed."""
     if not item.lease:
         return "lease token is empty"
     if item.delay_ms is not None:

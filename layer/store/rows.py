@@ -61,9 +61,11 @@ class PartitionKey(NamedTuple):
     partition: int
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRow:
-    """A touched entry. Lease fields are set exactly when ``state == "LEASED"``."""
+class EntryRow(NamedTuple):
+    """A touched entry. Lease fields are set exactly when ``state == "LEASED"``.
+
+    A named tuple, unlike the other rows: the coordinator makes one or two per message.
+    """
 
     queue: str
     topic: str

@@ -42,7 +42,8 @@ from layer.store.store import Store
 @contextmanager
 def running_coordinator(settings: Settings, **options: object) -> Iterator[Coordinator]:
     """A coordinator running its real loop in a background thread until the block ends."""
-    defaults: dict[str, object] = {"transactional": False, "refresh_interval": 0.5}
+    defaults: dict[str, object] = {"transactional": False, "refresh_interval": 0.5,
+                                    "topic_check_interval": 0.5}
     defaults.update(options)
     coordinator = Coordinator(settings, CoordinatorOptions(**defaults))  # type: ignore[arg-type]
     errors: list[BaseException] = []
