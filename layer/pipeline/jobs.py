@@ -398,19 +398,19 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
                 "time (docs/pipeline.md)")
         if sink is None:
             raise PipelineUsageError("--stream needs --output: the table it keeps up to date")
-    if spark is not None:
-        return _run(job, spark, source, start_ms, end_ms, sink, stream, limit)
-    with _session(session or SessionOptions(), name) as own:
-        return _run(job, own, source, start_ms, end_ms, sink, stream, limit)
-
-
-def _run(job: Job, spark: SparkSession, source: EventSource, start_ms: int | None,
-         end_ms: int | None, sink: Sink | None, stream: StreamOptions | None, limit: int
-         ) -> JobResult:
-    name = _NAMES[type(job)]
-    # Spark columns exist only in a session: the view is translated once one runs.
+    # Checked before any JVM starts: a typo in a view fails in a second, not after Spark's.
     definition = (parse_view(job.fields, job.group_by, job.where)
                   if isinstance(job, ViewsJob) else None)
+    if spark is not None:
+        return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
+    with _session(session or SessionOptions(), name) as own:
+        return _run(job, definition, own, source, start_ms, end_ms, sink, stream, limit)
+
+
+def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
+         source: EventSource, start_ms: int | None, end_ms: int | None, sink: Sink | None,
+         stream: StreamOptions | None, limit: int) -> JobResult:
+    name = _NAMES[type(job)]
     where = sink.describe() if sink is not None else None
     if stream is not None and sink is not None:
         build: Callable[[DataFrame], DataFrame]

@@ -19,7 +19,7 @@ number; anything else has none and is null in arithmetic).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final, Literal
@@ -117,13 +117,20 @@ def _parser() -> Lark:
                 propagate_positions=True, start=["field", "group", "where"])
 
 
+ColumnMaker = Callable[[], Column]
+
+
 @dataclass(frozen=True)
 class _Value:
-    """A translated operand: its Spark column and what kind of value it holds."""
+    """A translated operand: what kind of value it holds, and how to build its column."""
 
-    column: Column
+    make: ColumnMaker
     kind: Kind
     aggregate: bool  # contains an aggregate call
+
+    @property
+    def column(self) -> Column:
+        return self.make()
 
 
 @dataclass(frozen=True)
@@ -131,22 +138,35 @@ class ViewField:
     """One projection field: the output column's name and its Spark expression.
 
     ``group`` is the index of the grouping expression a non-aggregate field repeats (None for
-    an aggregate); ``column`` is the aggregate expression (unused for a grouping field).
+    an aggregate, whose ``column`` is the aggregate expression named ``name``).
     """
 
     name: str
     text: str
-    column: Column
+    make: ColumnMaker
     group: int | None
+
+    @property
+    def column(self) -> Column:
+        return self.make().alias(self.name)
 
 
 @dataclass(frozen=True)
 class ViewDefinition:
-    """A parsed view: grouping columns, projection and filter, ready for `transforms.view`."""
+    """A parsed, checked view: grouping expressions, projection and filter. Its Spark columns
+    are built when `transforms.view` asks (they need a running session); parsing does not."""
 
-    group_by: tuple[Column, ...]
+    groups: tuple[ColumnMaker, ...]
     fields: tuple[ViewField, ...]
-    where: Column | None
+    condition: ColumnMaker | None
+
+    @property
+    def group_by(self) -> list[Column]:
+        return [make() for make in self.groups]
+
+    @property
+    def where(self) -> Column | None:
+        return None if self.condition is None else self.condition()
 
 
 def _error(text: str, message: str, position: int | None = None) -> ExpressionError:
@@ -211,10 +231,15 @@ def _unquote(token: str) -> str:
     return token[1:-1].replace(quote * 2, quote)
 
 
-class _Translator:
-    """Turns a parse tree into a `_Value`; ``payload`` is the JSON text column."""
+def _negated(found: Column, negated: object) -> Column:
+    return ~found if negated is not None else found
 
-    def __init__(self, text: str, payload: Column) -> None:
+
+class _Translator:
+    """Turns a parse tree into a `_Value`: its kind and aggregate flag at once (so every
+    error is found without Spark), its column when asked (Spark columns need a session)."""
+
+    def __init__(self, text: str, payload: Callable[[], Column]) -> None:
         self.text = text
         self.payload = payload
 
@@ -223,57 +248,62 @@ class _Translator:
             getattr(node.meta, "start_pos", None) if not node.meta.empty else None
         return _error(self.text, message, position)
 
-    def value(self, node: Tree[Token] | Token) -> _Value:
-        if isinstance(node, Token):  # pragma: no cover - every token sits under a rule
-            raise self.fail("unexpected token", node)
+    def value(self, node: Tree[Token] | Token | None) -> _Value:
+        if not isinstance(node, Tree):  # pragma: no cover - every operand is a rule
+            raise _error(self.text, "unexpected token")
         handler = getattr(self, f"_{node.data}")
         result: _Value = handler(node)
         return result
 
     # -- operands ----------------------------------------------------------------------------
     def _number(self, node: Tree[Token]) -> _Value:
-        return _Value(F.lit(float(str(node.children[0]))), "number", False)
+        number = float(str(node.children[0]))
+        return _Value(lambda: F.lit(number), "number", False)
 
     def _string(self, node: Tree[Token]) -> _Value:
-        return _Value(F.lit(_unquote(str(node.children[0]))), "text", False)
+        text = _unquote(str(node.children[0]))
+        return _Value(lambda: F.lit(text), "text", False)
 
     def _path(self, node: Tree[Token]) -> _Value:
-        path = str(node.children[0])
-        return _Value(F.get_json_object(self.payload, _json_path(path)), "text", False)
+        path = _json_path(str(node.children[0]))
+        return _Value(lambda: F.get_json_object(self.payload(), path), "text", False)
 
     def _true(self, node: Tree[Token]) -> _Value:
-        return _Value(F.lit(True), "bool", False)
+        return _Value(lambda: F.lit(True), "bool", False)
 
     def _false(self, node: Tree[Token]) -> _Value:
-        return _Value(F.lit(False), "bool", False)
+        return _Value(lambda: F.lit(False), "bool", False)
 
     def _null(self, node: Tree[Token]) -> _Value:
-        return _Value(F.lit(None), "null", False)
+        return _Value(lambda: F.lit(None), "null", False)
 
     # -- arithmetic --------------------------------------------------------------------------
     def _arith(self, node: Tree[Token]) -> _Value:
         left_node, op, right_node = node.children
         left, right = self.value(left_node), self.value(right_node)
-        a, b = _number(left), _number(right)
         symbol = str(op).lower()
-        if symbol == "+":
-            result = a + b
-        elif symbol == "-":
-            result = a - b
-        elif symbol == "*":
-            result = a * b
-        elif symbol == "/":
-            result = F.when(b != 0, a / b)  # AMPS: division by zero is null
-        else:
+
+        def make() -> Column:
+            a, b = _number(left), _number(right)
+            if symbol == "+":
+                return a + b
+            if symbol == "-":
+                return a - b
+            if symbol == "*":
+                return a * b
+            if symbol == "/":
+                return F.when(b != 0, a / b)  # AMPS: division by zero is null
             # SQL remainder: the sign follows the dividend, as in the filter language.
-            result = F.when(b != 0, a % b)
-        return _Value(result, "number", left.aggregate or right.aggregate)
+            return F.when(b != 0, a % b)
+
+        return _Value(make, "number", left.aggregate or right.aggregate)
 
     def _sign(self, node: Tree[Token]) -> _Value:
         op, operand_node = node.children
         operand = self.value(operand_node)
-        number = _number(operand)
-        return _Value(-number if str(op) == "-" else number, "number", operand.aggregate)
+        minus = str(op) == "-"
+        return _Value(lambda: -_number(operand) if minus else _number(operand), "number",
+                      operand.aggregate)
 
     # -- predicates --------------------------------------------------------------------------
     def _compare(self, node: Tree[Token]) -> _Value:
@@ -285,17 +315,18 @@ class _Translator:
             return {"=": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b,
                     ">=": a >= b}[symbol]
 
-        if "number" in (left.kind, right.kind):
-            result = apply(_number(left), _number(right))
-        elif left.kind == right.kind == "text":
-            # Two fields: as numbers when both hold one, else as text (AMPS compares "42"
-            # and "042" equal as numbers).
-            a, b = _number(left), _number(right)
-            result = F.when(a.isNotNull() & b.isNotNull(), apply(a, b)).otherwise(
-                apply(left.column, right.column))
-        else:
-            result = apply(_text(left), _text(right))
-        return _Value(result, "bool", left.aggregate or right.aggregate)
+        def make() -> Column:
+            if "number" in (left.kind, right.kind):
+                return apply(_number(left), _number(right))
+            if left.kind == right.kind == "text":
+                # Two fields: as numbers when both hold one, else as text (AMPS compares
+                # "42" and "042" equal as numbers).
+                a, b = _number(left), _number(right)
+                return F.when(a.isNotNull() & b.isNotNull(), apply(a, b)).otherwise(
+                    apply(left.column, right.column))
+            return apply(_text(left), _text(right))
+
+        return _Value(make, "bool", left.aggregate or right.aggregate)
 
     @staticmethod
     def _parts(node: Tree[Token]) -> list[Tree[Token] | Token | None]:
@@ -306,33 +337,39 @@ class _Translator:
 
     def _in_op(self, node: Tree[Token]) -> _Value:
         subject_node, negated, *option_nodes = self._parts(node)
-        subject = self.value(subject_node)  # type: ignore[arg-type]
-        options = [self.value(o) for o in option_nodes]  # type: ignore[arg-type]
-        if all(o.kind == "number" for o in options):
-            found = _number(subject).isin(*[o.column for o in options])
-        else:
-            found = _text(subject).isin(*[_text(o) for o in options])
-        return _Value(~found if negated is not None else found, "bool", subject.aggregate)
+        subject = self.value(subject_node)
+        options = [self.value(o) for o in option_nodes]
+
+        def make() -> Column:
+            if all(o.kind == "number" for o in options):
+                return _negated(_number(subject).isin(*[o.column for o in options]), negated)
+            return _negated(_text(subject).isin(*[_text(o) for o in options]), negated)
+
+        return _Value(make, "bool", subject.aggregate)
 
     def _like_op(self, node: Tree[Token]) -> _Value:
         subject_node, negated, pattern = self._parts(node)
-        subject = self.value(subject_node)  # type: ignore[arg-type]
+        subject = self.value(subject_node)
+        regex = _unquote(str(pattern))
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise self.fail(f"LIKE takes a regular expression: {exc}", node) from None
         # AMPS LIKE takes a regular expression (docs/expressions.md).
-        found = _text(subject).rlike(_unquote(str(pattern)))
-        return _Value(~found if negated is not None else found, "bool", subject.aggregate)
+        return _Value(lambda: _negated(_text(subject).rlike(regex), negated), "bool",
+                      subject.aggregate)
 
     def _between_op(self, node: Tree[Token]) -> _Value:
         subject_node, negated, low_node, high_node = self._parts(node)
-        subject, low, high = (self.value(n) for n in  # type: ignore[arg-type]
-                              (subject_node, low_node, high_node))
-        found = _number(subject).between(_number(low), _number(high))
-        return _Value(~found if negated is not None else found, "bool", subject.aggregate)
+        subject, low, high = (self.value(n) for n in (subject_node, low_node, high_node))
+        return _Value(lambda: _negated(_number(subject).between(_number(low), _number(high)),
+                                       negated), "bool", subject.aggregate)
 
     def _is_null_op(self, node: Tree[Token]) -> _Value:
         subject_node, negated = self._parts(node)
-        subject = self.value(subject_node)  # type: ignore[arg-type]
-        found = subject.column.isNotNull() if negated is not None else subject.column.isNull()
-        return _Value(found, "bool", subject.aggregate)
+        subject = self.value(subject_node)
+        return _Value(lambda: subject.column.isNotNull() if negated is not None
+                      else subject.column.isNull(), "bool", subject.aggregate)
 
     def _bool(self, node: Tree[Token], index: int) -> _Value:
         operand = self.value(node.children[index])
@@ -342,15 +379,17 @@ class _Translator:
 
     def _and_op(self, node: Tree[Token]) -> _Value:
         left, right = self._bool(node, 0), self._bool(node, 2)
-        return _Value(left.column & right.column, "bool", left.aggregate or right.aggregate)
+        return _Value(lambda: left.column & right.column, "bool",
+                      left.aggregate or right.aggregate)
 
     def _or_op(self, node: Tree[Token]) -> _Value:
         left, right = self._bool(node, 0), self._bool(node, 2)
-        return _Value(left.column | right.column, "bool", left.aggregate or right.aggregate)
+        return _Value(lambda: left.column | right.column, "bool",
+                      left.aggregate or right.aggregate)
 
     def _not_op(self, node: Tree[Token]) -> _Value:
         operand = self._bool(node, 1)
-        return _Value(~operand.column, "bool", operand.aggregate)
+        return _Value(lambda: ~operand.column, "bool", operand.aggregate)
 
     # -- aggregates --------------------------------------------------------------------------
     def _function(self, node: Tree[Token]) -> str:
@@ -364,29 +403,32 @@ class _Translator:
         name = self._function(node)
         if name != "COUNT":
             raise self.fail(f"{name}(*) is not an aggregate; only COUNT(*) is", node.children[0])
-        return _Value(F.count(F.lit(1)), "number", True)
+        return _Value(lambda: F.count(F.lit(1)), "number", True)
 
     def _call(self, node: Tree[Token]) -> _Value:
         name = self._function(node)
         argument = self.value(node.children[1])
         if argument.aggregate:
             raise self.fail(f"{name} of an aggregate: aggregates do not nest", node.children[0])
-        if name == "COUNT":
-            return _Value(F.count(argument.column), "number", True)
-        if name == "COUNT_DISTINCT":
-            return _Value(F.count_distinct(argument.column), "number", True)
-        number = _number(argument)
-        aggregate = {"AVG": F.avg, "MAX": F.max, "MIN": F.min, "SUM": F.sum,
-                     "STDDEV_POP": F.stddev_pop, "STDDEV_SAMP": F.stddev_samp}[name]
-        return _Value(aggregate(number), "number", True)
+
+        def make() -> Column:
+            if name == "COUNT":
+                return F.count(argument.column)
+            if name == "COUNT_DISTINCT":
+                return F.count_distinct(argument.column)
+            aggregate = {"AVG": F.avg, "MAX": F.max, "MIN": F.min, "SUM": F.sum,
+                         "STDDEV_POP": F.stddev_pop, "STDDEV_SAMP": F.stddev_samp}[name]
+            return aggregate(_number(argument))
+
+        return _Value(make, "number", True)
 
 
-def _field(text: str, payload: Column, grouped: Sequence[str]) -> ViewField:
+def _field(text: str, payload: ColumnMaker, grouped: Sequence[str]) -> ViewField:
     """One projection field, ``expression [AS /name]``. A field without ``AS`` must be a
     bare ``/path`` (its name is the path's)."""
     tree = _parse(text, "field")
     expression, _as, alias = [*tree.children, None, None][:3]
-    value = _Translator(text, payload).value(expression)  # type: ignore[arg-type]
+    value = _Translator(text, payload).value(expression)
     if alias is not None:
         name = column_name(str(alias))
     elif isinstance(expression, Tree) and expression.data == "path":
@@ -394,33 +436,37 @@ def _field(text: str, payload: Column, grouped: Sequence[str]) -> ViewField:
     else:
         raise _error(text, "a computed field needs a name: add AS /name")
     if value.aggregate:
-        return ViewField(name, text, value.column.alias(name), None)
+        return ViewField(name, text, value.make, None)
     canonical = _canonical_tree(expression)
     if canonical not in grouped:
         raise _error(text, "a field that is not an aggregate must be one of the grouping "
                      "expressions (--group-by) or be aggregated (SUM, COUNT, ...)")
-    return ViewField(name, text, value.column.alias(name), grouped.index(canonical))
+    return ViewField(name, text, value.make, grouped.index(canonical))
 
 
-def _group(text: str, payload: Column) -> tuple[Column, str]:
+def _group(text: str, payload: ColumnMaker) -> ColumnMaker:
     tree = _parse(text, "group")
     (expression,) = tree.children
     value = _Translator(text, payload).value(expression)
     if value.aggregate:
         raise _error(text, "a grouping cannot contain an aggregate")
-    return value.column, text
+    return value.make
 
 
 def parse_view(fields: Sequence[str], group_by: Sequence[str] = (), where: str | None = None,
-               payload: Column | None = None) -> ViewDefinition:
-    """Parse an AMPS-style view: projection ``fields``, ``group_by`` expressions, a ``where``
-    filter. Raises `ExpressionError` naming the text and the problem.
+               payload: str = "payload") -> ViewDefinition:
+    """Parse and check an AMPS-style view: projection ``fields``, ``group_by`` expressions, a
+    ``where`` filter. Raises `ExpressionError` naming the text and the problem; needs no Spark
+    session (so a typo fails before one starts).
 
     Rules: at least one field; every field is an aggregate or one of the grouping
     expressions (written the same way); the filter is a condition without aggregates.
-    ``payload`` is the JSON text column (default ``payload``).
+    ``payload`` names the JSON text column.
     """
-    source = payload if payload is not None else F.col("payload")
+
+    def source() -> Column:
+        return F.col(payload)
+
     if not fields:
         raise ExpressionError("a view needs at least one field (--field)", text="")
     groups = [_group(text, source) for text in group_by]
@@ -440,8 +486,8 @@ def parse_view(fields: Sequence[str], group_by: Sequence[str] = (), where: str |
             raise _error(where, "a filter cannot contain an aggregate")
         if value.kind not in ("bool", "null"):
             raise _error(where, "a filter must be a condition (a comparison, IN, LIKE, ...)")
-        condition = value.column
-    return ViewDefinition(tuple(c for c, _ in groups), tuple(parsed), condition)
+        condition = value.make
+    return ViewDefinition(tuple(groups), tuple(parsed), condition)
 
 
 def _canonical_tree(node: Tree[Token] | Token | None) -> str:

@@ -109,3 +109,10 @@ def test_bad_definitions_are_refused_with_the_reason(
 ) -> None:
     with pytest.raises(ExpressionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_view(fields, group_by, where)
+
+
+def test_keywords_case_and_spaces_do_not_matter() -> None:
+    definition = parse_view(["/region", "sum(/qty) as /units"], ["  /region "],
+                            "not (/qty < 0) AND /region is not null")
+    assert [f.name for f in definition.fields] == ["region", "units"]
+    assert [f.group for f in definition.fields] == [0, None]
