@@ -282,6 +282,14 @@ def render_scale(data: dict[str, Any]) -> str:
         f"`{' '.join(data['argv'])}`, started {data.get('started_at', '?')}, "
         f"{data.get('seconds', '?')} s); {m['cpus']} × {m['cpu']}, {m.get('memory')}, "
         "shared with other work.",
+    ]
+    code = data.get("code")
+    if code:
+        dirty = code.get("uncommitted_in_layer") or []
+        lines += ["", f"Code measured: commit `{code.get('commit')}`"
+                  + (f" with uncommitted changes in {', '.join(f'`{f}`' for f in dirty)} "
+                     "(the tree is shared with work on the coordinator)." if dirty else ".")]
+    lines += [
         "",
         f"One journal of {p['partitions']} partitions holds {p['messages']:,} distinct JSON "
         f"records of {journal.get('payload_bytes', p['payload_bytes'])} B (keys of "
@@ -345,6 +353,12 @@ def render_scale(data: dict[str, Any]) -> str:
             f"- leases recorded in PostgreSQL before each kill: "
             f"{', '.join(_fmt(r['at_kill']['leased']) for r in rounds)}; after each restart: "
             f"{', '.join(_fmt(r['leased_after']) for r in rounds)}",
+            *([f"- the queue's counters in PostgreSQL after the restarts: enqueued "
+               f"{_fmt(c['enqueued'])} (the journal holds {p['messages']:,}"
+               + ("; the replays after the restarts counted its records again"
+                  if c["enqueued"] > p["messages"] else "")
+               + f"), delivered {_fmt(c['delivered'])}, acked "
+               f"{_fmt(c['acked'])}"] if (c := restart.get("queue_counters_at_end")) else []),
             f"- correctness over {ok['receipts']:,} receipts: {ok['redelivered_while_leased']} "
             f"entries delivered again while their lease was held, "
             f"{ok['redelivered_after_ack']} delivered again after an ack, "
@@ -360,7 +374,10 @@ def render_scale(data: dict[str, Any]) -> str:
         "is kept and each entry keeps only the document fields the queue's expressions read "
         "(none here). A delivery counts as the restarted coordinator's when its lease began "
         "after the kill (lease deadline minus lease period, the coordinator's clock; same "
-        "machine).",
+        "machine). The coordinator's milestones come from its counters, which an iteration "
+        "updates at its end, so they may trail a consumer's receipt by a few milliseconds. "
+        "After a SIGKILL no process can own the shard before the killed owner's ownership TTL "
+        "(6 s by default, renewed every 1.5 s) has run out: that is the floor of the figure.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -180,9 +180,9 @@ def code_state() -> dict[str, Any]:
                                   timeout=30)
         except OSError:
             return ""
-        return done.stdout.strip()
+        return done.stdout.rstrip("\n")  # porcelain lines start with a space: keep it
 
-    return {"commit": git("rev-parse", "--short", "HEAD"),
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(),
             "uncommitted_in_layer": [line[3:] for line in
                                      git("status", "--porcelain", "--", "layer").splitlines()]}
 
