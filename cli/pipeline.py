@@ -29,10 +29,12 @@ from layer.pipeline.jobs import (
     JobResult,
     LifecycleJob,
     MetricsJob,
+    PipelineUsageError,
     ReconcileJob,
     SessionOptions,
     StreamOptions,
     ViewsJob,
+    check_window,
     run_job,
 )
 
@@ -264,6 +266,10 @@ def metrics(
     """Per queue and window: throughput, latency percentiles (p50/p99/p99.9 of wait, time in
     queue, processing), redelivery and dead-letter rates, each consumer's share of acks.
     """
+    try:
+        check_window(window)
+    except PipelineUsageError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--window") from None
     result = _run(MetricsJob(queue, window),
                   _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
                   end=end, output=output, table=table,

@@ -10,6 +10,7 @@ violation.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import traceback
@@ -56,6 +57,7 @@ __all__ = [
     "StreamSummary",
     "ViewsJob",
     "ViolationRow",
+    "check_window",
     "main",
     "print_result",
     "run",
@@ -356,6 +358,19 @@ class PipelineUsageError(QlayerError, ValueError):
     """Options that do not go together (``--stream`` for reconcile, no checkpoint)."""
 
 
+_WINDOW: Final = re.compile(
+    r"^\s*(\d+\s+(millisecond|second|minute|hour|day|week)s?\s*)+$", re.IGNORECASE)
+
+
+def check_window(window: str) -> str:
+    """A metrics window as Spark's `window()` takes it (``1 minute``, ``90 seconds``,
+    ``1 hour 30 minutes``); raises `PipelineUsageError` before any JVM starts otherwise."""
+    if not _WINDOW.match(window):
+        raise PipelineUsageError(
+            f"window {window!r}: give a length such as '1 minute', '30 seconds', '1 hour'")
+    return window.strip()
+
+
 _NAMES: Final[dict[type[Any], str]] = {LifecycleJob: "lifecycle", ReconcileJob: "reconcile",
                                       ViewsJob: "views", MetricsJob: "metrics"}
 _TABLES: Final[dict[str, str]] = {"lifecycle": "qlayer_lifecycle",
@@ -398,7 +413,9 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
                 "time (docs/pipeline.md)")
         if sink is None:
             raise PipelineUsageError("--stream needs --output: the table it keeps up to date")
-    # Checked before any JVM starts: a typo in a view fails in a second, not after Spark's.
+    # Checked before any JVM starts: a typo fails in a second, not after Spark's start.
+    if isinstance(job, MetricsJob):
+        check_window(job.window)
     definition = (parse_view(job.fields, job.group_by, job.where)
                   if isinstance(job, ViewsJob) else None)
     if spark is not None:

@@ -38,6 +38,7 @@ def test_the_group_lists_its_jobs() -> None:
     (["metrics", "--start", "yesterday"], "neither epoch milliseconds nor an ISO-8601 time"),
     (["lifecycle", "--kafka-option", "security.protocol"], "takes KEY=VALUE"),
     (["reconcile", "Q"], "Missing option '--journal'"),
+    (["metrics", "--window", "5m"], "give a length such as '1 minute'"),
 ])
 def test_usage_errors_exit_2(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["pipeline", *args])
