@@ -48,7 +48,7 @@ bench: install
 	$(PY) benchmarks/report.py
 
 # The coordinator at scale: memory per queued message with 1,000,000 queued, restart to first
-# delivery with 1,000,000 queued and 10,000 leased (~15 minutes on 2 cores, ~2.5 GiB of RSS;
+# delivery with 1,000,000 queued and 10,000 leased (~3 minutes on 2 cores, ~2 GiB of RSS;
 # SCALE_ARGS="--messages 20000 --leased 1000" for a smoke run). Writes
 # benchmarks/results/scale.json and regenerates docs/benchmarks.md.
 bench-scale: install
