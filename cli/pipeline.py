@@ -140,6 +140,47 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:.6f}".rstrip("0")
+    return str(_json_value(value))
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}ms" if value < 10_000 else f"{value / 1000:.1f}s"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _metrics_table(rows: list[dict[str, Any]]) -> Any:
+    """The figures people look at first; --json or --output has every column."""
+    table = new_table("queue", "window (UTC)", "enq", "deliv", "acked", "ack/s", "redeliv",
+                      "dead", "wait p50/p99", "in queue p50/p99", "processing p50/p99/p99.9",
+                      "acks by consumer", title="metrics per window")
+    for r in rows:
+        start, end = r["window_start"], r["window_end"]
+        consumers = ", ".join(f"{c['consumer_id']} {100 * c['share']:.0f}%"
+                              for c in (r["consumers"] or [])[:3])
+        if len(r["consumers"] or []) > 3:
+            consumers += ", ..."
+        table.add_row(
+            r["queue"], f"{start:%Y-%m-%d %H:%M:%S}-{end:%H:%M:%S}", str(r["enqueued"]),
+            str(r["delivered"]), str(r["acked"]), f"{r['throughput_per_s']:.1f}",
+            _percent(r["redelivery_rate"]), _percent(r["dead_letter_rate"]),
+            f"{_ms(r['wait_ms_p50'])} / {_ms(r['wait_ms_p99'])}",
+            f"{_ms(r['time_in_queue_ms_p50'])} / {_ms(r['time_in_queue_ms_p99'])}",
+            f"{_ms(r['processing_ms_p50'])} / {_ms(r['processing_ms_p99'])} / "
+            f"{_ms(r['processing_ms_p999'])}",
+            consumers or "-")
+    return table
+
+
 def _show(result: JobResult, json_out: bool, title: str) -> None:
     stream = result.stream
     if json_out:
@@ -155,10 +196,12 @@ def _show(result: JobResult, json_out: bool, title: str) -> None:
         typer.echo(f"{result.job}: {stream.batches} micro-batch(es), {stream.events} new "
                    f"event(s), {stream.landed} in all; output {result.output}")
         return
-    if result.rows:
+    if result.rows and result.job == "metrics":
+        show(_metrics_table(result.rows))
+    elif result.rows:
         table = new_table(*result.rows[0].keys(), title=title)
         for row in result.rows:
-            table.add_row(*["-" if v is None else str(_json_value(v)) for v in row.values()])
+            table.add_row(*[_cell(v) for v in row.values()])
         show(table)
     else:
         typer.echo(f"{title}: no rows")

@@ -65,3 +65,29 @@ def test_a_stream_needs_an_output() -> None:
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
     assert done.stderr.strip() == "error: --stream needs --output: the table it keeps up to date"
+
+
+def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cli import pipeline
+    from layer.pipeline.jobs import JobResult, ReconcileReport, ViolationRow
+
+    report = ReconcileReport("Orders", 7, 2, [ViolationRow("Orders", "orders/0/5",
+                                                           "acked_twice")])
+    seen: dict[str, object] = {}
+
+    def fake_run_job(job: object, source: object, **options: object) -> JobResult:
+        seen.update(job=job, source=source, **options)
+        return JobResult("reconcile", [], None, report=report)
+
+    monkeypatch.setattr(pipeline, "run_job", fake_run_job)
+    monkeypatch.setenv("QLAYER_TOPIC_PREFIX", "audit.")
+    result = runner.invoke(app, ["pipeline", "reconcile", "Orders", "--journal", "orders",
+                                 "--start", "2026-01-01T00:00:00", "--end", "1767312000000",
+                                 "--bootstrap-servers", "kafka:9092"])
+    assert result.exit_code == 3
+    assert result.output.splitlines() == ["Orders: 7 done, 2 pending, 1 violations",
+                                          "acked_twice\tOrders\torders/0/5"]
+    # Flags win, then QLAYER_*; times as epoch ms, ISO-8601 read as UTC.
+    source = seen["source"]
+    assert (source.bootstrap_servers, source.topic_prefix) == ("kafka:9092", "audit.")  # type: ignore[attr-defined]
+    assert (seen["start_ms"], seen["end_ms"]) == (1767225600000, 1767312000000)
