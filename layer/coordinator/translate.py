@@ -7,6 +7,7 @@ coordinator loop about order of operations only.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple, cast
 
@@ -129,15 +130,25 @@ def lost_to_retention(queue: str, topic: str, partition: int, start: int, first:
     return lost
 
 
-def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox) -> None:
-    """The engine's changed entries and its counters into the loop's write batch."""
+def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
+               counted_from: Mapping[tuple[str, int], int] | None = None) -> None:
+    """The engine's changed entries and its counters into the loop's write batch.
+
+    ``counted_from`` (per journal partition) is where a previous incarnation of the queue had
+    admitted up to: entries below it are re-admitted after a restart, not newly enqueued.
+    """
     for record in outbox.entries:
         batch.put_entry(entry_row(queue, record))
     enqueued = delivered = acked = released = ended = expired = dead = redelivered = 0
     for e in outbox.events:
         kind = type(e)
         if kind is ev.EntriesEnqueued:
-            enqueued += len(e.offsets)  # type: ignore[union-attr]
+            admitted = cast(ev.EntriesEnqueued, e)
+            offsets = admitted.offsets
+            start = (counted_from.get((admitted.topic, admitted.partition))
+                     if counted_from else None)
+            # Offsets come in journal order: those re-admitted are a prefix.
+            enqueued += len(offsets) - (bisect_left(offsets, start) if start else 0)
         elif kind is ev.EntryLeased:
             delivered += 1
             if e.delivery_count > 1:  # type: ignore[union-attr]

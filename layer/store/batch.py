@@ -27,6 +27,8 @@ class WriteBatch:
     entries: dict[EntryKey, EntryRow] = field(default_factory=dict)
     entry_deletes: set[EntryKey] = field(default_factory=set)
     recovery_points: dict[PartitionKey, int] = field(default_factory=dict)
+    # partition -> the next offset not yet admitted (see `recovery_points.admitted_to`)
+    admitted: dict[PartitionKey, int] = field(default_factory=dict)
     consumers: dict[str, ConsumerRow] = field(default_factory=dict)
     consumer_deletes: set[str] = field(default_factory=set)
     # consumer id -> time of its latest heartbeat (epoch seconds)
@@ -54,6 +56,11 @@ class WriteBatch:
         if offset < 0:
             raise ValueError(f"recovery point offset must be >= 0, got {offset}")
         self.recovery_points[PartitionKey(queue, topic, partition)] = offset
+
+    def set_admitted(self, queue: str, topic: str, partition: int, admitted_to: int) -> None:
+        """How far the queue has admitted the partition; written with its recovery point,
+        which must be set in the same batch or stored already."""
+        self.admitted[PartitionKey(queue, topic, partition)] = admitted_to
 
     def put_consumer(self, row: ConsumerRow) -> None:
         self.consumer_deletes.discard(row.consumer_id)
@@ -84,6 +91,8 @@ class WriteBatch:
         self.entry_deletes = {key for key in self.entry_deletes if key.queue != queue}
         for pkey in [pkey for pkey in self.recovery_points if pkey.queue == queue]:
             del self.recovery_points[pkey]
+        for pkey in [pkey for pkey in self.admitted if pkey.queue == queue]:
+            del self.admitted[pkey]
         self.counters.pop(queue, None)
 
     def purge_done(self, queue: str, requested_at: float) -> None:

@@ -248,6 +248,7 @@ RECOVERY_POINT_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "topic": Text(),
     "partition": Integer(),
     "offset": BigInteger(),
+    "admitted_to": BigInteger(),
     "updated_at": _TIMESTAMP,
 }
 _rp_rows = _unnest("batch", RECOVERY_POINT_COLUMNS)
@@ -256,7 +257,13 @@ _rp_insert = pg_insert(recovery_points).from_select(
 )
 UPSERT_RECOVERY_POINTS: Final = _rp_insert.on_conflict_do_update(
     index_elements=[recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition],
-    set_={"offset": _rp_insert.excluded.offset, "updated_at": _rp_insert.excluded.updated_at},
+    set_={
+        "offset": _rp_insert.excluded.offset,
+        # A batch that moves only the recovery point keeps the admitted position it had.
+        "admitted_to": func.coalesce(_rp_insert.excluded.admitted_to,
+                                     recovery_points.c.admitted_to),
+        "updated_at": _rp_insert.excluded.updated_at,
+    },
 )
 
 # Done entries a recovery point has passed are never consulted again (restart reads the journal
@@ -380,6 +387,7 @@ SELECT_RECOVERY_POINTS: Final = select(
     recovery_points.c.topic,
     recovery_points.c.partition,
     recovery_points.c.offset,
+    recovery_points.c.admitted_to,
 ).order_by(recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition)
 
 SELECT_CONSUMERS: Final = select(consumers).order_by(consumers.c.consumer_id)

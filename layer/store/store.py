@@ -196,7 +196,8 @@ class Store:
             upserts, deletes = _split_passed_entries(batch)
             statements += _delete_entries(conn, deletes)
             statements += _upsert_entries(conn, upserts.values(), moment)
-            statements += _upsert_recovery_points(conn, batch.recovery_points, moment)
+            statements += _upsert_recovery_points(conn, batch.recovery_points, batch.admitted,
+                                                  moment)
             pruned = _prune_below(conn, batch.recovery_points)
             statements += 1 if batch.recovery_points else 0  # the prune
             statements += _write_consumers(conn, batch)
@@ -265,6 +266,16 @@ class Store:
             return {
                 PartitionKey(row.queue, row.topic, row.partition): row.offset
                 for row in conn.execute(statement)
+            }
+
+    def load_admitted(self, queue: str) -> dict[PartitionKey, int]:
+        """How far each partition of the queue was admitted (where it is known): a restart
+        re-admits the records below it without counting them as enqueued again."""
+        statement = sql.SELECT_RECOVERY_POINTS.where(recovery_points.c.queue == queue)
+        with translate_errors("loading admitted positions"), self._engine.connect() as conn:
+            return {
+                PartitionKey(row.queue, row.topic, row.partition): row.admitted_to
+                for row in conn.execute(statement) if row.admitted_to is not None
             }
 
     def load_consumers(self) -> list[ConsumerRow]:
@@ -487,13 +498,17 @@ def _upsert_entries(conn: Connection, rows: Iterable[EntryRow], moment: datetime
 
 
 def _upsert_recovery_points(
-    conn: Connection, points: Mapping[PartitionKey, int], moment: datetime
+    conn: Connection, points: Mapping[PartitionKey, int], admitted: Mapping[PartitionKey, int],
+    moment: datetime,
 ) -> int:
+    """Recovery points, each with its admitted position when the batch has one (the stored
+    one is kept otherwise)."""
     if not points:
         return 0
     ordered = sorted(points.items())
     params = _columns([key for key, _ in ordered], ("queue", "topic", "partition"))
     params["offset"] = [offset for _, offset in ordered]
+    params["admitted_to"] = [admitted.get(key) for key, _ in ordered]
     params["updated_at"] = [moment] * len(ordered)
     conn.execute(sql.UPSERT_RECOVERY_POINTS, params)
     return 1

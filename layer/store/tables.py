@@ -170,6 +170,9 @@ recovery_points = Table(
     Column("partition", Integer, primary_key=True),
     # Every entry of this queue below this offset is done; restart reads the journal from here.
     Column("offset", BigInteger, nullable=False),
+    # The next offset not yet admitted: a restart re-admits [offset, admitted_to) without
+    # counting those entries as enqueued again. NULL: not known (written before 0002).
+    Column("admitted_to", BigInteger, nullable=True),
     _ts("updated_at", nullable=False),
     CheckConstraint('partition >= 0 AND "offset" >= 0', name="position_valid"),
 )
