@@ -420,6 +420,11 @@ class Harness:
                 (counters_after["statements"] - counters_before["statements"]) / messages, 4)
             result["transactions_per_message"] = round(
                 (counters_after["transactions"] - counters_before["transactions"]) / messages, 5)
+            # The coordinator loop's wall time by phase, in µs per message.
+            result["loop_us_per_message"] = {
+                phase: round((counters_after.get(f"us_{phase}", 0)
+                              - counters_before.get(f"us_{phase}", 0)) / messages, 1)
+                for phase in ("polling", "deciding", "committing", "encoding", "writing")}
         if rows_before is not None and store is not None:
             result["rows_per_message"] = round(
                 (database_rows(database) - rows_before) / messages, 3)

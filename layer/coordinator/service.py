@@ -271,6 +271,12 @@ class Coordinator:
         self._queue_keys: dict[str | None, bytes] = {}
         self._encoded = _Encoded()
         self._persisted_points: dict[PartitionKey, int] = {}
+        # Per partition of each queue: the next offset not admitted yet, and what is stored of
+        # it. A restart re-admits [recovery point, stored admitted_to) without counting those
+        # entries as enqueued again (`_counted_from`).
+        self._admitted_to: dict[PartitionKey, int] = {}
+        self._persisted_admitted: dict[PartitionKey, int] = {}
+        self._counted_from: dict[str, dict[tuple[str, int], int]] = {}
         # Entries lost to retention, found while (re)building a queue: reported (events,
         # counters) by the next iteration, with the queue's own decisions.
         self._lost: dict[str, list[ev.Event]] = {}
@@ -435,6 +441,10 @@ class Coordinator:
         for topic, partition in starts:
             self._persisted_points[PartitionKey(name, topic, partition)] = stored.get(
                 PartitionKey(name, topic, partition), -1)
+        admitted = self.store.load_admitted(name)
+        self._admitted_to.update(admitted)
+        self._persisted_admitted.update(admitted)
+        self._counted_from[name] = {(k.topic, k.partition): v for k, v in admitted.items()}
         self._admin.ensure_topics([TopicSpec(self._dead_letter_topic(definition), 1)])
         self._read_from(starts)
         self._queues_by_topic.clear()
@@ -522,7 +532,10 @@ class Coordinator:
             self._refresh(now, batch, replies)
             self._next_refresh = now + self.options.refresh_interval
 
+        clock = time.perf_counter
+        started = clock()
         records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
+        polled = clock()
         control_topic, ack_topic = self.topics.control, self.topics.ack
         journal: list[JournalRecord] = []
         controls: list[JournalRecord] = []
@@ -559,7 +572,7 @@ class Coordinator:
         expired: list[ev.EntryExpired] = []
         events: list[ev.Event] = []
         for name, outbox in outboxes:
-            add_outbox(batch, name, outbox)
+            add_outbox(batch, name, outbox, self._counted_from.get(name))
             events.extend(outbox.events)
             for e in outbox.events:
                 kind = type(e)
@@ -587,6 +600,7 @@ class Coordinator:
             stats.dead_letters = len(dead_letters)
 
         # 4. One guarded transaction for everything decided.
+        decided = clock()
         if not batch.is_empty():
             try:
                 result = self.store.commit(batch, self.options.shard, self.options.owner_id,
@@ -599,14 +613,17 @@ class Coordinator:
             self.counters["transactions"] += 1
 
         # 5. Then deliveries, replies and events.
+        committed = clock()
         out = self._deliveries(deliveries, reread)
         stats.deliveries = len(out)
         stats.replies = len(replies)
         out.extend(self._answerable(replies))
         stats.events = self._events(events, fresh, out)
+        encoded = clock()
         if out:
             self._writer.send(out)
             self._writer.flush()
+        written = clock()
         for bookmark in done:
             self._payloads.release(bookmark)
 
@@ -618,6 +635,13 @@ class Coordinator:
         self.counters["journal_records"] += stats.journal_records
         self.counters["deliveries"] += stats.deliveries
         self.counters["ack_items"] += stats.ack_items
+        # Where the loop's wall time goes (µs), for `qlayer stats`-style diagnosis and the
+        # benchmarks: waiting for input, deciding, PostgreSQL, encoding, writing to Kafka.
+        self.counters["us_polling"] += int((polled - started) * 1e6)
+        self.counters["us_deciding"] += int((decided - polled) * 1e6)
+        self.counters["us_committing"] += int((committed - decided) * 1e6)
+        self.counters["us_encoding"] += int((encoded - committed) * 1e6)
+        self.counters["us_writing"] += int((written - encoded) * 1e6)
         if now >= self._next_group_commit:
             self._commit_group_offsets()
             self._next_group_commit = now + self.options.group_commit_interval
@@ -697,8 +721,16 @@ class Coordinator:
                     deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
                 ))
                 fresh[Bookmark(r.topic, r.partition, r.offset)] = r
+            last: dict[int, int] = {}
+            for r in rs:
+                last[r.partition] = r.offset
+            admitted = self._admitted_to
             for engine in engines:
                 engine.enqueue(offered, now)
+                for partition, offset in last.items():
+                    key = PartitionKey(engine.name, topic, partition)
+                    if offset >= admitted.get(key, 0):
+                        admitted[key] = offset + 1
         return fresh
 
     def _deliver_at(self, r: JournalRecord) -> int | None:
@@ -721,11 +753,17 @@ class Coordinator:
                 self._payloads.hold(bookmark, record)
 
     def _recovery_points(self, name: str, batch: WriteBatch) -> None:
+        """Moved recovery points, each with how far its partition was admitted."""
         for (topic, partition), offset in self.engines[name].recovery_points().items():
             key = PartitionKey(name, topic, partition)
-            if self._persisted_points.get(key) != offset:
+            admitted = self._admitted_to.get(key)
+            if (self._persisted_points.get(key) != offset
+                    or self._persisted_admitted.get(key) != admitted):
                 batch.set_recovery_point(name, topic, partition, offset)
                 self._persisted_points[key] = offset
+                if admitted is not None:
+                    batch.set_admitted(name, topic, partition, admitted)
+                    self._persisted_admitted[key] = admitted
 
     def _commit_group_offsets(self) -> None:
         """Recovery points as consumer-group offsets: lag tools show each queue's backlog."""
@@ -1220,6 +1258,10 @@ class Coordinator:
         self._versions.pop(name, None)
         for key in [k for k in self._persisted_points if k.queue == name]:
             del self._persisted_points[key]
+        for known in (self._admitted_to, self._persisted_admitted):
+            for key in [k for k in known if k.queue == name]:
+                del known[key]
+        self._counted_from.pop(name, None)
         self._queues_by_topic.clear()
         if keep_sessions:
             return

@@ -37,7 +37,12 @@ class JournalReader:
             "auto.offset.reset": "error",
             "enable.partition.eof": False,
             "fetch.wait.max.ms": 50,
-            "queued.max.messages.kbytes": 262144,
+            # The coordinator reads its acks and control records with the same consumer as
+            # the journals, behind what is already fetched: a 256 MiB prefetch put acks and
+            # heartbeats 100,000s of journal records back during a replay after a restart.
+            # 32 MiB still keeps tens of thousands of records ready for the next poll.
+            "queued.max.messages.kbytes": 32768,
+            "queued.min.messages": 20000,
         })
         self._assigned: dict[tuple[str, int], int] = {}
         self.errors = 0
@@ -63,9 +68,18 @@ class JournalReader:
         return list(self._assigned)
 
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]:
-        """Up to max_records records; an empty list when none came within timeout."""
+        """Up to max_records records: those already fetched, waiting up to ``timeout`` only
+        when there are none. An empty list when none came within timeout."""
         try:
-            messages = self._consumer.consume(max_records, timeout)
+            # consume(n, timeout) returns early only when n records are there, so every loop
+            # iteration would wait the whole timeout: wait for one record, then take what
+            # else is there without waiting.
+            first = self._consumer.poll(timeout)
+            if first is None:
+                return []
+            messages = [first]
+            if max_records > 1:
+                messages.extend(self._consumer.consume(max_records - 1, 0))
         except Exception as exc:  # KafkaException and friends from the C client
             raise KafkaAdapterError(f"reading journals failed: {exc}") from exc
         out: list[JournalRecord] = []

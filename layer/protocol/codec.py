@@ -31,7 +31,7 @@ from fastavro.schema import to_parsing_canonical_form
 
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
-from layer.protocol.eventwire import EventEncoder
+from layer.protocol.eventwire import EventEncoder, encode_ack_record
 from layer.protocol.records import (
     AckItem,
     AckItemResult,
@@ -290,25 +290,32 @@ class Codec:
     # --- ack -------------------------------------------------------------------------------
 
     def encode_ack(self, record: AckRecord) -> bytes:
-        return self._encode(
-            self._ack,
-            {
-                "consumer_id": record.consumer_id,
-                "session_id": record.session_id,
-                "sent_at_ms": record.sent_at_ms,
-                "items": [
-                    {
-                        "queue": item.queue,
-                        "bookmark": item.bookmark,
-                        "lease": item.lease,
-                        "type": item.type.name,
-                        "delay_ms": item.delay_ms,
-                        "reason": item.reason,
-                    }
-                    for item in record.items
-                ],
-            },
-        )
+        """The record, written by `encode_ack_record` (byte for byte fastavro's encoding of
+        `ack_datum`, at a fifth of its cost: consumers write one item per message)."""
+        try:
+            return encode_ack_record(self._ack.header, record)
+        except (AttributeError, KeyError, OverflowError, TypeError, UnicodeError) as error:
+            raise ProtocolError(f"cannot encode ack record: {error}",
+                                kind=ProtocolErrorKind.ENCODE) from error
+
+    def ack_datum(self, record: AckRecord) -> dict[str, Any]:
+        """The record as the dict a generic Avro library (fastavro) encodes."""
+        return {
+            "consumer_id": record.consumer_id,
+            "session_id": record.session_id,
+            "sent_at_ms": record.sent_at_ms,
+            "items": [
+                {
+                    "queue": item.queue,
+                    "bookmark": item.bookmark,
+                    "lease": item.lease,
+                    "type": item.type.name,
+                    "delay_ms": item.delay_ms,
+                    "reason": item.reason,
+                }
+                for item in record.items
+            ],
+        }
 
     def decode_ack(self, data: bytes | None) -> AckRecord:
         datum = self._decode(self._ack, data, unions=False)
@@ -441,7 +448,11 @@ class Codec:
     def encode_event(self, event: Event) -> bytes:
         """The event's record; written by `EventEncoder`, byte for byte what fastavro writes
         from `event_datum` (fastavro took a third of the coordinator's time)."""
-        return self._event_encoder.encode(event)
+        try:
+            return self._event_encoder.encode(event)
+        except (AttributeError, KeyError, OverflowError, TypeError, UnicodeError) as error:
+            raise ProtocolError(f"cannot encode event record: {error}",
+                                kind=ProtocolErrorKind.ENCODE) from error
 
     @property
     def event_encoder(self) -> EventEncoder:

@@ -1,4 +1,5 @@
-"""A hand-written Avro encoder for the `Event` schema: the coordinator's hottest encoding.
+"""Hand-written Avro encoders for the two records written once per message: `Event` (the
+coordinator's hottest encoding) and `AckRecord` (every consumer's).
 
 Every queued message costs the coordinator at least three events (ENQUEUED, LEASED, ACKED).
 fastavro spends about 6 µs on each (it resolves the eleven nullable unions of `event.avsc`
@@ -7,12 +8,14 @@ coordinator's CPU time. The Avro binary encoding of a record is simply its field
 order, so this module writes them directly, reusing the bytes of values that repeat (the
 coordinator's id and epoch, queue names, consumer ids, the loop's timestamp). The result is
 byte for byte what fastavro writes; `tests/unit/protocol/test_eventwire.py` checks that on
-generated events, and `Codec.encode_event` uses this encoder, so every codec test covers it.
+generated records, and `Codec.encode_event` / `Codec.encode_ack` use these encoders, so every
+codec test covers them.
 
 Avro binary encoding, as used here (Avro specification, "Binary Encoding"):
 int and long are zig-zag varints; a string is its UTF-8 length as a long, then the bytes; an
 enum is its symbol's index as an int; a union is the branch index as an int, then the value
-(branch 0 is null, with no value).
+(branch 0 is null, with no value); an array is written as one block, its item count then the
+items, and a zero count ends it (an empty array is just the zero).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from layer.protocol.records import Event, EventType
+from layer.protocol.records import AckRecord, AckType, Event, EventType
 
-__all__ = ["EventEncoder", "Located", "encode_long", "encode_string"]
+__all__ = ["EventEncoder", "Located", "encode_ack_record", "encode_long", "encode_string"]
 
 _NULL = b"\x00"
 _SOME = b"\x02"  # union branch 1: the non-null type
@@ -33,6 +36,8 @@ _SMALL = tuple(bytes([n]) for n in range(0x80))
 
 def encode_long(n: int) -> bytes:
     """An Avro int or long: zig-zag, then 7 bits per byte, least significant first."""
+    if not -0x8000_0000_0000_0000 <= n <= 0x7FFF_FFFF_FFFF_FFFF:
+        raise OverflowError(f"{n} does not fit an Avro long (64 bits)")
     z = (n << 1) ^ (n >> 63)
     if z < 0x80:
         return _SMALL[z]
@@ -135,3 +140,32 @@ class EventEncoder:
             _NULL if available_at_ms is None else _SOME + encode_long(available_at_ms),
             _NULL if record_timestamp_ms is None else _SOME + encode_long(record_timestamp_ms),
         ))
+
+
+_ACK_TYPES = {t: encode_long(i) for i, t in enumerate(
+    (AckType.ACCEPT, AckType.RELEASE, AckType.REJECT, AckType.RENEW))}
+
+
+def encode_ack_record(header: bytes, record: AckRecord) -> bytes:
+    """An `AckRecord` (single-object encoding): what a consumer writes for each batch of acks.
+
+    The enum's symbol order in ack.avsc is ACCEPT, RELEASE, REJECT, RENEW (the share-group
+    ids 1..4), which `test_eventwire` checks against the schema file.
+    """
+    parts = [header, encode_string(record.consumer_id), encode_string(record.session_id),
+             encode_long(record.sent_at_ms)]
+    items = record.items
+    if items:
+        parts.append(encode_long(len(items)))
+        strings: dict[str, bytes] = {}
+        for item in items:
+            queue = strings.get(item.queue)
+            if queue is None:
+                queue = strings[item.queue] = encode_string(item.queue)
+            delay, reason = item.delay_ms, item.reason
+            parts += (queue, encode_string(item.bookmark), encode_string(item.lease),
+                      _ACK_TYPES[item.type],
+                      _NULL if delay is None else _SOME + encode_long(delay),
+                      _NULL if reason is None else _SOME + encode_string(reason))
+    parts.append(_NULL)  # the array's end (or the whole of an empty one)
+    return b"".join(parts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+from typing import NamedTuple
 
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
@@ -199,8 +200,10 @@ ControlMessage = Subscribe | Replace | Heartbeat | Unsubscribe
 # --- ack topic -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AckItem:
+class AckItem(NamedTuple):
+    """One acknowledgement in an `AckRecord`. A named tuple: consumers make one per message
+    and the coordinator decodes one per message (a frozen dataclass cost three times more)."""
+
     queue: str
     bookmark: str
     lease: str

@@ -64,9 +64,10 @@ class Message:
         "_lease_expires_at",
         "_settled",
         "_settler",
+        "_timestamp",
+        "_timestamp_ms",
         "headers",
         "key",
-        "timestamp",
         "value",
     )
 
@@ -83,9 +84,11 @@ class Message:
         self.key = key
         self.value = value
         self.headers = headers
-        self.timestamp = timestamp
+        self._timestamp = timestamp
+        self._timestamp_ms: int | None = None  # from a record: made a datetime on first read
         self._info = info
-        self._lease_expires_at = from_epoch_ms(info.lease_expires_ms)
+        # Made on first read: two datetimes per message were a tenth of a consumer's time.
+        self._lease_expires_at: datetime | None = None
         self._settler = settler
         self._settled: AckType | None = None
 
@@ -103,17 +106,11 @@ class Message:
         ``qlayer.*`` headers are missing or malformed (such a record cannot be settled)."""
         info = parse_delivery_headers(headers)
         original = [(k, v) for k, v in headers or () if k not in DELIVERY_HEADER_KEYS]
-        timestamp = None if timestamp_ms is None or timestamp_ms < 0 else from_epoch_ms(
-            timestamp_ms
-        )
-        return cls(
-            key=key,
-            value=value,
-            headers=original,
-            timestamp=timestamp,
-            info=info,
-            settler=settler,
-        )
+        message = cls(key=key, value=value, headers=original, timestamp=None, info=info,
+                      settler=settler)
+        if timestamp_ms is not None and timestamp_ms >= 0:
+            message._timestamp_ms = timestamp_ms
+        return message
 
     def __repr__(self) -> str:
         return (
@@ -158,6 +155,13 @@ class Message:
         return self._info.bookmark
 
     @property
+    def timestamp(self) -> datetime | None:
+        """The record's own timestamp (UTC), as its producer or the broker set it."""
+        if self._timestamp is None and self._timestamp_ms is not None:
+            self._timestamp = from_epoch_ms(self._timestamp_ms)
+        return self._timestamp
+
+    @property
     def lease(self) -> str:
         """The lease token the coordinator checks on acknowledgement."""
         return self._info.lease
@@ -165,6 +169,8 @@ class Message:
     @property
     def lease_expires_at(self) -> datetime:
         """The lease deadline (UTC, the coordinator's clock); moved by :meth:`renew`."""
+        if self._lease_expires_at is None:
+            self._lease_expires_at = from_epoch_ms(self._info.lease_expires_ms)
         return self._lease_expires_at
 
     @property

@@ -5,10 +5,22 @@ from __future__ import annotations
 from io import BytesIO
 
 import fastavro
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layer.protocol import Bookmark, Codec, Event, EventType, SchemaKind
+from layer.protocol import (
+    AckItem,
+    AckRecord,
+    AckType,
+    Bookmark,
+    Codec,
+    Event,
+    EventType,
+    ProtocolError,
+    ProtocolErrorKind,
+    SchemaKind,
+)
 from layer.protocol.eventwire import encode_long
 
 _LONGS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -70,3 +82,35 @@ def test_a_leased_event_costs_about_a_hundred_bytes() -> None:
                   bookmark=Bookmark("orders", 2, 123_456), consumer_id="worker-1",
                   session_id="3f2a9c", delivery_count=1, lease_expires_ms=1_795_316_356_489)
     assert 60 < len(codec.encode_event(event)) < 110
+
+
+_ACK_ITEMS = st.builds(
+    AckItem, queue=_TEXT, bookmark=_TEXT, lease=_TEXT, type=st.sampled_from(list(AckType)),
+    delay_ms=st.none() | _LONGS, reason=st.none() | _TEXT)
+_ACKS = st.builds(AckRecord, consumer_id=_TEXT, session_id=_TEXT, sent_at_ms=_LONGS,
+                  items=st.lists(_ACK_ITEMS, max_size=6).map(tuple))
+
+
+@settings(max_examples=300)
+@given(_ACKS)
+def test_ack_records_are_fastavros_bytes_and_decode_back(record: AckRecord) -> None:
+    codec = Codec()
+    schema = codec.schema(SchemaKind.ACK)
+    out = BytesIO()
+    out.write(schema.header)
+    fastavro.schemaless_writer(out, schema.parsed, codec.ack_datum(record))
+    encoded = codec.encode_ack(record)
+    assert encoded == out.getvalue()
+    assert codec.decode_ack(encoded) == record
+
+
+@pytest.mark.parametrize("n", [2**63, -(2**63) - 1, 2**64])
+def test_values_beyond_64_bits_are_refused_as_avro_does(n: int) -> None:
+    codec = Codec()
+    with pytest.raises(ProtocolError) as caught:
+        codec.encode_ack(AckRecord(consumer_id="c", session_id="s", sent_at_ms=n, items=()))
+    assert caught.value.kind is ProtocolErrorKind.ENCODE
+    event = Event(type=EventType.ACKED, timestamp_ms=n, coordinator_id="c",
+                  coordinator_epoch=1)
+    with pytest.raises(ProtocolError):
+        codec.encode_event(event)
