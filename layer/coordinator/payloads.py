@@ -24,37 +24,46 @@ from layer.kafka import JournalReader, JournalRecord
 DEFAULT_PAYLOAD_BUDGET = 512 * 1024 * 1024
 
 
-def _size(record: JournalRecord) -> int:
+def record_size(record: JournalRecord) -> int:
+    """The bytes a held record counts against the budget: key, value and headers."""
     size = len(record.value or b"") + len(record.key or b"")
     if record.headers:
         size += sum(len(k) + len(v or b"") for k, v in record.headers)
     return size
 
 
+_MISSING: Any = object()
+
+
 @dataclass
 class PayloadCache:
-    """Records by bookmark, with the number of queues that still hold each."""
+    """Records by bookmark, with the number of queues that still hold each.
+
+    One dict entry per held record: the count of holders is kept apart, and only for the
+    rare record several queues hold (several queues over one journal). Bookkeeping is per
+    queued message, so it is kept small.
+    """
 
     budget: int = DEFAULT_PAYLOAD_BUDGET
+    # Every held bookmark: its record, or None when its bytes were dropped past the budget.
     _records: dict[Bookmark, JournalRecord | None] = field(default_factory=dict)
-    _holders: dict[Bookmark, int] = field(default_factory=dict)
+    # Holders beyond the first.
+    _extra_holders: dict[Bookmark, int] = field(default_factory=dict)
     bytes: int = 0
     dropped: int = 0  # records held past the budget, without their bytes
 
     def hold(self, bookmark: Bookmark, record: JournalRecord) -> None:
-        held = self._holders.get(bookmark)
-        if held is not None:
-            self._holders[bookmark] = held + 1
+        if bookmark in self._records:
+            self._extra_holders[bookmark] = self._extra_holders.get(bookmark, 0) + 1
             return
-        self._holders[bookmark] = 1
         self._records[bookmark] = None
         self.fill(bookmark, record)
 
     def fill(self, bookmark: Bookmark, record: JournalRecord) -> bool:
         """Keep a held record's bytes if the budget allows; True when kept."""
-        if bookmark not in self._holders or self._records.get(bookmark) is not None:
-            return False
-        size = _size(record)
+        if self._records.get(bookmark, _MISSING) is not None:
+            return False  # not held, or its bytes are already here
+        size = record_size(record)
         if self.bytes + size > self.budget:
             self.dropped += 1
             return False
@@ -73,19 +82,19 @@ class PayloadCache:
 
     def release(self, bookmark: Bookmark) -> None:
         """One queue is done with the record; the last one frees it."""
-        held = self._holders.get(bookmark)
-        if held is None:
+        extra = self._extra_holders.get(bookmark)
+        if extra is not None:
+            if extra > 1:
+                self._extra_holders[bookmark] = extra - 1
+            else:
+                del self._extra_holders[bookmark]
             return
-        if held > 1:
-            self._holders[bookmark] = held - 1
-            return
-        del self._holders[bookmark]
-        record = self._records.pop(bookmark)
-        if record is not None:
-            self.bytes -= _size(record)
+        record = self._records.pop(bookmark, _MISSING)
+        if record is not _MISSING and record is not None:
+            self.bytes -= record_size(record)
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._records)
 
 
 class RangeReader:

@@ -32,7 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from layer.coordinator.payloads import DEFAULT_PAYLOAD_BUDGET, PayloadCache, RangeReader
+from layer.coordinator.payloads import (
+    DEFAULT_PAYLOAD_BUDGET,
+    PayloadCache,
+    RangeReader,
+    record_size,
+)
 from layer.coordinator.translate import (
     add_outbox,
     entry_record,
@@ -48,7 +53,12 @@ from layer.domain.engine import AckItem as EngineAckItem
 from layer.domain.engine import QueueEngine
 from layer.domain.entries import JournalRecord as EngineRecord
 from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError
-from layer.domain.expressions import compile_expression, parse_document, project
+from layer.domain.expressions import (
+    RawDocument,
+    compile_expression,
+    parse_document,
+    project,
+)
 from layer.domain.states import AckResult as EngineAckResult
 from layer.domain.states import AckType as EngineAckType
 from layer.domain.states import Bookmark, LeaveReason
@@ -699,20 +709,24 @@ class Coordinator:
             engines = self._engines_for(topic)
             if not engines:
                 continue
-            # Every record's document is parsed, even when no expression reads it now: a
-            # consumer may subscribe later with a filter, and `qlayer view` shows documents.
-            # Past the memory window only the fields the queues' expressions read now are
-            # kept (DESIGN §2): a filter subscribed later sees null in other fields there.
+            # Every record keeps its document, even when no expression reads it now: a
+            # consumer may subscribe later with a filter. Within the memory window it is the
+            # record's bytes, parsed when an expression first reads them (`RawDocument`:
+            # the bytes are held for delivery anyway). Past it only the fields the queues'
+            # expressions read now are kept (DESIGN §2): a filter subscribed later sees null
+            # in other fields there.
             fields: frozenset[str] | None = None
             offered = []
             for r in rs:
                 deliver_at_ms = self._deliver_at(r) if r.headers else None
-                doc = parse_document(r.value)
-                room -= len(r.value or b"") + len(r.key or b"")
-                if room < 0:
+                room -= record_size(r)
+                doc: object
+                if room >= 0:
+                    doc = RawDocument(r.value)
+                else:
                     if fields is None:
                         fields = frozenset().union(*(e.fields_needed() for e in engines))
-                    doc = project(doc, fields)
+                    doc = project(parse_document(r.value), fields)
                     self.counters["documents_projected"] += 1
                 offered.append(EngineRecord(
                     r.topic, r.partition, r.offset, r.key,

@@ -68,7 +68,7 @@ from layer.domain.events import (
     Outbox,
     Recipient,
 )
-from layer.domain.expressions import Expression, compile_expression
+from layer.domain.expressions import Expression, compile_expression, document_of
 from layer.domain.states import (
     AckResult,
     AckSource,
@@ -321,7 +321,7 @@ class QueueEngine:
             found.append(
                 ViewEntry(
                     table.bookmark(seq),
-                    doc,
+                    document_of(doc),
                     table.times[seq - base],
                     touched.delivery_count if touched is not None else 0,
                 )

@@ -26,8 +26,10 @@ from layer.domain.errors import ExpressionError
 __all__ = [
     "Document",
     "Expression",
+    "RawDocument",
     "as_number",
     "compile_expression",
+    "document_of",
     "parse_document",
     "parse_path",
     "project",
@@ -879,6 +881,8 @@ class Expression:
 
     def evaluate(self, doc: Document) -> object | None:
         """The expression's value for ``doc``; null (None) on any type problem. Never raises."""
+        if type(doc) is RawDocument:
+            doc = doc.value()
         try:
             return self._evaluator(doc)
         except Exception:
@@ -956,6 +960,38 @@ def _refuse_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+_UNPARSED: Final = object()
+
+
+class RawDocument:
+    """A record's value whose JSON is parsed when an expression first reads it (then kept).
+
+    An entry keeps its document for filters that may read it; most queues never do (no
+    filter, no priority, no barrier), and a parsed document took several times the record's
+    own size in memory, besides the time to parse it. Holding the bytes costs nothing extra
+    while the coordinator holds the record anyway (the same object). Expressions accept a
+    `RawDocument` wherever they accept a document; `document_of` gives the parsed value.
+    """
+
+    __slots__ = ("_parsed", "_raw")
+
+    def __init__(self, raw: bytes | None) -> None:
+        self._raw = raw
+        self._parsed: object = _UNPARSED
+
+    def value(self) -> Document:
+        """The parsed document (as `parse_document` gives it)."""
+        if self._parsed is _UNPARSED:
+            self._parsed = parse_document(self._raw)
+            self._raw = None  # the parsed form is kept; the bytes belong to the record
+        return self._parsed
+
+
+def document_of(doc: object) -> Document:
+    """The document itself, parsing a `RawDocument`."""
+    return doc.value() if type(doc) is RawDocument else doc
+
+
 _ABSENT: Final = object()
 
 
@@ -969,6 +1005,7 @@ def project(doc: Document, fields: Iterable[str | tuple[str, ...]]) -> Document:
     read as null either way). The result is an object, except for a top-level array that a
     path fans out over, which is returned as it is.
     """
+    doc = document_of(doc)
     kept: dict[tuple[str, ...], object] = {}
     for field in fields:
         segments = parse_path(field) if isinstance(field, str) else tuple(field)

@@ -45,6 +45,7 @@ class JournalReader:
             "queued.min.messages": 20000,
         })
         self._assigned: dict[tuple[str, int], int] = {}
+        self._topic_names: dict[str, str] = {}
         self.errors = 0
 
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
@@ -84,6 +85,9 @@ class JournalReader:
             raise KafkaAdapterError(f"reading journals failed: {exc}") from exc
         out: list[JournalRecord] = []
         append = out.append
+        # The client returns a new str for each record's topic; one per topic is kept instead
+        # (every queued entry holds its record's topic name: 60 bytes each, otherwise).
+        names = self._topic_names
         for m in messages:
             err = m.error()
             if err is not None:
@@ -98,7 +102,9 @@ class JournalReader:
             # Records without an error always carry topic, partition and offset, and
             # confluent-kafka returns headers as a list of (str, bytes); a cast per record
             # would cost time in the hot path, so the checker is told instead.
-            append(JournalRecord(m.topic(), m.partition(), m.offset(),  # type: ignore[arg-type]
+            topic = m.topic()
+            topic = names.setdefault(topic, topic)  # type: ignore[arg-type]
+            append(JournalRecord(topic, m.partition(), m.offset(),  # type: ignore[arg-type]
                                  m.key(), m.value(), m.timestamp()[1],
                                  m.headers()))  # type: ignore[arg-type]
         return out

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from layer.domain.engine import AckItem
 from layer.domain.entries import priority_rank
 from layer.domain.events import BarrierDelivered, EntryAcked, EntryLeased, Recipient
+from layer.domain.expressions import RawDocument
 from layer.domain.states import AckResult, AckSource, AckType, EntryState
 
 from .engine_helpers import (
@@ -40,6 +43,18 @@ def test_order_priority_price_times_quantity_highest_first() -> None:
     subscribe(queue, "a", max_backlog=5)
 
     assert offsets_of(queue.dispatch(0.0)) == [1, 4, 0, 2, 3]
+
+
+def test_documents_given_as_record_bytes_order_and_show_the_same() -> None:
+    # The coordinator offers the record's bytes (RawDocument), parsed on first read: the
+    # priority, a consumer's filter and the view see the parsed JSON.
+    queue = engine(priority="/price * /qty")
+    orders = [{"id": "a", "price": 10, "qty": 1}, {"id": "b", "price": 5, "qty": 100},
+              {"id": "c", "region": "EU", "price": 1, "qty": 30}]
+    offer(queue, [RawDocument(json.dumps(o).encode()) for o in orders])
+    assert [entry.doc["id"] for entry in queue.view()] == ["b", "c", "a"]
+    subscribe(queue, "eu", max_backlog=5, filter="/region = 'EU'")
+    assert offsets_of(queue.dispatch(0.0)) == [2]
 
 
 def test_non_numeric_and_invalid_priorities_rank_lowest() -> None:

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import (
     Expression,
+    RawDocument,
     as_number,
     compile_expression,
+    document_of,
     parse_document,
     project,
 )
@@ -737,3 +739,33 @@ def test_comparison_is_symmetric_under_mirroring(
     forward = compile_expression(f"{path} {op} {literal}").evaluate(doc)
     mirrored = compile_expression(f"{literal} {MIRRORED[op]} {path}").evaluate(doc)
     assert forward is mirrored
+
+
+# --- documents parsed on first read ------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(expressions, documents)
+def test_a_raw_document_evaluates_as_its_parsed_json(text: str, doc: Any) -> None:
+    # The coordinator hands queues the record's bytes (RawDocument), parsed when a filter
+    # first reads them: every expression must see exactly what the parsed document gives.
+    expression = compile_expression(text)
+    raw = RawDocument(json.dumps(doc).encode())
+    assert expression.evaluate(raw) == expression.evaluate(parse_document(json.dumps(doc)))
+    assert document_of(raw) == parse_document(json.dumps(doc))
+
+
+def test_a_raw_document_that_is_not_json_reads_as_null_everywhere() -> None:
+    raw = RawDocument(b"\xff not json")
+    assert compile_expression("/a IS NULL").matches(raw)
+    assert not compile_expression("/a = 1").matches(raw)
+    assert document_of(raw) is None
+    assert document_of(RawDocument(None)) is None
+
+
+def test_a_raw_document_is_parsed_once() -> None:
+    raw = RawDocument(b'{"region": "EU", "qty": 3}')
+    first = document_of(raw)
+    assert first == {"region": "EU", "qty": 3}
+    assert document_of(raw) is first
+    assert project(raw, ["/qty"]) == {"qty": 3}

@@ -1,0 +1,41 @@
+"""The payload cache: records held while a queue holds their entry, within a byte budget."""
+
+from __future__ import annotations
+
+from layer.coordinator.payloads import PayloadCache, record_size
+from layer.domain.states import Bookmark
+from layer.kafka import JournalRecord
+
+
+def _record(offset: int, size: int = 100) -> JournalRecord:
+    return JournalRecord("orders", 0, offset, b"k", b"x" * size, 0, [("h", b"v")])
+
+
+def test_records_are_kept_within_the_budget_and_dropped_past_it() -> None:
+    cache = PayloadCache(budget=3 * record_size(_record(0)))
+    for offset in range(5):
+        cache.hold(Bookmark("orders", 0, offset), _record(offset))
+    kept = [o for o in range(5) if cache.get(Bookmark("orders", 0, o)) is not None]
+    assert kept == [0, 1, 2]  # first come, first kept
+    assert cache.missing([Bookmark("orders", 0, o) for o in range(6)]) == [
+        Bookmark("orders", 0, 3), Bookmark("orders", 0, 4)]  # 5 was never held
+    assert len(cache) == 5 and cache.dropped == 2
+    # A freed record makes room: a re-read record's bytes are kept again.
+    cache.release(Bookmark("orders", 0, 0))
+    assert cache.fill(Bookmark("orders", 0, 3), _record(3))
+    assert not cache.fill(Bookmark("orders", 0, 9), _record(9))  # not held: not kept
+
+
+def test_a_record_several_queues_hold_stays_until_the_last_lets_go() -> None:
+    cache = PayloadCache(budget=10_000)
+    bookmark = Bookmark("orders", 0, 7)
+    for _ in range(3):  # three queues over one journal
+        cache.hold(bookmark, _record(7))
+    assert cache.bytes == record_size(_record(7))
+    cache.release(bookmark)
+    cache.release(bookmark)
+    assert cache.get(bookmark) is not None
+    cache.release(bookmark)
+    assert cache.get(bookmark) is None and len(cache) == 0 and cache.bytes == 0
+    cache.release(bookmark)  # releasing what is not held changes nothing
+    assert cache.bytes == 0
