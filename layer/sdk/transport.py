@@ -207,7 +207,9 @@ class SdkProducer:
             "acks": "all",
             "linger.ms": 2,
         }))
-        self._lock = threading.Lock()
+        # Re-entrant: delivery reports run inside poll()/flush() on the calling thread, and a
+        # Ctrl-C landing inside one must not leave a lock the same thread then waits for.
+        self._lock = threading.RLock()
         self._failures: list[str] = []
         self.failed = 0
 

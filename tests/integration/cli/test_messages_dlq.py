@@ -234,7 +234,8 @@ def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
             assert [m["value"] for m in lines] == ["one", "two"]
             wait_for_counters(settings, "Live", acked=2)
             process.send_signal(signal.SIGINT)
-            _, stderr = process.communicate(timeout=30)
+            # close() may wait up to 10 s for Kafka twice (acks, then the Unsubscribe).
+            _, stderr = process.communicate(timeout=60)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -272,4 +273,10 @@ def test_publish_from_a_file_consume_with_a_filter_and_release(
                             "--json")
         counts = {json.loads(str(m["value"]))["n"]: m["delivery_count"]
                   for m in json_lines(everything.stdout)}
-        assert counts == {0: 1, 1: 1, 2: 3, 3: 1}
+        # n=2 was delivered twice and released twice, so this is at least its third delivery.
+        # It can be the fourth: the second release frees the closing consumer's backlog slot,
+        # and the coordinator may lease the entry to it once more before its unsubscribe
+        # arrives on the control topic (a share consumer's close releases what it had
+        # acquired the same way); max_deliveries counts such a delivery (docs/sdk.md).
+        assert counts[2] in (3, 4)
+        assert {n: c for n, c in counts.items() if n != 2} == {0: 1, 1: 1, 3: 1}
