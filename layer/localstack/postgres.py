@@ -163,8 +163,14 @@ class PostgresNode:
             self._prepare_dirs()
             self._initdb(bindir)
             if self.pid() is None:
-                self._run([str(bindir / "pg_ctl"), "-D", str(self.data_dir), "-l",
-                           str(self.log_file), "-w", "-t", str(int(timeout)), "start"])
+                try:
+                    self._run([str(bindir / "pg_ctl"), "-D", str(self.data_dir), "-l",
+                               str(self.log_file), "-w", "-t", str(int(timeout)), "start"])
+                except LocalStackError as exc:
+                    # pg_ctl only says "examine the log output": show it.
+                    raise LocalStackError(
+                        f"{exc}\nLast lines of {self.log_file}:\n{tail(self.log_file)}"
+                    ) from exc
             wait_until(
                 lambda: port_open(c.host, c.port), timeout, f"PostgreSQL on {c.host}:{c.port}",
                 alive=lambda: self.pid() is not None,
