@@ -30,6 +30,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from types import FrameType
 
 from layer.coordinator.payloads import (
@@ -291,6 +292,9 @@ class Coordinator:
         # counters) by the next iteration, with the queue's own decisions.
         self._lost: dict[str, list[ev.Event]] = {}
         self._input_offsets: dict[tuple[str, int], int] = {}
+        # Ack items (consumer id, session id, item) for restored leases the replay has not
+        # reached yet, retried each iteration in order.
+        self._deferred_acks: list[tuple[str, str, AckItem]] = []
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this iteration (the engines never see
         # what was refused, so these do not come from their outboxes).
         self._pending_events: list[Event] = []
@@ -383,21 +387,23 @@ class Coordinator:
                if self.options.transactional else None)
         self._writer = RecordWriter(kafka, transactional_id=tid)
         self._reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
+        # Acks and control records are assigned before the journals, so the first fetches
+        # carry them: after a restart, consumers' acks and heartbeats are read at once rather
+        # than behind the replay of the journals.
+        inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
+        inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
+        committed = self._reader.committed(inputs)
+        # Control and ack records older than the topics' retention are gone for good; they
+        # mattered only within a session timeout, so reading on from the log start is right.
+        firsts = self._admin.log_start_offsets(inputs)
+        self._reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
+                          for tp, o in committed.items()})
         session_of = {row.consumer_id: row.session_id for row in self.store.load_consumers()}
         for record in self.store.load_queues():
             self._add_queue(record.name, record.definition, record.version, now, session_of)
         self._restore_sessions(now)
         self._ownership_events(EventType.OWNERSHIP_ACQUIRED, now)
         self._sync_directory()
-        inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
-        inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
-        committed = self._reader.committed(inputs)
-        # Control and ack records older than the topics' retention are gone for good; they
-        # mattered only within a session timeout, so reading on from the log start is right.
-        assert self._admin is not None
-        firsts = self._admin.log_start_offsets(inputs)
-        self._reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
-                          for tp, o in committed.items()})
         self._next_refresh = now + self.options.refresh_interval
 
     def _partitions(self, topic: str) -> int:
@@ -546,6 +552,8 @@ class Coordinator:
         started = clock()
         records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
         polled = clock()
+        if self._deferred_acks:
+            self._retry_deferred_acks(now, replies)
         control_topic, ack_topic = self.topics.control, self.topics.ack
         journal: list[JournalRecord] = []
         controls: list[JournalRecord] = []
@@ -876,15 +884,31 @@ class Coordinator:
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
             return 0
         assert isinstance(record, AckRecord)
-        items = record.items
+        waiting = len(self._deferred_acks)
+        self._settle(record.consumer_id, record.session_id, record.items, now, replies)
+        self.counters["acks_deferred_for_replay"] += len(self._deferred_acks) - waiting
+        return len(record.items)
+
+    def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
+                replies: list[OutgoingRecord]) -> None:
+        """Apply one consumer's ack items and answer the refused ones (and every RENEW).
+
+        Items for entries a restart has not re-read yet wait for the replay
+        (`_retry_deferred_acks`): refused now, the consumer would lose its ack and the
+        message come back when its restored lease ran out.
+        """
         outcomes = self._apply_acks(items, now)
         answers: list[AckItemResult] = []
         statuses: Counter[AckStatus] = Counter()
-        for item, (status, expires, message) in zip(items, outcomes, strict=True):
+        for item, outcome in zip(items, outcomes, strict=True):
+            if outcome is None:
+                self._deferred_acks.append((consumer_id, session_id, item))
+                continue
+            status, expires, message = outcome
             statuses[status] += 1
             if status is not AckStatus.OK:
-                self._refused(EventType.ACK_REFUSED, now, status.value, record.consumer_id,
-                              record.session_id, item.queue, _bookmark_or_none(item.bookmark))
+                self._refused(EventType.ACK_REFUSED, now, status.value, consumer_id,
+                              session_id, item.queue, _bookmark_or_none(item.bookmark))
             if status is not AckStatus.OK or item.type is WireAckType.RENEW:
                 answers.append(AckItemResult(queue=item.queue, bookmark=item.bookmark,
                                              type=item.type, status=status,
@@ -892,11 +916,16 @@ class Coordinator:
         for status, n in statuses.items():
             self.counters[f"ack_{status.value.lower()}"] += n
         if answers:
-            topic = self._delivery_topic_of(record.consumer_id)
+            topic = self._delivery_topic_of(consumer_id)
             replies.append(self._reply(topic, AckResult(
-                consumer_id=record.consumer_id, session_id=record.session_id,
-                items=tuple(answers), sent_at_ms=ms(now)), record.consumer_id))
-        return len(record.items)
+                consumer_id=consumer_id, session_id=session_id,
+                items=tuple(answers), sent_at_ms=ms(now)), consumer_id))
+
+    def _retry_deferred_acks(self, now: float, replies: list[OutgoingRecord]) -> None:
+        """Acks that waited for the replay, in the order they came, before any newer one."""
+        deferred, self._deferred_acks = self._deferred_acks, []
+        for (consumer_id, session_id), group in groupby(deferred, key=lambda d: d[:2]):
+            self._settle(consumer_id, session_id, [item for _, _, item in group], now, replies)
 
     def _refused(self, kind: EventType, now: float, reason: str, consumer_id: str,
                  session_id: str, queue: str | None, bookmark: WireBookmark | None = None
@@ -908,8 +937,9 @@ class Coordinator:
                                     bookmark=bookmark, consumer_id=consumer_id,
                                     session_id=session_id, reason=reason))
 
-    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[AckOutcome]:
-        """Each item's status, lease expiry (RENEW) and refusal message, applied in order.
+    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[AckOutcome | None]:
+        """Each item's status, lease expiry (RENEW) and refusal message, applied in order;
+        None for an item whose entry waits for the replay after a restart (not applied).
 
         Items go to their queue's engine a run at a time (one call per queue, not per item);
         a RENEW ends the run, because its answer reads the lease right after it.
@@ -926,7 +956,7 @@ class Coordinator:
             else:
                 run.setdefault(item.queue, []).append((i, checked))
         self._apply_run(run, outcomes, now)
-        return outcomes  # type: ignore[return-value]  # every slot was filled above
+        return outcomes
 
     def _checked_ack(self, item: AckItem) -> EngineAckItem | AckOutcome:
         """The engine's form of a well-formed item for a known queue, else its refusal."""
@@ -949,6 +979,12 @@ class Coordinator:
             engine = self.engines[queue]
             results = engine.ack([item for _, item in pairs], now)
             for (i, item), result in zip(pairs, results, strict=True):
+                if result is EngineAckResult.UNKNOWN_BOOKMARK and engine.restoring(
+                        item.bookmark):
+                    # A lease restored from PostgreSQL whose record the replay has not
+                    # reached yet: nothing was applied; the item waits (see `_settle`).
+                    outcomes[i] = None
+                    continue
                 status = _ACK_STATUS[result]
                 expires = None
                 if status is AckStatus.OK and item.type is EngineAckType.RENEW:

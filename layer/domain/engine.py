@@ -294,6 +294,11 @@ class QueueEngine:
             for source in table.sources
         }
 
+    def restoring(self, bookmark: Bookmark) -> bool:
+        """True while a persisted entry waits for the replay to reach its record (after a
+        restart): an acknowledgement for it finds no entry yet and has to wait too."""
+        return bookmark in self._restoring
+
     def entry(self, bookmark: Bookmark) -> EntryRecord | None:
         """The current state of one entry, or None if the queue does not know it."""
         location, seq = self._table.locate(bookmark)

@@ -1,8 +1,10 @@
-"""A restart re-reads the journal from the recovery points; what it re-admits is not counted
-as enqueued again (the counters `qlayer stats` shows stay true across restarts)."""
+"""A restart re-reads the journal from the recovery points: what it re-admits is not counted
+as enqueued again (the counters `qlayer stats` shows stay true across restarts), and acks
+that arrive before the replay reaches their entries wait for it instead of being refused."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -60,3 +62,39 @@ def test_enqueued_counts_each_message_once_across_restarts(
             wait_until(lambda: counters(settings, "Work").get("enqueued") == expected,  # noqa: B023
                        what="the new records counted")
         assert counters(settings, "Work")["enqueued"] == expected
+
+
+def test_acks_read_before_the_replay_reaches_their_entries_wait_and_apply(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    # Acks and control records are read before a restart's replay of the journal: an ack for
+    # a restored lease then finds no entry yet. It must wait and apply, not be refused (the
+    # consumer would lose its ack and get the message again when the lease ran out).
+    topic = journal("Work", partitions=1)
+    put_queues(settings, {"name": "Work", "underlying_topic": topic, "lease_period": "10m"})
+    total = 30_000
+    produce(settings.bootstrap_servers, topic,
+            [json.dumps({"n": i}).encode() for i in range(total)], partition=0)
+    # The consumer's filter takes the journal's last five records, so a replay from the
+    # recovery point (offset 0, nothing is done) reaches them last.
+    consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Work",
+                           max_backlog=5, session_timeout_ms=60_000,
+                           filter=f"/n >= {total - 5}")
+    try:
+        with running_coordinator(settings):
+            consumer.subscribe()
+            held = consumer.receive(5, timeout=60)
+            wait_until(lambda: counters(settings, "Work").get("delivered") == 5,
+                       what="five leases stored")
+        # No coordinator runs: the acks wait in the ack topic.
+        consumer.ack(held)
+        with running_coordinator(settings) as coordinator:
+            wait_until(lambda: counters(settings, "Work").get("acked") == 5, timeout=60,
+                       what="the five acks applied after the restart")
+            assert coordinator.counters["acks_deferred_for_replay"] > 0  # they did wait
+            assert coordinator.counters["ack_ok"] == 5
+            refused = {k for k in coordinator.counters
+                       if k.startswith("ack_")} - {"ack_ok", "ack_items"}
+            assert not refused
+    finally:
+        consumer.close()
