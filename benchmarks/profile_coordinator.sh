@@ -1,13 +1,13 @@
 #!/bin/bash
 # Profile the coordinator with py-spy during a qlayer at-least-once throughput cell (1 KiB, 4
-# consumers, 2 × 40,000 messages); the raw profile goes to benchmarks/results/coordinator-profile.txt,
+# consumers, 2 × 80,000 messages); the raw profile goes to benchmarks/results/coordinator-profile.txt,
 # which benchmarks/report.py summarises in docs/benchmarks.md. Extra arguments go to bench.py
 # (e.g. --bootstrap-servers ... --database-url ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=benchmarks/results/coordinator-profile.txt
-$PY benchmarks/bench.py --systems qlayer-alo --sizes 1024 --consumer-counts 4 --messages 40000 \
+$PY benchmarks/bench.py --systems qlayer-alo --sizes 1024 --consumer-counts 4 --messages 80000 \
     --repetitions 2 --no-latency --output benchmarks/results/coordinator-profile.json "$@" &
 BENCH=$!
 COORDINATOR=""
