@@ -222,9 +222,12 @@ def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
            "QLAYER_DATABASE_URL": settings.database_url,
            "QLAYER_TOPIC_PREFIX": settings.topic_prefix, "QLAYER_CONFIG": os.devnull}
     with running_coordinator(settings):
+        # A shell without job control starts background jobs with SIGINT ignored, and an
+        # ignored signal stays ignored across exec (Python then installs no KeyboardInterrupt
+        # handler): Ctrl-C is restored for the child, as a terminal would have it.
         process = subprocess.Popen([sys.executable, "-m", "cli.main", "consume", "Live", "--json"],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
+                                   text=True, preexec_fn=_default_sigint)
         try:
             wait_until(lambda: any(c.queue == "Live" for c in consumer_rows(settings)),
                        what="the consume process subscribed")
@@ -244,6 +247,10 @@ def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
         # Closing unsubscribed it: the coordinator dropped the consumer.
         wait_until(lambda: not any(c.queue == "Live" for c in consumer_rows(settings)),
                    what="the consumer gone after Ctrl-C")
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def consumer_rows(settings: Settings) -> list[ConsumerRow]:
