@@ -273,6 +273,9 @@ class QueueEngine:
         self._not_before: dict[int, float] = {}  # deliver-at times of INACTIVE entries
         self._early_acks: set[Bookmark] = set()
         self._restoring: dict[Bookmark, EntryRecord] = {}
+        # Restored leases whose records the replay has reached: their deliveries are sent
+        # again (see `resends`).
+        self._resend: list[tuple[Touched, str | None]] = []
         self._events: list[Event] = []
         self._dirty: set[int] = set()
         self._direct_records: list[EntryRecord] = []
@@ -685,12 +688,41 @@ class QueueEngine:
         touched.deadline = record.deadline if record.deadline is not None else 0.0
         touched.restored = True
         self._leased[record.bookmark] = touched
+        self._resend.append((touched, touched.token))
         heapq.heappush(self._restored_deadlines, (touched.deadline, seq))
         consumer = self._consumers.get(record.consumer_id or "")
         if consumer is not None and consumer.session_id == record.session_id:
             consumer.leases[record.bookmark] = None
         else:
             self._orphans.setdefault(record.consumer_id or "", {})[record.bookmark] = None
+
+    def resends(self, now: float) -> list[EntryLeased]:
+        """The deliveries of restored leases, to be sent again unchanged (same token, deadline
+        and delivery count), once the replay has brought their records back.
+
+        A lease is persisted before its delivery is written, so a coordinator that stopped
+        in between (a crash, or a failed Kafka write) leaves leases whose deliveries never
+        left; without this their consumer's backlog would hold them, undelivered, until the
+        lease period ends. Sending every restored lease again is safe: the consumer knows
+        the token of a delivery it already has and drops the repeat (docs/protocol.md).
+        Leases acknowledged, expired or broken since the restart, and leases of consumers
+        not subscribed with the lease's session, are left out. No event is emitted: no new
+        lease is made."""
+        pending, self._resend = self._resend, []
+        out: list[EntryLeased] = []
+        leased = self._leased
+        consumers = self._consumers
+        for touched, token in pending:
+            current = leased.get(touched.bookmark)
+            if token is None or current is not touched or touched.token != token:
+                continue
+            consumer = consumers.get(touched.consumer_id)
+            if consumer is None or consumer.session_id != touched.session_id:
+                continue
+            out.append(EntryLeased(self._name, touched.bookmark, touched.consumer_id,
+                                   consumer.delivery_topic, token, touched.deadline,
+                                   touched.delivery_count, now))
+        return out
 
     # ------------------------------------------------------------------ consumers
     def subscribe(

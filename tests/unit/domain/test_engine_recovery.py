@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layer.domain.engine import QueueEngine
 from layer.domain.entries import EntryRecord
 from layer.domain.events import EntryLeased, LeaseBroken
 from layer.domain.states import AckResult, AckType, EntryState
@@ -140,6 +141,51 @@ def test_a_restored_lease_of_a_consumer_back_with_a_new_session_is_broken() -> N
     broken = of_type(after.drain().events, LeaseBroken)
     assert [e.bookmark.offset for e in broken] == [0]
     assert [d.consumer_id for d in leases(after.dispatch(1.0))] == ["a"]
+
+
+def _restarted_with(lease_count: int, *, lease_period: str = "30s",
+                    session: str = "s1") -> tuple[list[EntryLeased], QueueEngine]:
+    """A queue that leased ``lease_count`` entries to "a", and its restart from what it
+    persisted (the journal replayed, "a" back with ``session``)."""
+    before = engine(lease_period=lease_period)
+    offer(before, [str(i) for i in range(lease_count)])
+    subscribe(before, "a", max_backlog=lease_count, session="s1")
+    held = leases(before.dispatch(0.0))
+    after = engine(lease_period=lease_period)
+    after.restore(before.drain().entries, before.recovery_points())
+    subscribe(after, "a", max_backlog=lease_count, session=session, now=10.0)
+    return held, after
+
+
+def test_restored_leases_are_sent_again_unchanged_once_their_records_are_replayed() -> None:
+    held, after = _restarted_with(3)
+    assert after.resends(10.0) == []  # the replay has not brought the records back yet
+
+    offer(after, ["0", "1", "2"], now=10.0)
+    resent = after.resends(10.0)
+    assert [(d.bookmark, d.token, d.deadline, d.delivery_count, d.delivery_topic)
+            for d in resent] == [
+        (d.bookmark, d.token, d.deadline, d.delivery_count, d.delivery_topic) for d in held]
+    assert after.resends(10.0) == []  # once
+    # They are the same leases, not new ones: no event, and the old tokens settle them.
+    assert of_type(after.drain().events, EntryLeased) == []
+    assert all(settle(after, d, now=11.0) is AckResult.APPLIED for d in held)
+
+
+def test_settled_expired_and_broken_leases_are_not_sent_again() -> None:
+    held, after = _restarted_with(3, lease_period="30s")
+    offer(after, ["0", "1", "2"], now=10.0)
+    settle(after, held[0], now=10.0)  # an ack that waited for the replay
+    assert [d.token for d in after.resends(10.0)] == [held[1].token, held[2].token]
+
+    held, expired = _restarted_with(3, lease_period="30s")
+    offer(expired, ["0", "1", "2"], now=10.0)
+    expired.tick(31.0)  # past the deadline persisted before the restart
+    assert expired.resends(31.0) == []
+
+    held, broken = _restarted_with(2, session="new")  # "a" is back with a new session
+    offer(broken, ["0", "1"], now=10.0)
+    assert broken.resends(10.0) == []  # the session they were sent to is gone
 
 
 def test_restored_acked_and_expired_entries_are_not_enqueued_again() -> None:
