@@ -63,6 +63,7 @@ from layer.sdk.errors import (
     SessionEndedError,
     UnknownQueueError,
 )
+from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
 from layer.sdk.transport import DeliveryReader, SdkProducer
 
@@ -99,6 +100,9 @@ class ConsumerStats:
     """Deliveries and replies for another session (an earlier run of the same consumer id)."""
     malformed: int = 0
     """Records on the delivery topic that could not be read (bad headers, undecodable reply)."""
+    repeated: int = 0
+    """Deliveries dropped because this consumer already had their lease: a restarted
+    coordinator sends the deliveries of the leases it restored again (docs/sdk.md)."""
     ack_items_sent: int = 0
     ack_records_sent: int = 0
     ack_failures: int = 0
@@ -198,6 +202,7 @@ class QueueConsumer:
         self._regex = regex
         self._filter = _check_filter(filter)
         self._max_backlog = _check_backlog(max_backlog)
+        self._seen = SeenLeases(self._max_backlog)
         if session_timeout <= 0 or subscribe_timeout <= 0:
             raise ValueError("session_timeout and subscribe_timeout must be positive seconds")
         self._config = ClientConfig.resolve(bootstrap_servers, topic_prefix, kafka_config)
@@ -509,6 +514,7 @@ class QueueConsumer:
         self._queue, self._regex = new_queue, new_regex
         self._filter, self._max_backlog = new_filter, new_backlog
         self._grants = {grant.queue: grant for grant in result.queues}
+        self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
         self._request_id = request_id
 
     # --- closing ----------------------------------------------------------------------------
@@ -626,6 +632,7 @@ class QueueConsumer:
             raise self._refusal(result, self._queue, self._filter)
         self._request_id = request_id
         self._grants = {grant.queue: grant for grant in result.queues}
+        self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
         if result.session_timeout_ms > 0:
             self._effective_session_timeout = result.session_timeout_ms / 1000
         interval = result.heartbeat_interval_ms / 1000
@@ -692,7 +699,8 @@ class QueueConsumer:
         """Sort records of the delivery topic into replies (handled) and deliveries (kept)."""
         if not records:
             return
-        ignored = malformed = delivered = 0
+        ignored = malformed = delivered = repeated = 0
+        first_time = self._seen.first_time
         session = (self._session_id or "").encode()
         for record in records:
             headers = record.headers()
@@ -725,12 +733,17 @@ class QueueConsumer:
                 log.warning("unreadable delivery on %s at offset %s: %s",
                             self._delivery_topic, record.offset(), exc)
                 continue
+            token = message.lease
+            if token and not first_time(token):
+                repeated += 1
+                continue
             delivered += 1
             self._buffer.append(message)
         with self._cond:
             self._stats.ignored += ignored
             self._stats.malformed += malformed
             self._stats.delivered += delivered
+            self._stats.repeated += repeated
 
     def _on_reply(self, reply: ReplyMessage) -> None:
         match reply:
@@ -738,6 +751,7 @@ class QueueConsumer:
                 if reply.request_id == self._request_id and reply.status is SubscribeStatus.OK:
                     # Another coordinator granting more queues of a regex subscription.
                     self._grants.update({grant.queue: grant for grant in reply.queues})
+                    self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
                 else:
                     self._results.setdefault(reply.request_id, reply)
             case AckResult():
