@@ -42,6 +42,8 @@ class WriteBatch:
     forgotten_queues: set[str] = field(default_factory=set)
     # queue -> purge_requested_at of the purge this batch completes
     purges_done: dict[str, float] = field(default_factory=dict)
+    # (topic, partition) of the control and ack topics -> the next offset to read
+    input_positions: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def put_entry(self, row: EntryRow) -> None:
         key = row.key
@@ -61,6 +63,13 @@ class WriteBatch:
         """How far the queue has admitted the partition; written with its recovery point,
         which must be set in the same batch or stored already."""
         self.admitted[PartitionKey(queue, topic, partition)] = admitted_to
+
+    def set_input_position(self, topic: str, partition: int, next_offset: int) -> None:
+        """Where to read a control or ack partition on from: committed with the effects of
+        the records below it."""
+        if next_offset < 0:
+            raise ValueError(f"input position must be >= 0, got {next_offset}")
+        self.input_positions[(topic, partition)] = next_offset
 
     def put_consumer(self, row: ConsumerRow) -> None:
         self.consumer_deletes.discard(row.consumer_id)
@@ -114,6 +123,7 @@ class WriteBatch:
             + len(self.counters)
             + len(self.forgotten_queues)
             + len(self.purges_done)
+            + len(self.input_positions)
         )
 
     def is_empty(self) -> bool:

@@ -41,6 +41,7 @@ from layer.store.tables import (
     DONE_STATES,
     consumers,
     entries,
+    input_positions,
     ownership,
     queue_counters,
     queues,
@@ -389,6 +390,27 @@ SELECT_RECOVERY_POINTS: Final = select(
     recovery_points.c.offset,
     recovery_points.c.admitted_to,
 ).order_by(recovery_points.c.queue, recovery_points.c.topic, recovery_points.c.partition)
+
+INPUT_POSITION_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "shard": Text(),
+    "topic": Text(),
+    "partition": Integer(),
+    "next_offset": BigInteger(),
+    "updated_at": _TIMESTAMP,
+}
+_ip_rows = _unnest("batch", INPUT_POSITION_COLUMNS)
+_ip_insert = pg_insert(input_positions).from_select(
+    list(INPUT_POSITION_COLUMNS), select(*(_ip_rows.c[name] for name in INPUT_POSITION_COLUMNS))
+)
+UPSERT_INPUT_POSITIONS: Final = _ip_insert.on_conflict_do_update(
+    index_elements=[input_positions.c.shard, input_positions.c.topic,
+                    input_positions.c.partition],
+    set_={"next_offset": _ip_insert.excluded.next_offset,
+          "updated_at": _ip_insert.excluded.updated_at},
+)
+SELECT_INPUT_POSITIONS: Final = select(
+    input_positions.c.topic, input_positions.c.partition, input_positions.c.next_offset,
+).where(input_positions.c.shard == bindparam("shard"))
 
 SELECT_CONSUMERS: Final = select(consumers).order_by(consumers.c.consumer_id)
 REQUEST_EVICTION: Final = (

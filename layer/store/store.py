@@ -203,6 +203,7 @@ class Store:
             statements += _write_consumers(conn, batch)
             statements += _increment_counters(conn, batch.counters, moment)
             statements += _mark_purged(conn, batch.purges_done)
+            statements += _upsert_input_positions(conn, shard, batch.input_positions, moment)
         return CommitResult(
             epoch=epoch,
             statements=statements,
@@ -277,6 +278,13 @@ class Store:
                 PartitionKey(row.queue, row.topic, row.partition): row.admitted_to
                 for row in conn.execute(statement) if row.admitted_to is not None
             }
+
+    def load_input_positions(self, shard: str) -> dict[tuple[str, int], int]:
+        """Where the shard's owner reads each control and ack partition on from (written
+        with what the records below did; see `WriteBatch.set_input_position`)."""
+        with translate_errors("loading input positions"), self._engine.connect() as conn:
+            return {(row.topic, row.partition): row.next_offset
+                    for row in conn.execute(sql.SELECT_INPUT_POSITIONS, {"shard": shard})}
 
     def load_consumers(self) -> list[ConsumerRow]:
         with translate_errors("loading consumers"), self._engine.connect() as conn:
@@ -511,6 +519,21 @@ def _upsert_recovery_points(
     params["admitted_to"] = [admitted.get(key) for key, _ in ordered]
     params["updated_at"] = [moment] * len(ordered)
     conn.execute(sql.UPSERT_RECOVERY_POINTS, params)
+    return 1
+
+
+def _upsert_input_positions(conn: Connection, shard: str,
+                            positions: Mapping[tuple[str, int], int], moment: datetime) -> int:
+    if not positions:
+        return 0
+    ordered = sorted(positions.items())
+    conn.execute(sql.UPSERT_INPUT_POSITIONS, {
+        "shard": [shard] * len(ordered),
+        "topic": [topic for (topic, _), _ in ordered],
+        "partition": [partition for (_, partition), _ in ordered],
+        "next_offset": [offset for _, offset in ordered],
+        "updated_at": [moment] * len(ordered),
+    })
     return 1
 
 

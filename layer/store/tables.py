@@ -33,6 +33,7 @@ __all__ = [
     "ENTRY_STATES",
     "consumers",
     "entries",
+    "input_positions",
     "metadata",
     "ownership",
     "queue_counters",
@@ -175,6 +176,20 @@ recovery_points = Table(
     Column("admitted_to", BigInteger, nullable=True),
     _ts("updated_at", nullable=False),
     CheckConstraint('partition >= 0 AND "offset" >= 0', name="position_valid"),
+)
+
+input_positions = Table(
+    "input_positions",
+    metadata,
+    Column("shard", Text, primary_key=True),
+    Column("topic", Text, primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    # The next offset of a control or ack topic partition to read. It is written in the
+    # transaction that writes what the records below it did, so a restart applies no ack
+    # twice (which would answer the consumer DUPLICATE for an ack that was applied).
+    Column("next_offset", BigInteger, nullable=False),
+    _ts("updated_at", nullable=False),
+    CheckConstraint("partition >= 0 AND next_offset >= 0", name="input_position_valid"),
 )
 
 ownership = Table(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from layer.store.batch import WriteBatch
+from layer.store.errors import FencedError
 from layer.store.rows import ConsumerRow, EntryRow, PartitionKey
 from layer.store.store import Store
 
@@ -95,3 +96,31 @@ def test_acked_entries_below_the_recovery_point_are_not_loaded(store: Store) -> 
     # 50/60 are done and passed; 70 is not done although passed (returned, not lost); 100 is at
     # the recovery point; partition 9 has no recovery point yet, so all of it counts.
     assert store.load_entries("Work") == [stray, above, no_point]
+
+
+def test_input_positions_are_committed_with_the_batch_per_shard(store: Store) -> None:
+    epoch = store.acquire("default", "a", ttl=10, now=T0)
+    assert epoch is not None
+    assert store.load_input_positions("default") == {}
+    first = WriteBatch()
+    first.set_input_position("qlayer.ack", 0, 120)
+    first.set_input_position("qlayer.ack", 5, 2**40)
+    first.set_input_position("qlayer.control", 1, 7)
+    store.commit(first, "default", "a", epoch, T0)
+    later = WriteBatch()
+    later.set_input_position("qlayer.ack", 0, 130)
+    store.commit(later, "default", "a", epoch, T0 + 1)
+    assert store.load_input_positions("default") == {
+        ("qlayer.ack", 0): 130, ("qlayer.ack", 5): 2**40, ("qlayer.control", 1): 7}
+    assert store.load_input_positions("other-shard") == {}
+
+    # A fenced owner's positions are not written, like the rest of its batch.
+    taken = store.acquire("default", "b", ttl=10, now=T0 + 100)
+    assert taken is not None
+    stale = WriteBatch()
+    stale.set_input_position("qlayer.ack", 0, 999)
+    with pytest.raises(FencedError):
+        store.commit(stale, "default", "a", epoch, T0 + 101)
+    assert store.load_input_positions("default")[("qlayer.ack", 0)] == 130
+    with pytest.raises(ValueError, match="input position"):
+        stale.set_input_position("qlayer.ack", 0, -1)
