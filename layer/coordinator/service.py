@@ -12,8 +12,12 @@ One process, one thread, one loop. Each iteration (:meth:`Coordinator.run_once`)
 6. commit the input topics' offsets.
 
 Postgres before Kafka is the safety argument: a crash between 4 and 5 leaves leases without
-deliveries, which expire and are redelivered (at-least-once). :meth:`Coordinator.run` wraps
-this in the lifecycle: ownership (hot standby), signals, shutdown.
+deliveries. The restart sends the deliveries of every restored lease again, unchanged (same
+token), once the replay brings their records back; a consumer drops a delivery whose token it
+already has. Leases whose consumers are gone expire and are redelivered (at-least-once).
+The input positions of step 6 are also written in 4, so a restart applies no ack twice.
+:meth:`Coordinator.run` wraps this in the lifecycle: ownership (hot standby), signals,
+shutdown.
 """
 
 from __future__ import annotations
@@ -295,6 +299,9 @@ class Coordinator:
         # Ack items (consumer id, session id, item) for restored leases the replay has not
         # reached yet, retried each iteration in order.
         self._deferred_acks: list[tuple[str, str, AckItem]] = []
+        # Per ack partition, the offset of the first record with deferred items: its input
+        # position is not stored past it until they are applied (a restart reads them again).
+        self._deferred_from: dict[tuple[str, int], int] = {}
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this iteration (the engines never see
         # what was refused, so these do not come from their outboxes).
         self._pending_events: list[Event] = []
@@ -392,12 +399,17 @@ class Coordinator:
         # than behind the replay of the journals.
         inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
         inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
-        committed = self._reader.committed(inputs)
+        # Read on where the last owner's applied acks and control records end: the positions
+        # it committed to PostgreSQL with their effects. The group offsets in Kafka are only
+        # for partitions it never wrote a position for (a database from before 0003).
+        stored = self.store.load_input_positions(self.options.shard)
+        committed = self._reader.committed([tp for tp in inputs if tp not in stored])
+        committed.update(stored)
         # Control and ack records older than the topics' retention are gone for good; they
         # mattered only within a session timeout, so reading on from the log start is right.
         firsts = self._admin.log_start_offsets(inputs)
         self._reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
-                          for tp, o in committed.items()})
+                          for tp in inputs for o in [committed.get(tp)]})
         session_of = {row.consumer_id: row.session_id for row in self.store.load_consumers()}
         for record in self.store.load_queues():
             self._add_queue(record.name, record.definition, record.version, now, session_of)
@@ -578,6 +590,12 @@ class Coordinator:
         outboxes: list[tuple[str, ev.Outbox]] = []
         for name, engine in self.engines.items():
             engine.tick(now)
+            # After a restart: the deliveries of restored leases, which the crash may have
+            # kept from being written (Postgres is committed before Kafka is written).
+            resent = engine.resends(now)
+            if resent:
+                self.counters["deliveries_resent"] += len(resent)
+                deliveries.extend(resent)
             deliveries.extend(engine.dispatch(now))
             outbox = engine.drain()
             lost = self._lost.pop(name, None)
@@ -617,7 +635,11 @@ class Coordinator:
             self._writer.flush()
             stats.dead_letters = len(dead_letters)
 
-        # 4. One guarded transaction for everything decided.
+        # 4. One guarded transaction for everything decided, with how far the inputs were
+        # applied: a restart reads on from there and applies no ack twice.
+        deferred_from = self._deferred_from
+        for tp, offset in self._input_offsets.items():
+            batch.set_input_position(tp[0], tp[1], min(offset, deferred_from.get(tp, offset)))
         decided = clock()
         if not batch.is_empty():
             try:
@@ -886,7 +908,9 @@ class Coordinator:
         assert isinstance(record, AckRecord)
         waiting = len(self._deferred_acks)
         self._settle(record.consumer_id, record.session_id, record.items, now, replies)
-        self.counters["acks_deferred_for_replay"] += len(self._deferred_acks) - waiting
+        if len(self._deferred_acks) > waiting:
+            self.counters["acks_deferred_for_replay"] += len(self._deferred_acks) - waiting
+            self._deferred_from.setdefault((r.topic, r.partition), r.offset)
         return len(record.items)
 
     def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
@@ -926,6 +950,8 @@ class Coordinator:
         deferred, self._deferred_acks = self._deferred_acks, []
         for (consumer_id, session_id), group in groupby(deferred, key=lambda d: d[:2]):
             self._settle(consumer_id, session_id, [item for _, _, item in group], now, replies)
+        if not self._deferred_acks:
+            self._deferred_from.clear()
 
     def _refused(self, kind: EventType, now: float, reason: str, consumer_id: str,
                  session_id: str, queue: str | None, bookmark: WireBookmark | None = None

@@ -40,12 +40,14 @@ from layer.store.store import Store
 
 
 @contextmanager
-def running_coordinator(settings: Settings, **options: object) -> Iterator[Coordinator]:
+def running_coordinator(settings: Settings, *, coordinator_class: type[Coordinator] = Coordinator,
+                        **options: object) -> Iterator[Coordinator]:
     """A coordinator running its real loop in a background thread until the block ends."""
     defaults: dict[str, object] = {"transactional": False, "refresh_interval": 0.5,
                                     "topic_check_interval": 0.5}
     defaults.update(options)
-    coordinator = Coordinator(settings, CoordinatorOptions(**defaults))  # type: ignore[arg-type]
+    coordinator = coordinator_class(
+        settings, CoordinatorOptions(**defaults))  # type: ignore[arg-type]
     errors: list[BaseException] = []
 
     def target() -> None:
