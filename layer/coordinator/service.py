@@ -312,6 +312,7 @@ class Coordinator:
         self._next_renew = 0.0
         self._next_group_commit = 0.0
         self._next_topic_check = 0.0
+        self._next_position_write = 0.0
 
     @property
     def is_owner(self) -> bool:
@@ -636,10 +637,15 @@ class Coordinator:
             stats.dead_letters = len(dead_letters)
 
         # 4. One guarded transaction for everything decided, with how far the inputs were
-        # applied: a restart reads on from there and applies no ack twice.
-        deferred_from = self._deferred_from
-        for tp, offset in self._input_offsets.items():
-            batch.set_input_position(tp[0], tp[1], min(offset, deferred_from.get(tp, offset)))
+        # applied: a restart reads on from there and applies no ack twice. Records that
+        # changed nothing stored (at-most-once acks, refused items) do not make a transaction
+        # of their own more than once a second: read again after a crash, they change
+        # nothing either.
+        if self._input_offsets and (not batch.is_empty() or now >= self._next_position_write):
+            deferred_from = self._deferred_from
+            for tp, offset in self._input_offsets.items():
+                batch.set_input_position(tp[0], tp[1], min(offset, deferred_from.get(tp, offset)))
+            self._next_position_write = now + 1.0
         decided = clock()
         if not batch.is_empty():
             try:
