@@ -650,7 +650,7 @@ class QueueEngine:
         if policy.key_groups and key is not None:
             self._link_key(seq, key)
         if restored is not None:
-            self._restore_entry(seq, restored, state)
+            self._restore_entry(seq, restored, state, now)
         if state == DELAYED:
             assert available_at is not None
             heapq.heappush(self._delays, (available_at, seq))
@@ -673,7 +673,7 @@ class QueueEngine:
             key_next[tail - self._table.base] = seq
         self._key_tail[key] = seq
 
-    def _restore_entry(self, seq: int, record: EntryRecord, state: int) -> None:
+    def _restore_entry(self, seq: int, record: EntryRecord, state: int, now: float) -> None:
         touched = Touched(seq, record.bookmark)
         touched.delivery_count = record.delivery_count
         touched.cancel_count = record.cancel_count
@@ -691,10 +691,16 @@ class QueueEngine:
         self._resend.append((touched, touched.token))
         heapq.heappush(self._restored_deadlines, (touched.deadline, seq))
         consumer = self._consumers.get(record.consumer_id or "")
-        if consumer is not None and consumer.session_id == record.session_id:
+        if consumer is None:
+            # Its session may be restored, or come back, later (`_adopt_orphans`).
+            self._orphans.setdefault(record.consumer_id or "", {})[record.bookmark] = None
+        elif consumer.session_id == record.session_id:
             consumer.leases[record.bookmark] = None
         else:
-            self._orphans.setdefault(record.consumer_id or "", {})[record.bookmark] = None
+            # The consumer is back with another session: the lease's session is gone, so the
+            # lease breaks now, as `_adopt_orphans` does for one restored before it came back
+            # (it used to wait for its deadline).
+            self._break_lease(touched, LeaveReason.SESSION_REPLACED, now)
 
     def resends(self, now: float) -> list[EntryLeased]:
         """The deliveries of restored leases, to be sent again unchanged (same token, deadline

@@ -188,6 +188,17 @@ def test_settled_expired_and_broken_leases_are_not_sent_again() -> None:
     assert broken.resends(10.0) == []  # the session they were sent to is gone
 
 
+def test_a_lease_replayed_after_its_consumer_came_back_with_a_new_session_is_broken() -> None:
+    held, after = _restarted_with(2, session="new")  # back before the replay reached them
+    offer(after, ["0", "1"], now=10.0)
+
+    assert [e.bookmark for e in of_type(after.drain().events, LeaseBroken)] == [
+        d.bookmark for d in held]
+    # Offered again at once (to the consumer's new session), not after the lease period.
+    again = leases(after.dispatch(10.0))
+    assert [(d.bookmark, d.delivery_count) for d in again] == [(d.bookmark, 2) for d in held]
+
+
 def test_restored_acked_and_expired_entries_are_not_enqueued_again() -> None:
     queue = engine()
     queue.restore(
