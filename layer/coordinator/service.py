@@ -1009,6 +1009,7 @@ class Coordinator:
                    outcomes: list[AckOutcome | None], now: float) -> None:
         for queue, pairs in run.items():
             engine = self.engines[queue]
+            at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
             results = engine.ack([item for _, item in pairs], now)
             for (i, item), result in zip(pairs, results, strict=True):
                 if result is EngineAckResult.UNKNOWN_BOOKMARK and engine.restoring(
@@ -1018,6 +1019,12 @@ class Coordinator:
                     outcomes[i] = None
                     continue
                 status = _ACK_STATUS[result]
+                if (at_most_once and result is EngineAckResult.ALREADY_DONE
+                        and item.type is not EngineAckType.RENEW):
+                    # An at-most-once entry is done when it is delivered; the ack only frees
+                    # a backlog slot, and after a restart (which frees them all) there is none
+                    # left to free. Nothing failed that the consumer could act on.
+                    status = AckStatus.OK
                 expires = None
                 if status is AckStatus.OK and item.type is EngineAckType.RENEW:
                     entry = engine.entry(item.bookmark)

@@ -63,8 +63,10 @@ def running_coordinator(settings: Settings, *, coordinator_class: type[Coordinat
     finally:
         coordinator.stop()
         thread.join(30)
-    if errors:
-        raise errors[0]
+        # Raised even when the block failed: a dead coordinator is usually why it did (the
+        # block's own error is kept as the context).
+        if errors:
+            raise errors[0]
 
 
 def put_queues(settings: Settings, *definitions: dict[str, object]) -> None:

@@ -98,3 +98,30 @@ def test_acks_read_before_the_replay_reaches_their_entries_wait_and_apply(
             assert not refused
     finally:
         consumer.close()
+
+
+def test_at_most_once_acks_after_a_restart_are_accepted(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    topic = journal("Alerts")
+    put_queues(settings, {"name": "Alerts", "underlying_topic": topic,
+                          "semantics": "at-most-once"})
+    produce(settings.bootstrap_servers, topic, [f"alert-{i}".encode() for i in range(3)])
+    consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Alerts",
+                           max_backlog=3)
+    try:
+        with running_coordinator(settings):
+            consumer.subscribe()
+            got = consumer.receive(3)
+        # The consumer acks while the coordinator restarts. At-most-once entries were done
+        # when they were delivered, and the restart freed the backlog slots: the acks change
+        # nothing, and are not refused as DUPLICATE either.
+        consumer.ack(got)
+        with running_coordinator(settings) as coordinator:
+            wait_until(lambda: coordinator.counters["ack_items"] >= 3, what="the acks read")
+            consumer.idle(1.0)  # any answer would arrive on the delivery topic by now
+            assert consumer.ack_results() == []
+            assert coordinator.counters["ack_ok"] == 3
+            assert coordinator.counters["ack_duplicate"] == 0
+    finally:
+        consumer.close()
