@@ -28,14 +28,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="librdkafka properties as a JSON object (security settings)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + 20
-    while True:
+    consumer: QueueConsumer | None = None
+    while consumer is None:
         try:
             consumer = QueueConsumer(args.queue, args.bootstrap_servers,
                                      topic_prefix=args.topic_prefix,
                                      consumer_id=args.consumer_id, max_backlog=args.max_backlog,
                                      session_timeout=args.session_timeout,
                                      kafka_config=args.kafka_config)
-            break
         except (UnknownQueueError, NoCoordinatorError):
             # A coordinator that was already running picks new queues up within seconds.
             if time.monotonic() > deadline:
