@@ -67,23 +67,40 @@ def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
     """Show whether the local Kafka and PostgreSQL run. Exit status 1 when either is down."""
     stack = _stack(state_dir, kafka_port, postgres_port)
     nodes = stack.status()
+    partitions = stack.kafka.partitions()
     if json_out:
         typer.echo(json.dumps([{"name": n.name, "running": n.running, "pid": n.pid,
-                                "endpoint": n.endpoint} for n in nodes]))
+                                "endpoint": n.endpoint,
+                                **({"partitions": partitions} if n.name == "kafka" else {})}
+                               for n in nodes]))
     else:
-        table = Table("service", "state", "pid", "endpoint")
+        table = Table("service", "state", "pid", "endpoint", "data")
         for n in nodes:
             table.add_row(n.name, "[green]running[/]" if n.running else "[red]stopped[/]",
-                          str(n.pid or "-"), n.endpoint)
+                          str(n.pid or "-"), n.endpoint,
+                          f"{partitions:,} partitions" if n.name == "kafka" else "")
         table_console().print(table)
     if not all(n.running for n in nodes):
         raise typer.Exit(1)
 
 
+Wipe = Annotated[bool, typer.Option(
+    "--wipe", help="Also delete both servers' data (every topic and database); the next "
+    "`up` starts empty. Logs are kept as kafka.log.1 and postgres.log.1.")]
+
+
 @app.command()
 def down(state_dir: StateDir = None, kafka_port: KafkaPort = None,
-         postgres_port: PostgresPort = None) -> None:
-    """Stop the local Kafka and PostgreSQL. Data stays in the state directory."""
+         postgres_port: PostgresPort = None, wipe: Wipe = False) -> None:
+    """Stop the local Kafka and PostgreSQL. Data stays in the state directory unless --wipe.
+
+    Every topic holds open files in the broker; one that collected tens of thousands of
+    partitions runs out of them and stops (`qlayer dev status` shows the count).
+    """
     stack = _stack(state_dir, kafka_port, postgres_port)
     stopped = stack.down()
     typer.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    if wipe:
+        wiped = stack.wipe()
+        typer.echo(f"wiped: {', '.join(wiped)} (data in {stack.config.state_dir})"
+                   if wiped else "no data to wipe")

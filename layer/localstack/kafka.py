@@ -248,6 +248,30 @@ class KafkaNode:
         self.pid_file.unlink(missing_ok=True)
         return True
 
+    def partitions(self) -> int:
+        """How many partition directories the broker's data holds (one open file each)."""
+        try:
+            return sum(1 for entry in self.data_dir.iterdir()
+                       if entry.is_dir() and entry.name.rpartition("-")[2].isdigit())
+        except OSError:
+            return 0
+
+    def wipe(self) -> bool:
+        """Delete the stopped broker's data: every topic and the cluster's metadata.
+
+        The next `up` formats an empty broker. The log moves to kafka.log.1, so the reason for
+        a wipe stays readable. True when there was data. Refuses while the broker runs.
+        """
+        pid = self.pid()
+        if pid is not None:
+            raise LocalStackError(f"Kafka (pid {pid}) still runs: stop it before wiping its data")
+        had = self.data_dir.exists()
+        if had:
+            shutil.rmtree(self.data_dir)
+        if self.log_file.exists():
+            self.log_file.replace(self.log_file.with_name(self.log_file.name + ".1"))
+        return had
+
     def features(self) -> dict[str, int]:
         """Finalized feature levels the broker reports (share.version >= 1: share groups on)."""
         proc = subprocess.run(

@@ -196,6 +196,22 @@ class PostgresNode:
                     conn.execute(psycopg.sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                         ident, psycopg.sql.Identifier(template)))
 
+    def wipe(self) -> bool:
+        """Delete the stopped server's data, every database in it; the next `up` runs initdb.
+
+        The log moves to postgres.log.1. True when there was data. Refuses while it runs.
+        """
+        pid = self.pid()
+        if pid is not None:
+            raise LocalStackError(
+                f"PostgreSQL (pid {pid}) still runs: stop it before wiping its data")
+        had = self.data_dir.exists()
+        if had:
+            shutil.rmtree(self.data_dir)
+        if self.log_file.exists():
+            self.log_file.replace(self.log_file.with_name(self.log_file.name + ".1"))
+        return had
+
     def down(self) -> bool:
         """Stop the server (fast shutdown). True when one was running."""
         if self.pid() is None:

@@ -114,6 +114,15 @@ class LocalStack:
                        self.postgres.config.url),
         ]
 
+    def wipe(self) -> list[str]:
+        """Delete both stopped servers' data; returns the names of those that had any."""
+        wiped = []
+        if self.kafka.wipe():
+            wiped.append("kafka")
+        if self.postgres.wipe():
+            wiped.append("postgres")
+        return wiped
+
     def down(self) -> list[str]:
         """Stop both servers; returns the names of those that were running."""
         stopped = []

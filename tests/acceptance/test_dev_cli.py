@@ -53,6 +53,7 @@ def test_up_status_down_leave_nothing_running(state: Path) -> None:
     assert status.returncode == 0, status.stderr
     nodes = {n["name"]: n for n in json.loads(status.stdout)}
     assert nodes["kafka"]["running"] and nodes["postgres"]["running"]
+    assert nodes["kafka"]["partitions"] >= 1  # at least the cluster's metadata log
     pids = [nodes["kafka"]["pid"], nodes["postgres"]["pid"]]
 
     # Share groups (KIP-932) are finalized on the freshly formatted cluster.
@@ -75,6 +76,15 @@ def test_up_status_down_leave_nothing_running(state: Path) -> None:
     assert stopped.returncode == 1
     assert not any(n["running"] for n in json.loads(stopped.stdout))
     assert "nothing was running" in qlayer("dev", "down", state=state).stdout
+
+    # --wipe deletes both servers' data; the logs stay readable as *.log.1.
+    wiped = qlayer("dev", "down", "--wipe", state=state)
+    assert wiped.returncode == 0, wiped.stderr
+    assert "wiped: kafka, postgres" in wiped.stdout
+    assert not (state / "kafka" / "data").exists()
+    assert not (state / "postgres" / "data").exists()
+    assert (state / "kafka" / "kafka.log.1").stat().st_size > 0
+    assert "no data to wipe" in qlayer("dev", "down", "--wipe", state=state).stdout
 
 
 def test_busy_port_is_a_one_line_error_that_says_what_to_do(state: Path) -> None:

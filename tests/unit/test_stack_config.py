@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from layer.localstack import LocalStackError, StackConfig
+from layer.localstack import KafkaNode, LocalStack, LocalStackError, StackConfig
+from layer.localstack.process import tail
 
 
 def test_moving_the_broker_moves_its_controller_port_too() -> None:
@@ -29,3 +31,48 @@ def test_environment_then_overrides() -> None:
 def test_a_port_that_is_not_a_number_is_named() -> None:
     with pytest.raises(LocalStackError, match="QLAYER_DEV_KAFKA_PORT='ninety'"):
         StackConfig.from_env({"QLAYER_DEV_KAFKA_PORT": "ninety"})
+
+
+def _kafka(tmp_path: Path) -> KafkaNode:
+    return LocalStack(StackConfig.from_env({}, state_dir=tmp_path)).kafka
+
+
+def test_partitions_counts_the_partition_directories_only(tmp_path: Path) -> None:
+    node = _kafka(tmp_path)
+    assert node.partitions() == 0  # no data yet
+    for name in ("Work-0", "Work-1", "q.ack-5", "__consumer_offsets-3", "__cluster_metadata-0"):
+        (node.data_dir / name).mkdir(parents=True)
+    (node.data_dir / "meta.properties").write_text("node.id=1\n")
+    (node.data_dir / "bootstrap.checkpoint-x").mkdir()  # not a partition: no number after '-'
+    assert node.partitions() == 5
+
+
+def test_wipe_deletes_the_data_and_keeps_the_log_as_log_1(tmp_path: Path) -> None:
+    node = _kafka(tmp_path)
+    (node.data_dir / "Work-0").mkdir(parents=True)
+    node.log_file.write_text("why the broker stopped\n")
+    assert node.wipe() is True
+    assert not node.data_dir.exists() and not node.log_file.exists()
+    assert (node.dir / "kafka.log.1").read_text() == "why the broker stopped\n"
+    assert node.wipe() is False  # nothing left: still fine
+
+
+def test_wipe_refuses_while_the_server_runs(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig.from_env({}, state_dir=tmp_path))
+    (stack.kafka.data_dir / "Work-0").mkdir(parents=True)
+    stack.kafka.pid_file.write_text(f"{os.getpid()}\n")  # a live process stands in for it
+    with pytest.raises(LocalStackError, match=r"Kafka \(pid \d+\) still runs"):
+        stack.wipe()
+    assert (stack.kafka.data_dir / "Work-0").exists()
+    stack.postgres.data_dir.mkdir(parents=True)
+    (stack.postgres.data_dir / "postmaster.pid").write_text(f"{os.getpid()}\n")
+    with pytest.raises(LocalStackError, match=r"PostgreSQL \(pid \d+\) still runs"):
+        stack.postgres.wipe()
+
+
+def test_tail_reads_the_end_and_cuts_long_lines(tmp_path: Path) -> None:
+    log = tmp_path / "kafka.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100_000)) + "x" * 5_000 + "\nlast\n")
+    shown = tail(log, lines=3, width=100).splitlines()
+    assert shown == ["line 99999", "x" * 100 + " [...]", "last"]
+    assert tail(tmp_path / "missing.log") == ""
