@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
 
 
@@ -64,12 +65,25 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
                     f"(pid {stack.postgres.pid()})")
                 if "postgres" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
                     cleanups.append(stack.postgres.down)
+                _watch(pytestconfig, "PostgreSQL", stack.postgres.pid, stack.postgres.log_file)
             if choice.kafka == Backend.LOCALSTACK:
+                held = stack.kafka.partitions()
+                if "kafka" in was_running and held > KEPT_BROKER_PARTITIONS:
+                    say(f"the kept Kafka holds {held:,} partitions; restarting it empty ...")
+                    stack.kafka.down()
+                    was_running.discard("kafka")
+                if "kafka" not in was_running:
+                    # A session leaves thousands of topics behind, each holding open files in
+                    # the broker. Kept from session to session in the same state directory they
+                    # exhausted its open-file limit (a CI run died at ~19,900 partitions), so a
+                    # broker the suite starts starts empty.
+                    stack.kafka.wipe()
                 say("starting Kafka (local stack, KRaft) ...")
                 found["bootstrap_servers"] = stack.kafka.up()
                 say(f"Kafka ready at {found['bootstrap_servers']} (pid {stack.kafka.pid()})")
                 if "kafka" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
                     cleanups.append(stack.kafka.down)
+                _watch(pytestconfig, "Kafka", stack.kafka.pid, stack.kafka.log_file)
         if Backend.TESTCONTAINERS in (choice.kafka, choice.postgres):
             if choice.kafka == Backend.TESTCONTAINERS:
                 from testcontainers.kafka import KafkaContainer
@@ -97,6 +111,35 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
         for cleanup in reversed(cleanups):
             with contextlib.suppress(Exception):
                 cleanup()
+
+
+# A kept test broker (QLAYER_TEST_KEEP_STACK=1) holding more partitions than this is restarted
+# empty: a full run adds about 6,000, and the broker dies near its open-file limit.
+KEPT_BROKER_PARTITIONS = 8_000
+
+_WATCHED = pytest.StashKey[list[Callable[[], str | None]]]()
+
+
+def _watch(config: pytest.Config, name: str, pid: Callable[[], int | None], log: Path) -> None:
+    """After each test, check that a server this session runs is still alive."""
+    started = pid()
+
+    def dead() -> str | None:
+        if pid() is not None:
+            return None
+        return (f"the test {name} server (pid {started}) died, so every later test would only "
+                f"time out; stopping the run. Last lines of {log}:\n{tail(log)}")
+
+    config.stash.setdefault(_WATCHED, []).append(dead)
+
+
+@pytest.fixture(autouse=True)
+def _servers_alive(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for dead in request.config.stash.get(_WATCHED, []):
+        problem = dead()
+        if problem is not None:
+            pytest.exit(problem, returncode=3)
 
 
 @pytest.fixture(scope="session")
