@@ -114,7 +114,7 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
 
 
 # A kept test broker (QLAYER_TEST_KEEP_STACK=1) holding more partitions than this is restarted
-# empty: a full run adds about 6,000, and the broker dies near its open-file limit.
+# empty: a full run adds about 1,700, and the broker dies near its open-file limit.
 KEPT_BROKER_PARTITIONS = 8_000
 
 _WATCHED = pytest.StashKey[list[Callable[[], str | None]]]()
