@@ -15,6 +15,7 @@ from confluent_kafka import KafkaException, Producer
 
 from layer.kafka.errors import DeliveryFailed, KafkaAdapterError
 from layer.kafka.records import OutgoingRecord
+from layer.kafka.reports import DeliveryFailures
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class RecordWriter:
     """A batched, idempotent producer. With transactional_id, a zombie writer is fenced."""
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None) -> None:
+        self._reports = reports = DeliveryFailures()
         settings: dict[str, Any] = {
             **config,
             "enable.idempotence": True,
@@ -33,13 +35,13 @@ class RecordWriter:
             "queue.buffering.max.kbytes": 1_048_576,
             "compression.type": "lz4",
             # One producer-wide callback that librdkafka calls for failures only: a report
-            # per written record cost a Python call per record, for nothing to do.
-            "on_delivery": self._on_delivery,
+            # per written record cost a Python call per record, for nothing to do. Not a bound
+            # method of self, which would keep the producer alive forever (reports.py).
+            "on_delivery": reports,
             "delivery.report.only.error": True,
         }
         if transactional_id is not None:
             settings["transactional.id"] = transactional_id
-        self._failures: list[str] = []
         self._producer = Producer(settings)
         self._transactional = transactional_id is not None
         self._in_transaction = False
@@ -48,10 +50,6 @@ class RecordWriter:
                 self._producer.init_transactions(30)
             except KafkaException as exc:
                 raise KafkaAdapterError(f"cannot initialise Kafka transactions: {exc}") from exc
-
-    def _on_delivery(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self._failures.append(f"{msg.topic()}: {err}")
 
     def send(self, records: Iterable[OutgoingRecord]) -> int:
         """Queue records for writing; returns how many. Nothing is guaranteed until flush()."""
@@ -92,8 +90,8 @@ class RecordWriter:
         except KafkaException as exc:
             self._abort()
             raise DeliveryFailed(f"writing to Kafka failed: {exc}") from exc
-        if self._failures:
-            failures, self._failures = self._failures, []
+        failures = self._reports.take()
+        if failures:
             raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
 
     def _abort(self) -> None:

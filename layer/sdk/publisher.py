@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
@@ -18,6 +17,7 @@ from typing import Any, Self
 
 from confluent_kafka import Producer
 
+from layer.kafka.reports import DeliveryFailures
 from layer.protocol.headers import deliver_at_header
 from layer.protocol.topics import validate_topic_name
 from layer.sdk.config import ClientConfig
@@ -97,8 +97,9 @@ class QueuePublisher:
             "acks": "all",
             "linger.ms": linger_ms,
         }))
-        self._lock = threading.Lock()
-        self._failures: list[str] = []
+        # Not a bound method of self: librdkafka would keep this object, and so the producer
+        # and its threads, alive after close() (layer/kafka/reports.py).
+        self._reports = DeliveryFailures(log, "record not published: %s")
         self._closed = False
 
     @property
@@ -134,7 +135,7 @@ class QueuePublisher:
         kwargs: dict[str, Any] = {
             "key": _bytes(key, "key"),
             "value": _bytes(value, "value"),
-            "on_delivery": self._on_delivery,
+            "on_delivery": self._reports,
         }
         if record_headers:
             kwargs["headers"] = record_headers
@@ -150,19 +151,11 @@ class QueuePublisher:
         self._producer.poll(0)
         return topic
 
-    def _on_delivery(self, error: Any, message: Any) -> None:
-        if error is not None:
-            text = f"{message.topic()}: {error.str() if hasattr(error, 'str') else error}"
-            with self._lock:
-                self._failures.append(text)
-            log.warning("record not published: %s", text)
-
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every record published so far is written; ``PublishError`` if any was
         not (each failure is reported once)."""
         remaining = self._producer.flush(timeout)
-        with self._lock:
-            failures, self._failures = self._failures, []
+        failures = self._reports.take()
         if remaining:
             failures.append(f"{remaining} record(s) still unwritten after {timeout:g}s")
         if failures:

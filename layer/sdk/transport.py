@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -25,6 +24,7 @@ from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from layer.kafka.errors import DeliveryFailed, KafkaAdapterError
+from layer.kafka.reports import DeliveryFailures
 from layer.sdk.config import ClientConfig
 
 __all__ = ["DeliveryReader", "SdkProducer", "ensure_topic"]
@@ -207,25 +207,20 @@ class SdkProducer:
             "acks": "all",
             "linger.ms": 2,
         }))
-        # Re-entrant: delivery reports run inside poll()/flush() on the calling thread, and a
-        # Ctrl-C landing inside one must not leave a lock the same thread then waits for.
-        self._lock = threading.RLock()
-        self._failures: list[str] = []
-        self.failed = 0
+        # Not a bound method of self: librdkafka would keep this object, and so the producer
+        # and its threads, alive after close() (layer/kafka/reports.py).
+        self._reports = DeliveryFailures(log, "qlayer record not written: %s")
 
-    def _on_delivery(self, error: Any, message: Any) -> None:
-        if error is not None:
-            text = f"{message.topic()}: {error.str() if hasattr(error, 'str') else error}"
-            with self._lock:
-                self.failed += 1
-                self._failures.append(text)
-            log.warning("qlayer record not written: %s", text)
+    @property
+    def failed(self) -> int:
+        """Control and ack records Kafka did not accept, so far."""
+        return self._reports.count
 
     def send(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         """Queue one record (a None value is a tombstone); written by ``wait`` at the latest."""
         while True:
             try:
-                self._producer.produce(topic, key=key, value=value, on_delivery=self._on_delivery)
+                self._producer.produce(topic, key=key, value=value, on_delivery=self._reports)
                 break
             except BufferError:
                 # librdkafka's local queue is full: let it drain, then try again.
@@ -237,9 +232,7 @@ class SdkProducer:
 
     def failures(self) -> list[str]:
         """Delivery failures since the last call."""
-        with self._lock:
-            found, self._failures = self._failures, []
-        return found
+        return self._reports.take()
 
     def wait(self, timeout: float) -> None:
         """Wait until everything sent so far is written; DeliveryFailed if something was not."""
