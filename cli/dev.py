@@ -68,10 +68,12 @@ def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
     stack = _stack(state_dir, kafka_port, postgres_port)
     nodes = stack.status()
     partitions = stack.kafka.partitions()
+    limit = stack.kafka.open_file_limit()
     if json_out:
+        kafka_data = {"partitions": partitions, "open_file_limit": limit}
         typer.echo(json.dumps([{"name": n.name, "running": n.running, "pid": n.pid,
                                 "endpoint": n.endpoint,
-                                **({"partitions": partitions} if n.name == "kafka" else {})}
+                                **(kafka_data if n.name == "kafka" else {})}
                                for n in nodes]))
     else:
         table = Table("service", "state", "pid", "endpoint", "data")
@@ -79,7 +81,13 @@ def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
             table.add_row(n.name, "[green]running[/]" if n.running else "[red]stopped[/]",
                           str(n.pid or "-"), n.endpoint,
                           f"{partitions:,} partitions" if n.name == "kafka" else "")
-        table_console().print(table)
+        console = table_console()
+        console.print(table)
+        if limit is not None and partitions > limit * 0.7:
+            # Each partition keeps a file open; at the limit the broker stops serving.
+            console.print(f"[yellow]Kafka holds {partitions:,} partitions, near its limit of "
+                          f"{limit:,} open files: delete topics you no longer need, or start "
+                          "empty with `qlayer dev down --wipe` then `qlayer dev up`.[/]")
     if not all(n.running for n in nodes):
         raise typer.Exit(1)
 

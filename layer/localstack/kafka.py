@@ -256,6 +256,23 @@ class KafkaNode:
         except OSError:
             return 0
 
+    def open_file_limit(self) -> int | None:
+        """The running broker's limit on open files (None when stopped or unknown).
+
+        Each partition keeps at least one file open; the broker stops near this limit."""
+        pid = self.pid()
+        if pid is None:
+            return None
+        try:
+            limits = Path(f"/proc/{pid}/limits").read_text()
+        except OSError:
+            return None
+        for line in limits.splitlines():
+            if line.startswith("Max open files"):
+                soft = line.split()[3]
+                return int(soft) if soft.isdigit() else None
+        return None
+
     def wipe(self) -> bool:
         """Delete the stopped broker's data: every topic and the cluster's metadata.
 

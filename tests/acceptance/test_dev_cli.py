@@ -54,6 +54,7 @@ def test_up_status_down_leave_nothing_running(state: Path) -> None:
     nodes = {n["name"]: n for n in json.loads(status.stdout)}
     assert nodes["kafka"]["running"] and nodes["postgres"]["running"]
     assert nodes["kafka"]["partitions"] >= 1  # at least the cluster's metadata log
+    assert nodes["kafka"]["open_file_limit"] >= 1024
     pids = [nodes["kafka"]["pid"], nodes["postgres"]["pid"]]
 
     # Share groups (KIP-932) are finalized on the freshly formatted cluster.
