@@ -83,7 +83,8 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
                 say(f"Kafka ready at {found['bootstrap_servers']} (pid {stack.kafka.pid()})")
                 if "kafka" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
                     cleanups.append(stack.kafka.down)
-                _watch(pytestconfig, "Kafka", stack.kafka.pid, stack.kafka.log_file)
+                _watch(pytestconfig, "Kafka", stack.kafka.pid, stack.kafka.log_file,
+                       stack.kafka.death_hint)
         if Backend.TESTCONTAINERS in (choice.kafka, choice.postgres):
             if choice.kafka == Backend.TESTCONTAINERS:
                 from testcontainers.kafka import KafkaContainer
@@ -120,7 +121,8 @@ KEPT_BROKER_PARTITIONS = 8_000
 _WATCHED = pytest.StashKey[list[Callable[[], str | None]]]()
 
 
-def _watch(config: pytest.Config, name: str, pid: Callable[[], int | None], log: Path) -> None:
+def _watch(config: pytest.Config, name: str, pid: Callable[[], int | None], log: Path,
+           hint: Callable[[], str] = lambda: "") -> None:
     """After each test, check that a server this session runs is still alive."""
     started = pid()
 
@@ -128,7 +130,7 @@ def _watch(config: pytest.Config, name: str, pid: Callable[[], int | None], log:
         if pid() is not None:
             return None
         return (f"the test {name} server (pid {started}) died, so every later test would only "
-                f"time out; stopping the run. Last lines of {log}:\n{tail(log)}")
+                f"time out; stopping the run. Last lines of {log}:\n{tail(log)}{hint()}")
 
     config.stash.setdefault(_WATCHED, []).append(dead)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from layer.localstack.process import (
     LocalStackError,
     port_open,
+    read_end,
     read_pid,
     tail,
     terminate,
@@ -116,6 +117,15 @@ def _java() -> str:
             "or set JAVA_HOME"
         )
     return found
+
+
+def out_of_files_hint(log_end: str, partitions: int) -> str:
+    """What to do when the broker stopped for want of open files (each partition holds one)."""
+    if "Too many open files" not in log_end:
+        return ""
+    return (f"\nThe broker ran out of open files; its data holds {partitions:,} partitions. "
+            "Start it empty with `qlayer dev down --wipe` then `qlayer dev up`, or raise its "
+            "limit (ulimit -n) before starting it.")
 
 
 class KafkaNode:
@@ -220,9 +230,19 @@ class KafkaNode:
         wait_until(
             self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
             alive=lambda: self.pid() is not None,
-            on_death=lambda: f"Last lines of {self.log_file}:\n{tail(self.log_file)}",
+            on_death=self._death_report,
         )
         return c.bootstrap_servers
+
+    def _death_report(self) -> str:
+        return f"Last lines of {self.log_file}:\n{tail(self.log_file)}{self.death_hint()}"
+
+    def death_hint(self) -> str:
+        """A hint for a broker that stopped for want of open files, else "".
+
+        The cause is logged well before the last lines (a failed log directory's partitions
+        follow it, one line of 100 KB per list), so the log's last MBs are searched."""
+        return out_of_files_hint(read_end(self.log_file, 4 << 20), self.partitions())
 
     def _ready(self) -> bool:
         if not port_open(self.config.host, self.config.port):

@@ -95,18 +95,22 @@ def wait_until(
     raise LocalStackError(f"{what} did not become ready within {timeout:.0f}s")
 
 
+def read_end(path: Path, size: int) -> str:
+    """The last `size` bytes of a file as text ("" when it cannot be read)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def tail(path: Path, lines: int = 15, width: int = 400) -> str:
     """The last lines of a log file, for error messages, each cut to `width` characters.
 
     Reads only the file's end: a broker's log grows to hundreds of MB, and one of its lines
     (the partitions of a failed log directory) can be longer than a screen.
     """
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 256 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    kept = text.splitlines()[-lines:]
+    kept = read_end(path, 256 * 1024).splitlines()[-lines:]
     return "\n".join(line if len(line) <= width else line[:width] + " [...]" for line in kept)

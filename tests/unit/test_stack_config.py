@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from layer.localstack import KafkaNode, LocalStack, LocalStackError, StackConfig
+from layer.localstack.kafka import out_of_files_hint
 from layer.localstack.process import tail
 
 
@@ -76,3 +77,24 @@ def test_tail_reads_the_end_and_cuts_long_lines(tmp_path: Path) -> None:
     shown = tail(log, lines=3, width=100).splitlines()
     assert shown == ["line 99999", "x" * 100 + " [...]", "last"]
     assert tail(tmp_path / "missing.log") == ""
+
+
+def test_a_broker_out_of_open_files_says_how_to_start_it_again() -> None:
+    last = ("[2026-11-22 06:56:14,942] ERROR Error while accepting connection\n"
+            "java.io.IOException: Too many open files")
+    hint = out_of_files_hint(last, 19_871)
+    assert "19,871 partitions" in hint and "qlayer dev down --wipe" in hint
+    assert out_of_files_hint("ERROR Shutdown broker because all log dirs have failed", 5) == ""
+
+
+def test_the_hint_finds_the_cause_far_above_the_last_lines(tmp_path: Path) -> None:
+    node = _kafka(tmp_path)
+    for n in range(3):
+        (node.data_dir / f"Work-{n}").mkdir(parents=True)
+    # As in the broker's log: the cause, then lists of the failed directory's partitions.
+    node.log_file.write_text("java.io.IOException: Too many open files\n"
+                             + ("Stopped serving Work-0,Work-1,Work-2 " * 3_000 + "\n") * 20)
+    assert "Too many open files" not in tail(node.log_file)
+    assert "3 partitions" in node.death_hint()
+    node.log_file.write_text("Kafka stopped for another reason\n")
+    assert node.death_hint() == ""
