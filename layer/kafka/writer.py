@@ -59,21 +59,29 @@ class RecordWriter:
             self._producer.begin_transaction()
             self._in_transaction = True
         n = 0
-        for r in records:
-            while True:
-                try:
-                    # librdkafka's own defaults stand for "none": partition -1 lets the
-                    # partitioner choose, timestamp 0 means now. (The stubs want a list of
-                    # headers; any sequence of pairs is accepted.)
-                    produce(r.topic, r.value, r.key,
-                            partition=-1 if r.partition is None else r.partition,
-                            timestamp=r.timestamp_ms or 0,
-                            headers=r.headers or None)  # type: ignore[arg-type]
-                    break
-                except BufferError:
-                    # The local queue is full: let librdkafka drain it, then retry.
-                    poll(0.05)
-            n += 1
+        try:
+            for r in records:
+                while True:
+                    try:
+                        # librdkafka's own defaults stand for "none": partition -1 lets the
+                        # partitioner choose, timestamp 0 means now. (The stubs want a list of
+                        # headers; any sequence of pairs is accepted.)
+                        produce(r.topic, r.value, r.key,
+                                partition=-1 if r.partition is None else r.partition,
+                                timestamp=r.timestamp_ms or 0,
+                                headers=r.headers or None)  # type: ignore[arg-type]
+                        break
+                    except BufferError:
+                        # The local queue is full: let librdkafka drain it, then retry.
+                        poll(0.05)
+                n += 1
+        except Exception as exc:
+            # A record refused half-way (too large, an invalid topic): the records queued
+            # before it must not be committed by the next flush with somebody else's.
+            self._abort()
+            if isinstance(exc, KafkaException):
+                raise DeliveryFailed(f"Kafka refused a record: {exc}") from exc
+            raise
         poll(0)
         return n
 
@@ -101,6 +109,10 @@ class RecordWriter:
             except KafkaException as exc:
                 log.warning("aborting the Kafka transaction failed: %s", exc)
             self._in_transaction = False
+            # The aborted records are reported as purged or failed: that write has failed
+            # already, and the next one must not be failed for them.
+            self._producer.poll(0)
+            self._reports.take()
 
     def close(self, timeout: float = 10.0) -> None:
         self._abort()

@@ -1,0 +1,41 @@
+"""The coordinator's writer on a real broker: a write that fails leaves nothing visible."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from layer.kafka import OutgoingRecord, RecordWriter
+from layer.kafka.errors import DeliveryFailed
+from tests.support.coordinator import TopicReader
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_record_refused_half_way_aborts_what_was_queued_before_it(
+    bootstrap_servers: str, create_topic: Callable[..., str], unique_name: Callable[[str], str],
+) -> None:
+    topic = create_topic(unique_name("out"), partitions=1)
+    writer = RecordWriter({"bootstrap.servers": bootstrap_servers},
+                          transactional_id=f"test-writer-{uuid.uuid4().hex[:8]}")
+    reader = TopicReader(bootstrap_servers, topic)
+    try:
+        too_large = b"x" * 2_000_000  # over the producer's message.max.bytes (1 MB)
+        with pytest.raises(DeliveryFailed, match="Kafka refused a record"):
+            writer.send([OutgoingRecord(topic, b"queued before the refusal"),
+                         OutgoingRecord(topic, too_large)])
+        # The next write is a transaction of its own: the first record is not committed
+        # with it (read_committed, as the pipeline and the consumers read).
+        writer.send([OutgoingRecord(topic, b"the next write")])
+        writer.flush()
+        deadline = time.monotonic() + 30
+        seen: list[bytes | None] = []
+        while b"the next write" not in seen and time.monotonic() < deadline:
+            seen.extend(r.value for r in reader.read())
+        assert seen == [b"the next write"]
+    finally:
+        reader.close()
+        writer.close()
