@@ -176,6 +176,9 @@ class CoordinatorOptions:
     #: Allocations between cyclic garbage collections, set for the process by `run()`
     #: (Python's default is 700); 0 leaves the process's setting alone.
     gc_threshold: int = 100_000
+    #: Events of committed decisions kept while Kafka refuses writes (about 200 bytes each);
+    #: past it the oldest are dropped, counted in `events_dropped`.
+    max_unwritten_events: int = 200_000
 
 
 @dataclass
@@ -271,6 +274,11 @@ class Coordinator:
         self.counters: Counter[str] = Counter()
         self.epoch: int | None = None
         self._stop = threading.Event()
+        # Events of decisions PostgreSQL holds whose Kafka write failed: kept across the
+        # rebuild that follows (unlike everything in _reset_state) and written first by the
+        # next write that succeeds. The failed write's transaction was aborted, so its
+        # read_committed readers never saw them: written again, they count once.
+        self._unwritten_events: list[OutgoingRecord] = []
         self._reset_state()
 
     # ------------------------------------------------------------------ state
@@ -352,14 +360,19 @@ class Coordinator:
     def release(self, now: float) -> None:
         """Hand the shard over at once (clean shutdown), so a standby need not wait."""
         if self.epoch is not None and self._writer is not None and self.engines:
-            # Best effort: a clean stop says so on the events topic; a crash cannot.
+            # Best effort: a clean stop says so on the events topic; a crash cannot. Events
+            # a failed write left go first, or they are lost with this process.
             self._ownership_events(EventType.OWNERSHIP_LOST, now)
             encode = self.codec.encode_event
+            records = self._unwritten_events + [
+                OutgoingRecord(self.topics.events, encode(e), (e.queue or "").encode())
+                for e in self._pending_events]
             try:
-                self._writer.send(OutgoingRecord(self.topics.events, encode(e),
-                                                 (e.queue or "").encode())
-                                  for e in self._pending_events)
+                self._writer.send(records)
                 self._writer.flush(5.0)
+                if self._unwritten_events:
+                    self.counters["events_written_late"] += len(self._unwritten_events)
+                    self._unwritten_events = []
             except QlayerError as exc:
                 log.warning("could not write OWNERSHIP_LOST events: %s", exc)
             self._pending_events = []
@@ -666,9 +679,19 @@ class Coordinator:
         out.extend(self._answerable(replies))
         stats.events = self._events(events, fresh, out)
         encoded = clock()
+        earlier = len(self._unwritten_events)
+        if earlier:
+            out[:0] = self._unwritten_events
         if out:
-            self._writer.send(out)
-            self._writer.flush()
+            try:
+                self._writer.send(out)
+                self._writer.flush()
+            except QlayerError:
+                self._keep_unwritten_events(out, earlier, committed=not batch.is_empty())
+                raise
+            if self._unwritten_events:
+                self.counters["events_written_late"] += len(self._unwritten_events)
+                self._unwritten_events = []
         written = clock()
         for bookmark in done:
             self._payloads.release(bookmark)
@@ -712,6 +735,28 @@ class Coordinator:
                    for w in self._pending_events)
         self._pending_events = []
         return len(out) - before
+
+    def _keep_unwritten_events(self, out: list[OutgoingRecord], earlier: int,
+                               committed: bool) -> None:
+        """After a failed write: keep the events of decisions PostgreSQL holds.
+
+        ``out`` starts with the ``earlier`` events kept before. The write's deliveries need no
+        keeping (the rebuild sends the restored leases' deliveries again) and its replies are
+        answers a consumer asks again for; its events are the pipeline's only record of those
+        decisions. An iteration that committed nothing adds none: the rebuild decides those
+        things again, with their events."""
+        topic = self.topics.events
+        kept = out[:earlier]
+        if committed:
+            kept += [r for r in out[earlier:] if r.topic == topic]
+        over = len(kept) - self.options.max_unwritten_events
+        if over > 0:
+            # Kafka has refused writes for long: memory is bounded, the oldest are dropped.
+            log.error("dropping %d events never written to %s (Kafka refuses writes)",
+                      over, topic)
+            self.counters["events_dropped"] += over
+            kept = kept[over:]
+        self._unwritten_events = kept
 
     def _session_id_of(self, consumer_id: str) -> str | None:
         session = self._sessions.get(consumer_id)
