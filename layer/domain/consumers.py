@@ -21,6 +21,7 @@ from layer.domain.expressions import Expression
 from layer.domain.states import Bookmark
 
 __all__ = [
+    "BacklogShare",
     "Consumer",
     "choose_fast",
     "choose_proportional",
@@ -40,6 +41,32 @@ def effective_backlog(requested: int | None, queue_limit: int) -> int:
     if wanted < 0:
         raise ValueError(f"max_backlog must be 0 or more, got {wanted}")
     return min(wanted, queue_limit)
+
+
+class BacklogShare:
+    """One backlog shared by the consumers of one regex subscription across its queues.
+
+    AMPS: a subscription that matches several queues has ONE backlog, "the minimum
+    MaxPerSubscriptionBacklog setting for the queues matched by the subscription", and the
+    subscriber's max_backlog counts across all of them. Each queue's engine keeps its own
+    `Consumer` for the subscription; they all point at one share, whose room is the smallest
+    of their limits less the leases they hold together. Every engine of one shard runs on one
+    thread, so a share needs no lock.
+    """
+
+    __slots__ = ("members",)
+
+    def __init__(self) -> None:
+        self.members: list[Consumer] = []
+
+    def room(self) -> int:
+        members = self.members
+        if not members:
+            return 0
+        return min(m.limit for m in members) - sum(len(m.leases) for m in members)
+
+    def __repr__(self) -> str:
+        return f"BacklogShare({len(self.members)} queues, room={self.room()})"
 
 
 class Consumer:
@@ -64,6 +91,7 @@ class Consumer:
         "requested_backlog",
         "session_id",
         "session_timeout",
+        "share",
     )
 
     def __init__(
@@ -79,6 +107,7 @@ class Consumer:
         last_seen: float,
         session_timeout: float,
         position: int,
+        share: BacklogShare | None = None,
     ) -> None:
         self.consumer_id = consumer_id
         self.session_id = session_id
@@ -94,15 +123,32 @@ class Consumer:
         self.position = position
         # True when the entry at ``position`` is known to match ``filter``.
         self.position_matched = False
+        self.share = share
+        if share is not None:
+            share.members.append(self)
 
     @property
     def backlog(self) -> int:
         """Entries leased to this consumer and not acknowledged yet."""
         return len(self.leases)
 
+    def room(self) -> int:
+        """How many more entries it may take now: its own limit, and its subscription's
+        shared backlog when it has one."""
+        own = self.limit - len(self.leases)
+        share = self.share
+        if share is not None and own > 0:
+            return min(own, share.room())
+        return own
+
     @property
     def has_room(self) -> bool:
-        return len(self.leases) < self.limit
+        return self.room() > 0
+
+    def leave_share(self) -> None:
+        if self.share is not None:
+            self.share.members.remove(self)
+            self.share = None
 
     def __repr__(self) -> str:
         return f"Consumer({self.consumer_id!r}, backlog={len(self.leases)}/{self.limit})"

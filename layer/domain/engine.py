@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from layer.domain.consumers import (
+    BacklogShare,
     Consumer,
     choose_fast,
     choose_proportional,
@@ -741,11 +742,13 @@ class QueueEngine:
         max_backlog: int | None = None,
         filter: str | Expression | None = None,
         session_timeout: float | None = None,
+        share: BacklogShare | None = None,
     ) -> ConsumerSubscribed | ConsumerReplaced:
         """Add a consumer; its backlog limit is min(``max_backlog`` or 1, the queue's).
 
         Subscribing again with the same session is an idempotent replace. A new session for a
         known consumer id means the old session is gone: its leases are broken first.
+        ``share`` is the backlog of a subscription over several queues (`BacklogShare`).
         Raises ExpressionError for a bad filter (nothing changes then).
         """
         expression = _compiled(filter)
@@ -759,6 +762,7 @@ class QueueEngine:
                     delivery_topic=delivery_topic,
                     max_backlog=max_backlog,
                     filter=expression,
+                    share=share,
                 )
             self._leave(existing, LeaveReason.SESSION_REPLACED, now)
         consumer = Consumer(
@@ -772,6 +776,7 @@ class QueueEngine:
             last_seen=now,
             session_timeout=self._session_timeout if session_timeout is None else session_timeout,
             position=self._order.start(),
+            share=share,
         )
         self._next_order += 1
         self._consumers[consumer_id] = consumer
@@ -810,6 +815,7 @@ class QueueEngine:
         max_backlog: int | None = None,
         filter: str | Expression | None = None,
         delivery_topic: str | None = None,
+        share: BacklogShare | None = None,
     ) -> ConsumerReplaced:
         """Atomically replace a subscription's filter, backlog and delivery topic.
 
@@ -827,6 +833,11 @@ class QueueEngine:
         consumer.filter = expression
         if delivery_topic is not None:
             consumer.delivery_topic = delivery_topic
+        if share is not consumer.share:
+            consumer.leave_share()
+            if share is not None:
+                consumer.share = share
+                share.members.append(consumer)
         consumer.last_seen = now
         # Entries the old filter refused may match the new one: look at the queue afresh.
         consumer.position = self._order.start()
@@ -865,6 +876,7 @@ class QueueEngine:
     def _leave(self, consumer: Consumer, reason: LeaveReason, now: float) -> None:
         """A consumer's session ended: every lease is broken, every backlog slot freed."""
         del self._consumers[consumer.consumer_id]
+        consumer.leave_share()
         broken = 0
         for bookmark in list(consumer.leases):
             touched = self._leased[bookmark]
@@ -1091,13 +1103,13 @@ class QueueEngine:
         if not consumers:
             return deliveries
         deliver = self._deliver_at_most_once if self._policy.at_most_once else self._lease
-        needy = [c for c in consumers.values() if len(c.leases) < c.limit]
+        needy = [c for c in consumers.values() if c.room() > 0]
         candidates = self._candidates
         while needy:
             if len(needy) == 1:
                 # One consumer with room: it takes the first entries it may get, in order.
                 consumer = needy[0]
-                seqs = candidates(consumer, consumer.limit - len(consumer.leases))
+                seqs = candidates(consumer, consumer.room())
                 if seqs:
                     deliveries.extend(deliver(seqs, consumer, now))
                     self._last_served = consumer.order
@@ -1120,7 +1132,7 @@ class QueueEngine:
             winner = self._choose(chosen)
             deliveries.extend(deliver([self._order.seq_at(best)], winner, now))
             self._last_served = winner.order
-            needy = [c for c in hungry if len(c.leases) < c.limit]
+            needy = [c for c in hungry if c.room() > 0]
         return deliveries
 
     def _choose(self, candidates: list[Consumer]) -> Consumer:
