@@ -253,6 +253,11 @@ class QueueDefinition(BaseModel):
     redelivery_backoff: RedeliveryBackoff = RedeliveryBackoff()
     dead_letter_topic: str | None = None
     """None: the coordinator derives one from the topic prefix."""
+    shard: int | None = None
+    """The shard the queue lives on (beyond AMPS); None: chosen by ``shard_group`` or name."""
+    shard_group: str | None = None
+    """Queues with the same group share a shard, so one regex subscription can read them all
+    with one backlog (beyond AMPS; docs/coordinator.md)."""
 
     # -- field rules ----------------------------------------------------------------------------
     @model_validator(mode="before")
@@ -375,6 +380,20 @@ class QueueDefinition(BaseModel):
             raise ValueError(f"must be true or false, got {value!r}")
         return value
 
+    @field_validator("shard", mode="before")
+    @classmethod
+    def _parse_shard(cls, value: object) -> int | None:
+        return None if value is None else _count(value, minimum=0, example="3")
+
+    @field_validator("shard_group", mode="before")
+    @classmethod
+    def _parse_shard_group(cls, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"must be a non-empty name (e.g. orders), got {value!r}")
+        return value.strip()
+
     @field_validator("redelivery_backoff", mode="before")
     @classmethod
     def _parse_backoff(cls, value: object) -> object:
@@ -401,6 +420,14 @@ class QueueDefinition(BaseModel):
                     "dead_letter_topic",
                     f"{self.dead_letter_topic!r} is read by this queue's underlying_topic, so "
                     "dead letters would re-enter the queue; choose a topic it does not match",
+                )
+            )
+        if self.shard is not None and self.shard_group is not None:
+            problems.append(
+                (
+                    "shard",
+                    "give shard or shard_group, not both: shard places the queue itself, "
+                    "shard_group places it with the other queues of its group",
                 )
             )
         if problems:

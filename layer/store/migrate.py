@@ -28,11 +28,18 @@ def alembic_config(database_url: str) -> Config:
     return cfg
 
 
-def upgrade(database_url: str, revision: str = "head") -> str | None:
-    """Apply migrations up to revision; returns the revision the database is at afterwards."""
+def upgrade(database_url: str, revision: str = "head", *,
+            shard_count: int | None = None) -> str | None:
+    """Apply migrations up to revision; returns the revision the database is at afterwards.
+
+    ``shard_count`` is used by the revision that creates the installation (0004); a database
+    past it keeps the count it has (`Store.shard_count`)."""
+    cfg = alembic_config(database_url)
+    if shard_count is not None:
+        cfg.attributes["qlayer_shard_count"] = shard_count
     with translate_errors(f"migrating {_where(database_url)} (is PostgreSQL running? "
                           "`qlayer dev up` starts a local one)"):
-        command.upgrade(alembic_config(database_url), revision)
+        command.upgrade(cfg, revision)
     return current_revision(database_url)
 
 

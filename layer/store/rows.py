@@ -18,7 +18,9 @@ __all__ = [
     "EntryRow",
     "Ownership",
     "PartitionKey",
+    "ProcessRow",
     "QueueCounters",
+    "QueueMove",
     "QueueRecord",
     "StoredState",
     "stored_state",
@@ -120,6 +122,8 @@ class QueueRecord:
     deleted_at: float | None = None
     purge_requested_at: float | None = None
     purged_at: float | None = None
+    #: The shard whose coordinator serves the queue (DESIGN §3).
+    shard: int = 0
 
     @property
     def deleted(self) -> bool:
@@ -135,17 +139,38 @@ class QueueRecord:
 
 @dataclass(frozen=True, slots=True)
 class Ownership:
-    """Who owns a shard, under which epoch, and until when (unless renewed)."""
+    """Who runs a shard, under which epoch, and how far behind it was when it last said."""
 
     shard: str
     owner_id: str
     epoch: int
     acquired_at: float
     heartbeat_at: float
-    expires_at: float
+    #: Journal, control and ack records not read yet at `reported_at` (None: not reported).
+    lag: int | None = None
+    reported_at: float | None = None
 
-    def expired(self, now: float) -> bool:
-        return self.expires_at <= now
+
+@dataclass(frozen=True, slots=True)
+class ProcessRow:
+    """A running coordinator process and the shards the group assigned it."""
+
+    owner_id: str
+    host: str
+    pid: int
+    started_at: float
+    seen_at: float
+    shards: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueMove:
+    """What `Store.move_queue` did."""
+
+    queue: str
+    from_shard: int
+    to_shard: int
+    version: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,10 @@ from layer.store.tables import (
     COUNTER_NAMES,
     DONE_STATES,
     consumers,
+    coordinator_processes,
     entries,
     input_positions,
+    installation,
     ownership,
     queue_counters,
     queues,
@@ -126,31 +128,26 @@ def _names_param(name: str) -> ColumnElement[Any]:
 
 # --- ownership ---------------------------------------------------------------------------------
 
-# Take a shard over when it is free (released), expired by the caller's clock, or held by the
-# same owner id (a restarted process reusing its id fences its previous incarnation too). The
-# epoch counts up on every takeover; a first acquisition starts at 1.
-_acquire_insert = pg_insert(ownership).values(
+# Take a shard: Kafka's group protocol assigned it to this process, so no condition; the epoch
+# counts up on every take (a first take starts at 1), which fences the previous holder's
+# writes, a process that lost the shard without noticing included.
+_take_insert = pg_insert(ownership).values(
     shard=bindparam("the_shard"),
     owner_id=bindparam("the_owner_id"),
     epoch=1,
     acquired_at=bindparam("now"),
     heartbeat_at=bindparam("now"),
-    expires_at=bindparam("new_expires_at"),
 )
-ACQUIRE: Final = _acquire_insert.on_conflict_do_update(
+TAKE_SHARD: Final = _take_insert.on_conflict_do_update(
     index_elements=[ownership.c.shard],
     set_={
-        "owner_id": _acquire_insert.excluded.owner_id,
+        "owner_id": _take_insert.excluded.owner_id,
         "epoch": ownership.c.epoch + 1,
-        "acquired_at": _acquire_insert.excluded.acquired_at,
-        "heartbeat_at": _acquire_insert.excluded.heartbeat_at,
-        "expires_at": _acquire_insert.excluded.expires_at,
+        "acquired_at": _take_insert.excluded.acquired_at,
+        "heartbeat_at": _take_insert.excluded.heartbeat_at,
+        "lag": None,
+        "reported_at": None,
     },
-    where=or_(
-        ownership.c.owner_id.is_(None),
-        ownership.c.expires_at <= _acquire_insert.excluded.acquired_at,
-        ownership.c.owner_id == _acquire_insert.excluded.owner_id,
-    ),
 ).returning(ownership.c.epoch)
 
 # Bind names differ from column names: SQLAlchemy reserves those in UPDATE statements.
@@ -160,20 +157,28 @@ _holder = (
     & (ownership.c.epoch == bindparam("the_epoch"))
 )
 
-# Renewal needs no expiry check: while the epoch is unchanged nobody took over, so extending is
-# safe even if the lease lapsed in between.
-RENEW: Final = (
-    update(ownership)
-    .where(_holder)
-    .values(heartbeat_at=bindparam("now"), expires_at=bindparam("new_expires_at"))
-    .returning(ownership.c.epoch)
-)
-
 # The row stays (owner_id NULL) so the next owner's epoch is still greater than every past one.
 RELEASE: Final = (
     update(ownership)
     .where(_holder)
-    .values(owner_id=None, heartbeat_at=bindparam("now"), expires_at=bindparam("now"))
+    .values(owner_id=None, heartbeat_at=bindparam("now"), lag=None, reported_at=None)
+    .returning(ownership.c.epoch)
+)
+
+# A queue moved off a shard: its owner's next guarded write fails, so it rebuilds without the
+# queue and cannot write for it after the new shard's owner starts to.
+FENCE_SHARD: Final = (
+    update(ownership)
+    .where(ownership.c.shard == bindparam("the_shard"))
+    .values(epoch=ownership.c.epoch + 1)
+    .returning(ownership.c.epoch, ownership.c.owner_id)
+)
+
+REPORT_SHARD: Final = (
+    update(ownership)
+    .where(_holder)
+    .values(heartbeat_at=bindparam("now"), reported_at=bindparam("now"),
+            lag=bindparam("the_lag"))
     .returning(ownership.c.epoch)
 )
 
@@ -445,6 +450,7 @@ INSERT_QUEUE: Final = (
         version=1,
         created_at=bindparam("now"),
         updated_at=bindparam("now"),
+        shard=bindparam("the_shard"),
     )
     .on_conflict_do_nothing(index_elements=[queues.c.name])
     .returning(queues.c.version)
@@ -456,6 +462,7 @@ UPDATE_QUEUE_DEFINITION: Final = (
         definition=bindparam("new_definition", type_=JSONB),
         version=queues.c.version + 1,
         updated_at=bindparam("now"),
+        shard=bindparam("the_shard"),
     )
     .returning(queues.c.version)
 )
@@ -471,6 +478,7 @@ RECREATE_QUEUE: Final = (
         deleted_at=None,
         purge_requested_at=None,
         purged_at=None,
+        shard=bindparam("the_shard"),
     )
     .returning(queues.c.version)
 )
@@ -495,3 +503,37 @@ REQUEST_PURGE: Final = (
     .returning(queues.c.version)
 )
 
+
+# A move changes nothing of the definition; the version goes up so every coordinator's refresh
+# sees it (the old shard drops the queue, the new one loads it).
+MOVE_QUEUE: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("queue_name"))
+    .values(version=queues.c.version + 1, updated_at=bindparam("now"),
+            shard=bindparam("the_shard"))
+    .returning(queues.c.version)
+)
+
+# --- installation and coordinator processes ----------------------------------------------------
+
+SELECT_SHARD_COUNT: Final = select(installation.c.shard_count).where(installation.c.id == 1)
+
+_process_insert = pg_insert(coordinator_processes).values(
+    owner_id=bindparam("the_owner_id"),
+    host=bindparam("the_host"),
+    pid=bindparam("the_pid"),
+    started_at=bindparam("the_started_at"),
+    seen_at=bindparam("now"),
+    shards=bindparam("the_shards", type_=ARRAY(Integer)),
+)
+REPORT_PROCESS: Final = _process_insert.on_conflict_do_update(
+    index_elements=[coordinator_processes.c.owner_id],
+    set_={"seen_at": _process_insert.excluded.seen_at,
+          "shards": _process_insert.excluded.shards},
+)
+FORGET_PROCESS: Final = delete(coordinator_processes).where(
+    coordinator_processes.c.owner_id == bindparam("the_owner_id"))
+FORGET_PROCESSES_SEEN_BEFORE: Final = delete(coordinator_processes).where(
+    coordinator_processes.c.seen_at < bindparam("before"))
+SELECT_PROCESSES: Final = select(coordinator_processes).order_by(
+    coordinator_processes.c.owner_id)

@@ -3,7 +3,7 @@
 Three kinds of callers:
 
 - the coordinator, once per loop iteration: `commit` a `WriteBatch` in one transaction, guarded
-  by its (owner_id, epoch) on the shard; `acquire` / `renew` / `release` ownership;
+  by its (owner_id, epoch) on the shard; `take_shard` / `release` / `report_shard`;
 - the coordinator on (re)start: `load_queues`, `load_entries`, `load_recovery_points`,
   `load_consumers`, `load_counters`;
 - the CLI: `put_queue`, `delete_queue`, `get_queue`, `list_queues`, `request_purge`, `owners`.
@@ -24,7 +24,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import Row
 
-from layer.domain.errors import UnknownConsumerError, UnknownQueueError
+from layer.domain.errors import QueueConfigError, UnknownConsumerError, UnknownQueueError
+from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
@@ -34,7 +35,9 @@ from layer.store.rows import (
     EntryRow,
     Ownership,
     PartitionKey,
+    ProcessRow,
     QueueCounters,
+    QueueMove,
     QueueRecord,
 )
 from layer.store.tables import (
@@ -114,42 +117,31 @@ class Store:
 
     # --- ownership -----------------------------------------------------------------------------
 
-    def acquire(self, shard: str, owner_id: str, ttl: float, now: float) -> int | None:
-        """Take the shard when it is free or its owner's lease expired (by ``now``).
+    def take_shard(self, shard: str, owner_id: str, now: float) -> int:
+        """Take the shard for ``owner_id``; returns the new epoch (one more than any before).
 
-        Returns the new epoch (one more than any before it), or None while another owner's
-        lease runs. Acquiring a shard this owner id already holds bumps the epoch too, which
-        fences an earlier process that used the same id.
+        Unconditional: Kafka's group protocol decided this process runs the shard. The new
+        epoch fences every earlier holder's writes, this owner id's earlier takes included.
         """
-        with translate_errors(f"acquiring shard {shard!r}"), self._engine.begin() as conn:
+        with translate_errors(f"taking shard {shard!r}"), self._engine.begin() as conn:
             epoch = conn.execute(
-                sql.ACQUIRE,
-                {
-                    "the_shard": shard,
-                    "the_owner_id": owner_id,
-                    "now": _to_datetime(now),
-                    "new_expires_at": _to_datetime(now + ttl),
-                },
-            ).scalar_one_or_none()
-        return None if epoch is None else int(epoch)
+                sql.TAKE_SHARD,
+                {"the_shard": shard, "the_owner_id": owner_id, "now": _to_datetime(now)},
+            ).scalar_one()
+        return int(epoch)
 
-    def renew(self, shard: str, owner_id: str, epoch: int, ttl: float, now: float) -> bool:
-        """Extend the lease to ``now + ttl``; False when the shard was taken over or released."""
-        with translate_errors(f"renewing shard {shard!r}"), self._engine.begin() as conn:
-            renewed = conn.execute(
-                sql.RENEW,
-                {
-                    "the_shard": shard,
-                    "the_owner_id": owner_id,
-                    "the_epoch": epoch,
-                    "now": _to_datetime(now),
-                    "new_expires_at": _to_datetime(now + ttl),
-                },
+    def report_shard(self, shard: str, owner_id: str, epoch: int, lag: int | None,
+                     now: float) -> bool:
+        """Record the owner's lag; False when (owner_id, epoch) no longer holds the shard."""
+        with translate_errors(f"reporting shard {shard!r}"), self._engine.begin() as conn:
+            done = conn.execute(
+                sql.REPORT_SHARD,
+                {**_holder_params(shard, owner_id, epoch, _to_datetime(now)), "the_lag": lag},
             ).scalar_one_or_none()
-        return renewed is not None
+        return done is not None
 
     def release(self, shard: str, owner_id: str, epoch: int, now: float) -> bool:
-        """Give the shard up so a standby takes it at once; False when it was not ours."""
+        """Say the shard has no owner (clean stop, revocation); False when it was not ours."""
         with translate_errors(f"releasing shard {shard!r}"), self._engine.begin() as conn:
             released = conn.execute(
                 sql.RELEASE,
@@ -158,7 +150,7 @@ class Store:
         return released is not None
 
     def owner(self, shard: str) -> Ownership | None:
-        """The shard's current holder (possibly expired: compare with `Ownership.expired`)."""
+        """The shard's current holder, None when released or never taken."""
         with translate_errors(f"reading owner of shard {shard!r}"), self._engine.connect() as conn:
             row = conn.execute(sql.SELECT_OWNER, {"the_shard": shard}).one_or_none()
         return None if row is None else _ownership(row)
@@ -166,6 +158,41 @@ class Store:
     def owners(self) -> list[Ownership]:
         with translate_errors("reading shard owners"), self._engine.connect() as conn:
             return [_ownership(row) for row in conn.execute(sql.SELECT_OWNERS)]
+
+    # --- installation and processes -----------------------------------------------------------
+
+    def shard_count(self) -> int:
+        """The installation's shard count (`qlayer db upgrade --shards N`)."""
+        with translate_errors("reading the shard count"), self._engine.connect() as conn:
+            return self._shard_count(conn)
+
+    def report_process(self, owner_id: str, host: str, pid: int, started_at: float,
+                       shards: Iterable[int], now: float) -> None:
+        """A coordinator process says it is alive and which shards it was assigned."""
+        with translate_errors("reporting a coordinator process"), self._engine.begin() as conn:
+            conn.execute(sql.REPORT_PROCESS, {
+                "the_owner_id": owner_id, "the_host": host, "the_pid": pid,
+                "the_started_at": _to_datetime(started_at), "now": _to_datetime(now),
+                "the_shards": sorted(shards)})
+
+    def forget_process(self, owner_id: str) -> None:
+        """A coordinator process stopped cleanly."""
+        with translate_errors("forgetting a coordinator process"), self._engine.begin() as conn:
+            conn.execute(sql.FORGET_PROCESS, {"the_owner_id": owner_id})
+
+    def forget_processes_seen_before(self, before: float) -> int:
+        """Drop the registry rows of processes silent since ``before`` (killed ones)."""
+        with translate_errors("forgetting silent coordinator processes"), \
+                self._engine.begin() as conn:
+            return conn.execute(sql.FORGET_PROCESSES_SEEN_BEFORE,
+                                {"before": _to_datetime(before)}).rowcount
+
+    def processes(self) -> list[ProcessRow]:
+        with translate_errors("listing coordinator processes"), self._engine.connect() as conn:
+            return [ProcessRow(owner_id=row.owner_id, host=row.host, pid=int(row.pid),
+                               started_at=_to_seconds(row.started_at),
+                               seen_at=_to_seconds(row.seen_at), shards=tuple(row.shards))
+                    for row in conn.execute(sql.SELECT_PROCESSES)]
 
     # --- the write path ------------------------------------------------------------------------
 
@@ -369,8 +396,11 @@ class Store:
         (raises `QueueVersionConflictError` otherwise).
         """
         wanted = _json_roundtrip(definition)
-        params = {"queue_name": name, "new_definition": wanted, "now": _to_datetime(now)}
+        params: dict[str, Any] = {"queue_name": name, "new_definition": wanted,
+                                  "now": _to_datetime(now)}
         with translate_errors(f"writing queue {name!r}"), self._engine.begin() as conn:
+            count = self._shard_count(conn)
+            placed = _placement(name, wanted, count)
             # Two rounds at most: a concurrent creator can win the INSERT race, after which the
             # row exists and the update path applies.
             for _ in range(2):
@@ -381,17 +411,59 @@ class Store:
                     if actual != expected_version:
                         raise QueueVersionConflictError(name, expected_version, actual)
                 if current is None:
-                    created = conn.execute(sql.INSERT_QUEUE, params).scalar_one_or_none()
+                    created = conn.execute(sql.INSERT_QUEUE,
+                                           {**params, "the_shard": placed}).scalar_one_or_none()
                     if created is not None:
                         return int(created)
                     continue
                 if live:
                     if current.definition == wanted:
                         return int(current.version)
-                    return int(conn.execute(sql.UPDATE_QUEUE_DEFINITION, params).scalar_one())
+                    shard = int(current.shard)
+                    if _placement_fields(current.definition) != _placement_fields(wanted):
+                        # The queue file asks for another placement: a move, fenced like
+                        # `qlayer queue move`.
+                        if placed != shard:
+                            _fence(conn, shard)
+                        shard = placed
+                    return int(conn.execute(sql.UPDATE_QUEUE_DEFINITION,
+                                            {**params, "the_shard": shard}).scalar_one())
                 self._forget(conn, {name})
-                return int(conn.execute(sql.RECREATE_QUEUE, params).scalar_one())
+                return int(conn.execute(sql.RECREATE_QUEUE,
+                                        {**params, "the_shard": placed}).scalar_one())
         raise StoreError(f"writing queue {name!r}: it kept changing underneath", retryable=True)
+
+    def move_queue(self, name: str, shard: int, now: float) -> QueueMove:
+        """Serve the queue from another shard; its state goes with it.
+
+        In one transaction: the queue's shard changes, its version goes up (every coordinator
+        refreshes it) and the old shard's epoch goes up, so the old owner's next write fails
+        and it rebuilds without the queue. Its stored state (leases, recovery points) is what
+        the new shard's owner loads; leases keep their tokens, so a consumer acks them there.
+        """
+        with translate_errors(f"moving queue {name!r}"), self._engine.begin() as conn:
+            count = self._shard_count(conn)
+            if not 0 <= shard < count:
+                raise QueueConfigError([("shard", f"shard {shard} does not exist: this "
+                                                  f"installation has shards 0..{count - 1}")])
+            current = _lock_queue(conn, name)
+            if current is None or current.deleted_at is not None:
+                raise UnknownQueueError(name)
+            old = int(current.shard)
+            if old == shard:
+                return QueueMove(name, old, shard, int(current.version))
+            _fence(conn, old)
+            version = conn.execute(sql.MOVE_QUEUE, {"queue_name": name, "the_shard": shard,
+                                                    "now": _to_datetime(now)}).scalar_one()
+        return QueueMove(name, old, shard, int(version))
+
+    @staticmethod
+    def _shard_count(conn: Connection) -> int:
+        count = conn.execute(sql.SELECT_SHARD_COUNT).scalar_one_or_none()
+        if count is None:
+            raise StoreError("the database has no installation row: run `qlayer db upgrade`",
+                             retryable=False)
+        return int(count)
 
     def delete_queue(
         self, name: str, now: float, *, expected_version: int | None = None
@@ -618,6 +690,23 @@ def _lock_queue(conn: Connection, name: str) -> Row[Any] | None:
     return conn.execute(sql.SELECT_QUEUE_FOR_UPDATE, {"queue_name": name}).one_or_none()
 
 
+def _placement_fields(definition: Mapping[str, Any]) -> tuple[Any, Any]:
+    return definition.get("shard"), definition.get("shard_group")
+
+
+def _placement(name: str, definition: Mapping[str, Any], count: int) -> int:
+    explicit, group = _placement_fields(definition)
+    try:
+        return shard_for(name, shard=explicit, shard_group=group, shard_count=count)
+    except ValueError as exc:
+        raise QueueConfigError([("shard", str(exc))]) from None
+
+
+def _fence(conn: Connection, shard: int) -> None:
+    """Bump the shard's epoch: whoever runs it must take it again before writing."""
+    conn.execute(sql.FENCE_SHARD, {"the_shard": shard_key(shard)})
+
+
 def _holder_params(shard: str, owner_id: str, epoch: int, now: datetime) -> dict[str, Any]:
     return {"the_shard": shard, "the_owner_id": owner_id, "the_epoch": epoch, "now": now}
 
@@ -637,7 +726,8 @@ def _ownership(row: Row[Any]) -> Ownership:
         epoch=int(row.epoch),
         acquired_at=_to_seconds(row.acquired_at),
         heartbeat_at=_to_seconds(row.heartbeat_at),
-        expires_at=_to_seconds(row.expires_at),
+        lag=None if row.lag is None else int(row.lag),
+        reported_at=_to_seconds_or_none(row.reported_at),
     )
 
 
@@ -651,6 +741,7 @@ def _queue_record(row: Row[Any]) -> QueueRecord:
         deleted_at=_to_seconds_or_none(row.deleted_at),
         purge_requested_at=_to_seconds_or_none(row.purge_requested_at),
         purged_at=_to_seconds_or_none(row.purged_at),
+        shard=int(row.shard),
     )
 
 

@@ -25,15 +25,17 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 __all__ = [
     "COUNTER_NAMES",
     "DONE_STATES",
     "ENTRY_STATES",
     "consumers",
+    "coordinator_processes",
     "entries",
     "input_positions",
+    "installation",
     "metadata",
     "ownership",
     "queue_counters",
@@ -79,6 +81,19 @@ def _states_sql(states: tuple[str, ...]) -> str:
     return ", ".join(f"'{state}'" for state in states)
 
 
+# One row: what the installation was created with (`qlayer db upgrade --shards N`).
+installation = Table(
+    "installation",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    # Fixed for the installation's life: each queue's placement and each partition's shard
+    # (partition p of control and ack belongs to shard p mod shard_count) depend on it.
+    Column("shard_count", Integer, nullable=False),
+    _ts("created_at", nullable=False),
+    CheckConstraint("id = 1", name="one_row"),
+    CheckConstraint("shard_count BETWEEN 1 AND 1024", name="shard_count_valid"),
+)
+
 queues = Table(
     "queues",
     metadata,
@@ -99,7 +114,11 @@ queues = Table(
     # purged_at = purge_requested_at. A purge is pending while purged_at is older or null.
     _ts("purge_requested_at", nullable=True),
     _ts("purged_at", nullable=True),
+    # The shard whose coordinator serves the queue (DESIGN §3). `qlayer queue move` changes it
+    # and bumps the old shard's epoch in the same transaction.
+    Column("shard", Integer, nullable=False),
     CheckConstraint("version >= 1", name="version_positive"),
+    CheckConstraint("shard >= 0", name="shard_valid"),
 )
 
 consumers = Table(
@@ -195,16 +214,33 @@ input_positions = Table(
 ownership = Table(
     "ownership",
     metadata,
-    # A queue name, or a shard id when queues are grouped.
+    # The shard number as text (`layer.domain.shards.shard_key`).
     Column("shard", Text, primary_key=True),
     # NULL after a clean release; the row stays so the epoch keeps counting up.
     Column("owner_id", Text, nullable=True),
-    # Incremented on every takeover; every guarded write names it (fencing).
+    # Incremented on every takeover and on every move of a queue off the shard; every guarded
+    # write names it (fencing). Who may take a shard is Kafka's group protocol's decision.
     Column("epoch", BigInteger, nullable=False),
     _ts("acquired_at", nullable=False),
+    # Last guarded write or report of the owner.
     _ts("heartbeat_at", nullable=False),
-    _ts("expires_at", nullable=False),
+    # Journal records the owner had not read yet at `reported_at` (`qlayer coordinators`).
+    Column("lag", BigInteger, nullable=True),
+    _ts("reported_at", nullable=True),
     CheckConstraint("epoch >= 1", name="epoch_positive"),
+)
+
+# Running coordinator processes, each reporting every few seconds (`qlayer coordinators`).
+coordinator_processes = Table(
+    "coordinator_processes",
+    metadata,
+    Column("owner_id", Text, primary_key=True),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    _ts("started_at", nullable=False),
+    _ts("seen_at", nullable=False),
+    # The shards the group assigned it at `seen_at`.
+    Column("shards", ARRAY(Integer), nullable=False),
 )
 
 queue_counters = Table(

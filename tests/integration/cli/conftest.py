@@ -95,7 +95,7 @@ def attach_consumer(settings: Settings, consumer_id: str, queue: str, *,
     running: what `qlayer consumers` and `queue delete` read."""
     now = time.time()
     with Store(settings.database_url) as store:
-        epoch = store.acquire("cli-tests", "cli-tests", 60, now)
+        epoch = store.take_shard("cli-tests", "cli-tests", now)
         assert epoch is not None
         batch = WriteBatch()
         batch.put_consumer(ConsumerRow(

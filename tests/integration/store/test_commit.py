@@ -25,7 +25,7 @@ PARTITIONS = 3
 
 @pytest.fixture
 def epoch(store: Store) -> int:
-    taken = store.acquire(SHARD, OWNER, ttl=30.0, now=T0)
+    taken = store.take_shard(SHARD, OWNER, T0)
     assert taken is not None
     return taken
 

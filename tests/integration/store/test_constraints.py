@@ -25,7 +25,7 @@ SHARD = "orders"
 
 @pytest.fixture
 def epoch(store: Store) -> int:
-    taken = store.acquire(SHARD, "coordinator-a", ttl=30.0, now=NOW)
+    taken = store.take_shard(SHARD, "coordinator-a", NOW)
     assert taken is not None
     return taken
 

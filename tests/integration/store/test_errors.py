@@ -24,7 +24,7 @@ def test_an_unreachable_server_is_a_retryable_store_error() -> None:
 
 def test_killed_connections_fail_one_call_then_the_store_reconnects(database_url: str) -> None:
     with Store(database_url) as store:
-        assert store.acquire("Work", "a", ttl=30, now=T0) == 1  # a pooled connection now exists
+        assert store.take_shard("Work", "a", T0) == 1  # a pooled connection now exists
 
         # What a server restart or an administrator does to the coordinator's connections.
         admin = sa.create_engine(database_url)
@@ -41,6 +41,6 @@ def test_killed_connections_fail_one_call_then_the_store_reconnects(database_url
         assert killed >= 1
 
         with pytest.raises(StoreError) as failed:
-            store.renew("Work", "a", 1, ttl=30, now=T0 + 1)
+            store.report_shard("Work", "a", 1, 0, T0 + 1)
         assert failed.value.retryable is True
-        assert store.renew("Work", "a", 1, ttl=30, now=T0 + 2) is True
+        assert store.report_shard("Work", "a", 1, 0, T0 + 2) is True

@@ -1,4 +1,4 @@
-"""Shard ownership with an epoch: takeover after expiry, and fencing of the old owner's writes."""
+"""Shard ownership with an epoch: every take counts up and fences the old owner's writes."""
 
 from __future__ import annotations
 
@@ -48,33 +48,31 @@ def other_store(database_url: str) -> Iterator[Store]:
     store.close()
 
 
-def test_first_acquire_gets_epoch_one_and_a_live_lease_keeps_others_out(
+def test_first_take_gets_epoch_one_and_every_take_counts_up(
     store: Store, other_store: Store
 ) -> None:
     assert store.owner(SHARD) is None
-    assert store.acquire(SHARD, "a", TTL, T0) == 1
-    assert other_store.acquire(SHARD, "b", TTL, T0 + TTL - 0.5) is None
-
+    assert store.take_shard(SHARD, "a", T0) == 1
     owner = other_store.owner(SHARD)
     assert owner is not None
-    assert (owner.owner_id, owner.epoch) == ("a", 1)
-    assert owner.expires_at == T0 + TTL
-    assert not owner.expired(T0 + TTL - 0.5)
-    assert owner.expired(T0 + TTL)
+    assert (owner.owner_id, owner.epoch, owner.acquired_at) == ("a", 1, T0)
+    assert (owner.lag, owner.reported_at) == (None, None)
+    # The group protocol decides who runs a shard: a take is unconditional.
+    assert other_store.take_shard(SHARD, "b", T0 + 1) == 2
 
 
-def test_takeover_after_expiry_fences_the_old_owner(
+def test_a_take_fences_the_old_owner(
     store: Store, other_store: Store, engine: Engine
 ) -> None:
-    epoch_a = store.acquire(SHARD, "a", TTL, T0)
+    epoch_a = store.take_shard(SHARD, "a", T0)
     assert epoch_a == 1
     written = WriteBatch()
     written.put_entry(_leased(0, "c1", T0))
     written.set_recovery_point("Work", "orders", 0, 0)
     store.commit(written, SHARD, "a", epoch_a, T0 + 1)
 
-    # A stops heartbeating (a GC pause, a partition); B takes over once the TTL has lapsed.
-    epoch_b = other_store.acquire(SHARD, "b", TTL, T0 + TTL)
+    # A's group membership was revoked (a GC pause, a partition); the group gave B the shard.
+    epoch_b = other_store.take_shard(SHARD, "b", T0 + TTL)
     assert epoch_b == 2
     before = _snapshot(engine)
 
@@ -88,7 +86,7 @@ def test_takeover_after_expiry_fences_the_old_owner(
     assert (fenced.value.shard, fenced.value.owner_id, fenced.value.epoch) == (SHARD, "a", 1)
     assert _snapshot(engine) == before
 
-    assert store.renew(SHARD, "a", epoch_a, TTL, T0 + TTL + 2) is False
+    assert store.report_shard(SHARD, "a", epoch_a, 5, T0 + TTL + 2) is False
     assert store.release(SHARD, "a", epoch_a, T0 + TTL + 2) is False
     owner = store.owner(SHARD)
     assert owner is not None
@@ -102,41 +100,35 @@ def test_takeover_after_expiry_fences_the_old_owner(
     assert [row.offset for row in other_store.load_entries("Work")] == [0, 1]
 
 
-def test_renewal_keeps_the_shard_and_release_hands_it_over_at_once(
+def test_reports_record_the_lag_and_release_leaves_no_owner(
     store: Store, other_store: Store
 ) -> None:
-    assert store.acquire(SHARD, "a", TTL, T0) == 1
-    assert store.renew(SHARD, "a", 1, TTL, T0 + 8) is True
-    assert other_store.acquire(SHARD, "b", TTL, T0 + 15) is None  # renewed until T0 + 18
-    assert other_store.acquire(SHARD, "b", TTL, T0 + 18) == 2
-
-    assert other_store.release(SHARD, "b", 2, T0 + 19) is True
-    assert store.owner(SHARD) is None
-    # Released: free at once, long before B's TTL would have lapsed; the epoch keeps counting.
-    assert store.acquire(SHARD, "a", TTL, T0 + 19) == 3
-
-
-def test_renewing_a_lapsed_lease_is_allowed_while_nobody_took_over(store: Store) -> None:
-    assert store.acquire(SHARD, "a", TTL, T0) == 1
-    assert store.renew(SHARD, "a", 1, TTL, T0 + TTL + 5) is True
-    owner = store.owner(SHARD)
+    assert store.take_shard(SHARD, "a", T0) == 1
+    assert store.report_shard(SHARD, "a", 1, 42, T0 + 3) is True
+    owner = other_store.owner(SHARD)
     assert owner is not None
-    assert owner.expires_at == T0 + 2 * TTL + 5
+    assert (owner.lag, owner.reported_at, owner.heartbeat_at) == (42, T0 + 3, T0 + 3)
+
+    assert store.release(SHARD, "a", 1, T0 + 4) is True
+    assert store.owner(SHARD) is None
+    assert store.owners() == []
+    # The epoch keeps counting past a release.
+    assert other_store.take_shard(SHARD, "b", T0 + 5) == 2
 
 
 def test_reacquiring_with_the_same_owner_id_fences_the_previous_incarnation(
     store: Store,
 ) -> None:
-    assert store.acquire(SHARD, "a", TTL, T0) == 1
-    assert store.acquire(SHARD, "a", TTL, T0 + 1) == 2  # a restarted process, same id
+    assert store.take_shard(SHARD, "a", T0) == 1
+    assert store.take_shard(SHARD, "a", T0 + 1) == 2  # a restarted process, same id
     with pytest.raises(FencedError):
         store.commit(WriteBatch(), SHARD, "a", 1, T0 + 2)
     store.commit(WriteBatch(), SHARD, "a", 2, T0 + 2)
 
 
 def test_shards_are_independent(store: Store, other_store: Store) -> None:
-    assert store.acquire("Work", "a", TTL, T0) == 1
-    assert other_store.acquire("Jobs", "b", TTL, T0) == 1
+    assert store.take_shard("Work", "a", T0) == 1
+    assert other_store.take_shard("Jobs", "b", T0) == 1
     assert [(o.shard, o.owner_id) for o in store.owners()] == [("Jobs", "b"), ("Work", "a")]
     with pytest.raises(FencedError):
         store.commit(WriteBatch(), "Jobs", "a", 1, T0 + 1)
@@ -146,7 +138,7 @@ def test_a_takeover_waits_for_the_owners_transaction_in_flight(
     store: Store, other_store: Store, engine: Engine
 ) -> None:
     """The guard's row lock orders a takeover after a commit that already passed the guard."""
-    assert store.acquire(SHARD, "a", TTL, T0) == 1
+    assert store.take_shard(SHARD, "a", T0) == 1
     guard_passed = threading.Event()
     may_continue = threading.Event()
 
@@ -167,7 +159,7 @@ def test_a_takeover_waits_for_the_owners_transaction_in_flight(
         assert guard_passed.wait(10)
         epochs: list[int | None] = []
         takeover = threading.Thread(
-            target=lambda: epochs.append(other_store.acquire(SHARD, "b", TTL, T0 + TTL + 1))
+            target=lambda: epochs.append(other_store.take_shard(SHARD, "b", T0 + TTL + 1))
         )
         takeover.start()
         takeover.join(0.5)

@@ -71,7 +71,7 @@ def test_list_queues_is_sorted_and_hides_deleted_ones(store: Store) -> None:
 
 def test_delete_and_recreate_make_a_new_queue_without_the_old_state(store: Store) -> None:
     store.put_queue("Work", WORK, T0)
-    epoch = store.acquire("Work", "a", ttl=30, now=T0)
+    epoch = store.take_shard("Work", "a", T0)
     assert epoch is not None
     state = WriteBatch()
     state.put_entry(EntryRow("Work", "orders", 0, 5, "ACKED", delivery_count=1))
@@ -104,7 +104,7 @@ def test_a_purge_is_requested_by_the_cli_and_completed_by_the_owner(store: Store
     record = store.get_queue("Work")
     assert record is not None and record.purge_pending and record.purge_requested_at == T0 + 5
 
-    epoch = store.acquire("Work", "a", ttl=30, now=T0 + 6)
+    epoch = store.take_shard("Work", "a", T0 + 6)
     assert epoch is not None
     done = WriteBatch()
     done.forget_queue("Work")

@@ -53,7 +53,7 @@ def test_a_fresh_store_loads_exactly_what_was_committed(
     store: Store, database_url: str
 ) -> None:
     rows, points, consumers = _written_state()
-    epoch = store.acquire("Work", "old", ttl=10, now=T0)
+    epoch = store.take_shard("Work", "old", T0)
     assert epoch is not None
     batch = WriteBatch()
     for row in rows:
@@ -65,7 +65,7 @@ def test_a_fresh_store_loads_exactly_what_was_committed(
     store.commit(batch, "Work", "old", epoch, T0 + 1)
 
     with Store(database_url) as restarted:
-        assert restarted.acquire("Work", "new", ttl=10, now=T0 + 20) == epoch + 1
+        assert restarted.take_shard("Work", "new", T0 + 20) == epoch + 1
         assert restarted.load_entries("Work") == sorted(
             (row for row in rows if row.queue == "Work"), key=lambda row: row.key
         )
@@ -77,7 +77,7 @@ def test_a_fresh_store_loads_exactly_what_was_committed(
 
 
 def test_acked_entries_below_the_recovery_point_are_not_loaded(store: Store) -> None:
-    epoch = store.acquire("Work", "a", ttl=10, now=T0)
+    epoch = store.take_shard("Work", "a", T0)
     assert epoch is not None
     points = WriteBatch()
     points.set_recovery_point("Work", "orders", 0, 100)
@@ -99,7 +99,7 @@ def test_acked_entries_below_the_recovery_point_are_not_loaded(store: Store) -> 
 
 
 def test_input_positions_are_committed_with_the_batch_per_shard(store: Store) -> None:
-    epoch = store.acquire("default", "a", ttl=10, now=T0)
+    epoch = store.take_shard("default", "a", T0)
     assert epoch is not None
     assert store.load_input_positions("default") == {}
     first = WriteBatch()
@@ -115,7 +115,7 @@ def test_input_positions_are_committed_with_the_batch_per_shard(store: Store) ->
     assert store.load_input_positions("other-shard") == {}
 
     # A fenced owner's positions are not written, like the rest of its batch.
-    taken = store.acquire("default", "b", ttl=10, now=T0 + 100)
+    taken = store.take_shard("default", "b", T0 + 100)
     assert taken is not None
     stale = WriteBatch()
     stale.set_input_position("qlayer.ack", 0, 999)
