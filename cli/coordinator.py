@@ -22,8 +22,9 @@ def run(
         help="Prefix of qlayer's internal topics [env: QLAYER_TOPIC_PREFIX]")] = None,
     owner_id: Annotated[str | None, typer.Option(
         help="This process's name in the ownership table (default: host-pid-random)")] = None,
-    ownership_ttl: Annotated[float, typer.Option(
-        help="Seconds after the owner's last renewal before a standby takes over")] = 6.0,
+    group_session_timeout: Annotated[float, typer.Option(
+        min=1.0, help="Seconds without a heartbeat after which Kafka gives this process's "
+        "shards to the other coordinators (the broker accepts 6 to 1800 by default)")] = 10.0,
     session_timeout: Annotated[float, typer.Option(
         help="Session timeout (s) for consumers that do not give one")] = 30.0,
     no_transactions: Annotated[bool, typer.Option(
@@ -34,20 +35,23 @@ def run(
         "journal when they come up for delivery")] = 512,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
-    """Run a coordinator until SIGTERM or Ctrl-C.
+    """Run a coordinator process until SIGTERM or Ctrl-C.
 
-    The first coordinator to start owns the queues; any other one started against the same
-    database is a hot standby that takes over when the owner stops renewing its ownership.
+    Every process joins the coordinators' Kafka consumer group and runs the shards the group
+    assigns it; start more processes (on this or other machines) to spread the queues, up to
+    one per shard. A process with no shard is a hot standby. `qlayer coordinators` shows who
+    runs what.
     """
-    from layer.coordinator.service import Coordinator, CoordinatorOptions, default_owner_id
+    from layer.coordinator.process import CoordinatorProcess
+    from layer.coordinator.shard import CoordinatorOptions, default_owner_id
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.load(bootstrap_servers=bootstrap_servers, database_url=database_url,
                              topic_prefix=topic_prefix)
     options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),
-                                 ownership_ttl=ownership_ttl,
+                                 group_session_timeout=group_session_timeout,
                                  default_session_timeout=session_timeout,
                                  transactional=not no_transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024)
-    Coordinator(settings, options).run()
+    CoordinatorProcess(settings, options).run()

@@ -21,6 +21,9 @@ import pytest
 from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
 
+#: The shard count of the tests' databases (QLAYER_TEST_SHARDS overrides it).
+TEST_SHARD_COUNT = int(os.environ.get("QLAYER_TEST_SHARDS", "4"))
+
 
 @pytest.fixture(scope="session")
 def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
@@ -232,7 +235,10 @@ class DatabaseFactory:
             from layer.store.migrate import upgrade
 
             name = self._new(None)
-            upgrade(self._url(name))
+            # Four shards, not the default sixteen: each shard of a running coordinator has
+            # its own Kafka clients, and most tests start one. The shard tests make their own
+            # sixteen-shard databases (tests/integration/coordinator/test_shards.py).
+            upgrade(self._url(name), shard_count=TEST_SHARD_COUNT)
             self.template = name
         return self._url(self._new(self.template))
 

@@ -36,6 +36,15 @@ _MISSING: Any = object()
 
 
 @dataclass
+class MemoryPool:
+    """The payload budget of a whole process, shared by its shard loops: one busy shard may
+    use it all, and every shard together no more."""
+
+    budget: int = DEFAULT_PAYLOAD_BUDGET
+    used: int = 0
+
+
+@dataclass
 class PayloadCache:
     """Records by bookmark, with the number of queues that still hold each.
 
@@ -51,6 +60,7 @@ class PayloadCache:
     _extra_holders: dict[Bookmark, int] = field(default_factory=dict)
     bytes: int = 0
     dropped: int = 0  # records held past the budget, without their bytes
+    pool: MemoryPool | None = None
 
     def hold(self, bookmark: Bookmark, record: JournalRecord) -> None:
         if bookmark in self._records:
@@ -64,11 +74,15 @@ class PayloadCache:
         if self._records.get(bookmark, _MISSING) is not None:
             return False  # not held, or its bytes are already here
         size = record_size(record)
-        if self.bytes + size > self.budget:
+        pool = self.pool
+        if self.bytes + size > self.budget or (pool is not None
+                                               and pool.used + size > pool.budget):
             self.dropped += 1
             return False
         self._records[bookmark] = record
         self.bytes += size
+        if pool is not None:
+            pool.used += size
         return True
 
     def get(self, bookmark: Bookmark) -> JournalRecord | None:
@@ -91,7 +105,18 @@ class PayloadCache:
             return
         record = self._records.pop(bookmark, _MISSING)
         if record is not _MISSING and record is not None:
-            self.bytes -= record_size(record)
+            size = record_size(record)
+            self.bytes -= size
+            if self.pool is not None:
+                self.pool.used -= size
+
+    def clear(self) -> None:
+        """Drop every record and give their bytes back to the pool (a loop rebuilding)."""
+        if self.pool is not None:
+            self.pool.used -= self.bytes
+        self._records.clear()
+        self._extra_holders.clear()
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._records)

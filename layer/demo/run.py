@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from sqlalchemy.exc import SQLAlchemyError
 
-from layer.coordinator.service import Coordinator, CoordinatorOptions, default_owner_id
+from layer.coordinator.process import CoordinatorProcess
+from layer.coordinator.shard import CoordinatorOptions, default_owner_id
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import QlayerError
 from layer.kafka import KafkaAdmin, TopicSpec
@@ -51,7 +52,8 @@ from layer.sdk import (
 from layer.settings import Settings
 from layer.store.store import Store
 
-SHARD = "default"
+#: A registry row seen this recently is a running coordinator process (it reports every 2 s).
+LIVE_PROCESS_AGE = 10.0
 _RUN_ID = re.compile(r"d[0-9a-f]{6}")
 T = TypeVar("T")
 Progress = Callable[[str], None]
@@ -184,17 +186,19 @@ def _wait(probe: Callable[[], T | None], timeout: float, what: str) -> T:
 
 @contextmanager
 def _coordinator(settings: Settings, progress: Progress) -> Iterator[tuple[str, bool]]:
-    """Our own coordinator in a thread, unless another live one owns the queues already."""
+    """Our own coordinator in a thread, unless live ones run every shard already."""
     with Store(settings.database_url) as store:
-        owner = store.owner(SHARD)
-    if owner is not None and not owner.expired(time.time()):
-        progress(f"using the running coordinator {owner.owner_id}")
-        yield owner.owner_id, False
+        live = [p for p in store.processes() if p.seen_at > time.time() - LIVE_PROCESS_AGE]
+        count = store.shard_count()
+        owners = store.owners()
+    if live and len(owners) == count:
+        progress(f"using the running coordinator {live[0].owner_id}")
+        yield live[0].owner_id, False
         return
     owner_id = f"qlayer-demo-{default_owner_id()}"
     # No Kafka transactions: the demo's coordinator is alone and lives for a minute; fencing
     # buys nothing here and transactions add latency to every delivery.
-    coordinator = Coordinator(settings, CoordinatorOptions(
+    coordinator = CoordinatorProcess(settings, CoordinatorOptions(
         owner_id=owner_id, transactional=False, refresh_interval=0.5))
     failures: list[BaseException] = []
 
@@ -211,9 +215,8 @@ def _coordinator(settings: Settings, progress: Progress) -> Iterator[tuple[str, 
             def owned() -> bool:
                 if failures:
                     raise DemoError(f"demo: the coordinator failed: {failures[0]}")
-                current = store.owner(SHARD)
-                return current is not None and current.owner_id == owner_id
-            _wait(owned, 30, "the coordinator taking ownership")
+                return len(store.owners()) == count
+            _wait(owned, 30, "the coordinators running every shard")
         progress(f"coordinator {owner_id} running")
         yield owner_id, True
     finally:

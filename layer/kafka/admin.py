@@ -12,6 +12,7 @@ from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaExcep
 from confluent_kafka import TopicPartition as KTP
 from confluent_kafka.admin import (  # type: ignore[attr-defined]  # exported, not re-declared
     AdminClient,
+    NewPartitions,
     NewTopic,
     OffsetSpec,
 )
@@ -53,6 +54,26 @@ class KafkaAdmin:
                     raise KafkaAdapterError(f"cannot create topic {name}: {exc}") from exc
         self._wait_for_leaders([s.name for s in missing], timeout)
         return created
+
+    def ensure_partitions(self, topic: str, count: int, timeout: float = 30.0) -> bool:
+        """Give an existing topic at least ``count`` partitions; True when it grew."""
+        have = self.topics(timeout).get(topic)
+        if have is None:
+            raise KafkaAdapterError(f"cannot add partitions to {topic}: no such topic")
+        if have >= count:
+            return False
+        futures = self._admin.create_partitions([NewPartitions(topic, count)],
+                                                operation_timeout=timeout)
+        for future in futures.values():
+            try:
+                future.result(timeout=timeout)
+            except KafkaException as exc:
+                # Another process grew it first: fine if it has enough now.
+                if self.topics(timeout).get(topic, 0) < count:
+                    raise KafkaAdapterError(
+                        f"cannot grow {topic} to {count} partitions: {exc}") from exc
+        self._wait_for_leaders([topic], timeout)
+        return True
 
     def _wait_for_leaders(self, names: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

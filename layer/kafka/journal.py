@@ -132,5 +132,22 @@ class JournalReader:
         except Exception as exc:
             raise KafkaAdapterError(f"committing offsets failed: {exc}") from exc
 
+    def lag(self) -> int | None:
+        """Records in the assigned partitions not read yet, from the high watermarks of the
+        last fetches (no broker round trip); None before anything was fetched."""
+        try:
+            positions = self._consumer.position(
+                [TopicPartition(t, p) for t, p in self._assigned])
+            total, known = 0, False
+            for tp in positions:
+                _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+                if high < 0 or tp.offset < 0:
+                    continue
+                known = True
+                total += max(high - tp.offset, 0)
+        except Exception as exc:
+            raise KafkaAdapterError(f"reading the lag failed: {exc}") from exc
+        return total if known else None
+
     def close(self) -> None:
         self._consumer.close()

@@ -32,11 +32,13 @@ __all__ = [
     "DLQ_ORIGINAL_TOPIC",
     "DLQ_QUEUE",
     "DLQ_REASON",
+    "FORWARDED",
     "LEASE",
     "LEASE_EXPIRES",
     "QUEUE",
     "REPLY",
     "SESSION",
+    "SHARD",
     "DeadLetterInfo",
     "DeliveryInfo",
     "Headers",
@@ -46,12 +48,15 @@ __all__ = [
     "deliver_at_header",
     "delivery_headers",
     "encoded_delivery_headers",
+    "forwarded_headers",
+    "forwarded_hops",
     "header_value",
     "is_reply",
     "parse_dead_letter_headers",
     "parse_deliver_at",
     "parse_delivery_headers",
     "reply_headers",
+    "reply_shard",
     "with_delivery_headers",
     "without_delivery_headers",
 ]
@@ -74,6 +79,11 @@ CONSUMER = "qlayer.consumer"
 SESSION = "qlayer.session"
 # --- on a coordinator reply written to a delivery topic -----------------------------------
 REPLY = "qlayer.reply"
+# The shard that answered (protocol 2): the consumer writes its control and ack records to
+# that partition of the control and ack topics from then on.
+SHARD = "qlayer.shard"
+# --- on a control or ack record a coordinator passed on to the shard that serves it ---------
+FORWARDED = "qlayer.forwarded"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # --- on a dead-letter record ----------------------------------------------------------------
@@ -255,9 +265,34 @@ def parse_delivery_headers(headers: InputHeaders) -> DeliveryInfo:
 # --- replies -----------------------------------------------------------------------------------
 
 
-def reply_headers() -> Headers:
-    """Headers of a coordinator reply on a delivery topic (the value is a ReplyRecord)."""
-    return [(REPLY, _TRUE)]
+def reply_headers(shard: int | None = None) -> Headers:
+    """Headers of a coordinator reply on a delivery topic (the value is a ReplyRecord), with
+    the shard that answered."""
+    if shard is None:
+        return [(REPLY, _TRUE)]
+    return [(REPLY, _TRUE), (SHARD, b"%d" % shard)]
+
+
+def reply_shard(headers: InputHeaders) -> int | None:
+    """The ``qlayer.shard`` of a reply: where its consumer's control and ack records go.
+    None when absent or not a shard number (a reply from a protocol-1 coordinator)."""
+    value = header_value(headers, SHARD)
+    if value is None or not value.isdigit() or len(value) > 4:
+        return None
+    return int(value)
+
+
+def forwarded_hops(headers: InputHeaders) -> int:
+    """How many coordinators passed this control or ack record on already (0: none)."""
+    value = header_value(headers, FORWARDED)
+    if value is None or not value.isdigit() or len(value) > 3:
+        return 0
+    return int(value)
+
+
+def forwarded_headers(hops: int) -> Headers:
+    """Headers of a record passed on to another shard's partition, ``hops`` times so far."""
+    return [(FORWARDED, b"%d" % hops)]
 
 
 def is_reply(headers: InputHeaders) -> bool:

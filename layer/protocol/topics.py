@@ -103,6 +103,17 @@ class TopicNames:
         Publishers read it to route a publish to a queue's name (``layer.sdk.directory``)."""
         return self._prefix + "queues"
 
+    @property
+    def shards(self) -> str:
+        """One partition per shard; never written: the coordinators' group subscribes to it
+        and Kafka assigns each process its shards (DESIGN §3)."""
+        return self._prefix + "shards"
+
+    @property
+    def coordinators_group(self) -> str:
+        """The consumer group every coordinator process joins."""
+        return self._prefix + "coordinators"
+
     def delivery(self, consumer_id: str) -> str:
         """The per-consumer topic leased messages and replies are written to."""
         return validate_topic_name(

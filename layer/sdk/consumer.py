@@ -31,7 +31,7 @@ from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
-from layer.protocol.headers import SESSION, header_value, is_reply
+from layer.protocol.headers import SESSION, header_value, is_reply, reply_shard
 from layer.protocol.records import (
     AckItem,
     AckItemResult,
@@ -209,6 +209,11 @@ class QueueConsumer:
         self._topics = self._config.topics
         self._consumer_id = consumer_id or _default_consumer_id()
         self._key = self._consumer_id.encode()
+        # The shard serving this consumer's queues, from the `qlayer.shard` header of the
+        # coordinator's replies: control and ack records go to that partition (protocol 2).
+        # None until the first reply: the Subscribe goes by key, and the coordinator that
+        # reads it passes it on to the right shard.
+        self._shard: int | None = None
         self._delivery_topic = self._topics.delivery(self._consumer_id)  # validates the id
         self._session_timeout = session_timeout
         self._subscribe_timeout = subscribe_timeout
@@ -715,6 +720,9 @@ class QueueConsumer:
                 if reply.session_id != self._session_id:
                     ignored += 1
                     continue
+                shard = reply_shard(headers)
+                if shard is not None:
+                    self._shard = shard
                 self._on_reply(reply)
                 continue
             if header_value(headers, SESSION) != session:
@@ -840,7 +848,8 @@ class QueueConsumer:
     # --- sending ----------------------------------------------------------------------------
 
     def _send_control(self, message: ControlMessage) -> None:
-        self._producer.send(self._topics.control, self._key, self._codec.encode_control(message))
+        self._producer.send(self._topics.control, self._key, self._codec.encode_control(message),
+                            self._shard)
 
     def _flush_acks(self) -> None:
         with self._cond:
@@ -856,7 +865,8 @@ class QueueConsumer:
         for batch in self._batcher.batches():
             record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
                                sent_at_ms=_now_ms(), items=tuple(batch))
-            self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record))
+            self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record),
+                                self._shard)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(batch)
 

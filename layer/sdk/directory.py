@@ -6,7 +6,9 @@ definitions. Postgres is their source of truth, but SDK clients know only Kafka:
 coordinator (and ``qlayer queue ...``) mirror every definition onto ``P`` + ``queues``:
 
 - key: the queue name, UTF-8;
-- value: JSON of ``QueueDefinition.model_dump(mode="json")``;
+- value (format 2): ``{"format": 2, "shard": n, "shard_count": N, "definition": {...}}``, the
+  definition being ``QueueDefinition.model_dump(mode="json")`` and ``shard`` the shard that
+  serves the queue; format 1, the bare definition object, is still read (shard unknown);
 - a tombstone (null value): the queue was deleted.
 
 The topic is compacted, so it holds the latest definition of every queue however long it
@@ -40,6 +42,7 @@ __all__ = [
     "QueueDirectory",
     "QueueDirectoryWriter",
     "decode_definition",
+    "decode_placed_definition",
     "delete_queue_definition",
     "encode_definition",
     "publish_queue_definitions",
@@ -52,17 +55,55 @@ log = logging.getLogger(__name__)
 DIRECTORY_TOPIC_CONFIG: Mapping[str, str] = {"cleanup.policy": "compact"}
 
 
-def encode_definition(definition: QueueDefinition) -> tuple[bytes, bytes]:
-    """The directory record (key, value) of one queue definition."""
-    value = json.dumps(definition.model_dump(mode="json"), sort_keys=True,
-                       separators=(",", ":"))
+#: The directory record format this version writes.
+DIRECTORY_FORMAT = 2
+
+
+def encode_definition(definition: QueueDefinition, shard: int | None = None,
+                      shard_count: int | None = None) -> tuple[bytes, bytes]:
+    """The directory record (key, value) of one queue definition: format 2 with its shard,
+    format 1 (the bare definition) when the shard is not known."""
+    body: dict[str, Any] = definition.model_dump(mode="json")
+    if shard is not None:
+        body = {"format": DIRECTORY_FORMAT, "shard": shard, "shard_count": shard_count,
+                "definition": body}
+    value = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return definition.name.encode(), value.encode()
+
+
+def decode_placed_definition(key: bytes | None, value: bytes | None
+                             ) -> tuple[str, QueueDefinition | None, int | None]:
+    """``(queue name, definition, shard)`` of a directory record (see `decode_definition`);
+    the shard is None in a format-1 record or a tombstone."""
+    name, data = _directory_json(key, value)
+    if data is None:
+        return name, None, None
+    shard: int | None = None
+    if "format" in data:
+        if data.get("format") != DIRECTORY_FORMAT or not isinstance(data.get("definition"), dict):
+            raise ValueError(f"directory record of queue {name!r} has an unknown format "
+                             f"{data.get('format')!r} (written by a newer qlayer?)")
+        found = data.get("shard")
+        shard = found if isinstance(found, int) and not isinstance(found, bool) else None
+        data = data["definition"]
+    definition = QueueDefinition.from_mapping(data)
+    if definition.name != name:
+        raise ValueError(
+            f"directory record keyed {name!r} defines queue {definition.name!r}"
+        )
+    return name, definition, shard
 
 
 def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, QueueDefinition | None]:
     """``(queue name, definition)`` of a directory record; the definition is None for a
     tombstone. Raises ``ValueError`` (``QueueConfigError`` for a definition this version
     cannot accept) when the record is not a valid directory record."""
+    name, definition, _ = decode_placed_definition(key, value)
+    return name, definition
+
+
+def _directory_json(key: bytes | None, value: bytes | None
+                    ) -> tuple[str, dict[str, Any] | None]:
     if not key:
         raise ValueError("directory record without a key (the queue name)")
     try:
@@ -77,12 +118,7 @@ def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, Queu
         raise ValueError(f"directory record of queue {name!r} is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"directory record of queue {name!r} is not a JSON object")
-    definition = QueueDefinition.from_mapping(data)
-    if definition.name != name:
-        raise ValueError(
-            f"directory record keyed {name!r} defines queue {definition.name!r}"
-        )
-    return name, definition
+    return name, data
 
 
 class QueueDirectory:
@@ -113,6 +149,7 @@ class QueueDirectory:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._definitions: dict[str, QueueDefinition] = {}
+        self._shards: dict[str, int] = {}
         self._positions: dict[int, int] = {}
         self._loaded_at: float | None = None
         self._consumer: Any = None
@@ -133,6 +170,14 @@ class QueueDirectory:
             if found is None and self._ensure_fresh(miss=True):
                 found = self._definitions.get(name)
             return found
+
+    def shard_of(self, name: str) -> int | None:
+        """The shard serving queue ``name`` (None: no such queue, or a format-1 record)."""
+        with self._lock:
+            self._ensure_fresh(miss=False)
+            if name not in self._definitions:
+                self._ensure_fresh(miss=True)
+            return self._shards.get(name)
 
     def definitions(self) -> list[QueueDefinition]:
         """Every known queue definition, by name."""
@@ -248,7 +293,7 @@ class QueueDirectory:
 
     def _apply(self, key: bytes | None, value: bytes | None) -> None:
         try:
-            name, definition = decode_definition(key, value)
+            name, definition, shard = decode_placed_definition(key, value)
         except ValueError as exc:  # QueueConfigError is a ValueError too
             self.malformed += 1
             log.warning("ignoring queue directory record on %s: %s", self.topic, exc)
@@ -256,11 +301,17 @@ class QueueDirectory:
                 # Better unknown than stale: a queue whose latest definition cannot be read
                 # routes as a plain topic.
                 self._definitions.pop(key.decode(errors="replace"), None)
+                self._shards.pop(key.decode(errors="replace"), None)
             return
         if definition is None:
             self._definitions.pop(name, None)
+            self._shards.pop(name, None)
         else:
             self._definitions[name] = definition
+            if shard is None:
+                self._shards.pop(name, None)
+            else:
+                self._shards[name] = shard
 
 
 class QueueDirectoryWriter:
@@ -288,13 +339,17 @@ class QueueDirectoryWriter:
                          topic_config=dict(DIRECTORY_TOPIC_CONFIG), timeout=self._timeout)
             self._ensured = True
 
-    def publish(self, definitions: Iterable[QueueDefinition]) -> int:
-        """Write each definition (the newest wins); waits until Kafka has them. Returns how
-        many were written."""
+    def publish(self, definitions: Iterable[QueueDefinition], *,
+                shards: Mapping[str, int] | None = None,
+                shard_count: int | None = None) -> int:
+        """Write each definition (the newest wins), with its shard when ``shards`` has it;
+        waits until Kafka has them. Returns how many were written."""
         self._ensure_topic()
         count = 0
+        placed = shards or {}
         for definition in definitions:
-            key, value = encode_definition(definition)
+            key, value = encode_definition(definition, placed.get(definition.name),
+                                           shard_count)
             self._producer.send(self.topic, key, value)
             count += 1
         self._producer.wait(self._timeout)
@@ -310,14 +365,17 @@ class QueueDirectoryWriter:
         self._producer.wait(self._timeout)
         return count
 
-    def sync(self, definitions: Iterable[QueueDefinition]) -> tuple[int, int]:
+    def sync(self, definitions: Iterable[QueueDefinition], *,
+             shards: Mapping[str, int] | None = None,
+             shard_count: int | None = None) -> tuple[int, int]:
         """Make the directory hold exactly ``definitions``: write them, and tombstone every
         queue the directory has that is not among them. Returns (written, deleted)."""
         wanted = list(definitions)
         names = {d.name for d in wanted}
         with QueueDirectory(config=self._config, timeout=self._timeout) as directory:
             stale = [d.name for d in directory.definitions() if d.name not in names]
-        return self.publish(wanted), self.delete(stale)
+        return (self.publish(wanted, shards=shards, shard_count=shard_count),
+                self.delete(stale))
 
     def close(self) -> None:
         self._producer.wait(self._timeout)
@@ -366,8 +424,10 @@ def sync_queue_definitions(
     *,
     topic_prefix: str | None = None,
     kafka_config: Mapping[str, Any] | None = None,
+    shards: Mapping[str, int] | None = None,
+    shard_count: int | None = None,
 ) -> tuple[int, int]:
     """Make the directory topic hold exactly these definitions; returns (written, deleted)."""
     with QueueDirectoryWriter(bootstrap_servers, topic_prefix=topic_prefix,
                               kafka_config=kafka_config) as writer:
-        return writer.sync(definitions)
+        return writer.sync(definitions, shards=shards, shard_count=shard_count)

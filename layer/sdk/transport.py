@@ -216,11 +216,18 @@ class SdkProducer:
         """Control and ack records Kafka did not accept, so far."""
         return self._reports.count
 
-    def send(self, topic: str, key: bytes | None, value: bytes | None) -> None:
-        """Queue one record (a None value is a tombstone); written by ``wait`` at the latest."""
+    def send(self, topic: str, key: bytes | None, value: bytes | None,
+             partition: int | None = None) -> None:
+        """Queue one record (a None value is a tombstone); written by ``wait`` at the latest.
+        Without ``partition`` the key picks one (Kafka's default partitioner)."""
         while True:
             try:
-                self._producer.produce(topic, key=key, value=value, on_delivery=self._reports)
+                if partition is None:
+                    self._producer.produce(topic, key=key, value=value,
+                                           on_delivery=self._reports)
+                else:
+                    self._producer.produce(topic, key=key, value=value, partition=partition,
+                                           on_delivery=self._reports)
                 break
             except BufferError:
                 # librdkafka's local queue is full: let it drain, then try again.

@@ -17,7 +17,8 @@ from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from layer.coordinator.service import Coordinator, CoordinatorOptions
+from layer.coordinator.process import CoordinatorProcess
+from layer.coordinator.shard import CoordinatorOptions, ShardLoop
 from layer.protocol import (
     AckItem,
     AckItemResult,
@@ -40,14 +41,17 @@ from layer.store.store import Store
 
 
 @contextmanager
-def running_coordinator(settings: Settings, *, coordinator_class: type[Coordinator] = Coordinator,
-                        **options: object) -> Iterator[Coordinator]:
-    """A coordinator running its real loop in a background thread until the block ends."""
+def running_coordinator(settings: Settings, *, loop_class: type[ShardLoop] = ShardLoop,
+                        wait_for_shards: bool = True,
+                        **options: object) -> Iterator[CoordinatorProcess]:
+    """A coordinator process running its real loop in a background thread until the block
+    ends; by default the block starts once it runs every shard (it is alone)."""
     defaults: dict[str, object] = {"transactional": False, "refresh_interval": 0.5,
-                                    "topic_check_interval": 0.5}
+                                    "topic_check_interval": 0.5, "group_session_timeout": 6.0}
     defaults.update(options)
-    coordinator = coordinator_class(
-        settings, CoordinatorOptions(**defaults))  # type: ignore[arg-type]
+    coordinator = CoordinatorProcess(
+        settings, CoordinatorOptions(**defaults),  # type: ignore[arg-type]
+        loop_class=loop_class)
     errors: list[BaseException] = []
 
     def target() -> None:
@@ -59,6 +63,14 @@ def running_coordinator(settings: Settings, *, coordinator_class: type[Coordinat
     thread = threading.Thread(target=target, name="coordinator", daemon=True)
     thread.start()
     try:
+        if wait_for_shards:
+            with Store(settings.database_url) as store:
+                count = store.shard_count()
+            deadline = time.monotonic() + 60
+            while len(coordinator.shards) < count and not errors:
+                assert time.monotonic() < deadline, (
+                    f"the coordinator runs shards {coordinator.shards} of {count} after 60s")
+                time.sleep(0.05)
         yield coordinator
     finally:
         coordinator.stop()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from layer.coordinator.service import Coordinator
+from layer.coordinator.process import CoordinatorProcess
 from layer.protocol import (
     AckItem,
     AckRecord,
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.integration
 
 
 def still_serving(settings: Settings, pool: Consumers, journal: str,
-                  coordinator: Coordinator) -> None:
+                  coordinator: CoordinatorProcess) -> None:
     """The coordinator is alive and delivering: a fresh message reaches one of the consumers
     that are still subscribed, and its ack is applied."""
     assert coordinator.is_owner

@@ -18,10 +18,13 @@ def test_ownership_acquired_on_start_and_lost_on_a_clean_stop(settings: Settings
         events = EventReader(settings)
         acquired = events.read_until(lambda es: {
             e.queue for e in es if e.type is EventType.OWNERSHIP_ACQUIRED} == {"A", "B"})
-        epoch = coordinator.epoch
+        # Each queue's shard has its own epoch.
+        epochs = {name: loop.epoch for name in ("A", "B")
+                  for loop in [coordinator.loop_for(name)] if loop is not None}
     lost = events.read_until(lambda es: {
         e.queue for e in es if e.type is EventType.OWNERSHIP_LOST} == {"A", "B"})
     events.close()
     owned = [e for e in acquired + lost if e.type in (EventType.OWNERSHIP_ACQUIRED,
                                                       EventType.OWNERSHIP_LOST)]
-    assert {(e.coordinator_id, e.coordinator_epoch) for e in owned} == {("first", epoch)}
+    assert {(e.queue, e.coordinator_id, e.coordinator_epoch) for e in owned} == {
+        (name, "first", epoch) for name, epoch in epochs.items()}

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from layer.coordinator.service import Coordinator
+from layer.coordinator.process import CoordinatorProcess
+from layer.coordinator.shard import ShardLoop
 from layer.kafka import OutgoingRecord
 from layer.kafka.errors import DeliveryFailed
 from layer.protocol import Event, EventType
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.integration
 LEASE_PERIOD = "300s"
 
 
-class LosesADeliveryWrite(Coordinator):
+class LosesADeliveryWrite(ShardLoop):
     """A real coordinator whose first Kafka write carrying deliveries once it is ``armed``
     fails, after the PostgreSQL commit of their leases (as when the broker refuses the write,
     or the process dies there). Nothing of that write reaches Kafka; the loop's crash-only
@@ -83,6 +84,13 @@ def wait_for_recovery_point(settings: Settings, queue: str, total: int) -> None:
             time.sleep(0.1)
 
 
+def _loop_of(process: CoordinatorProcess, queue: str) -> LosesADeliveryWrite:
+    """The shard loop serving ``queue`` (the others never see its deliveries)."""
+    loop = process.loop_for(queue)
+    assert isinstance(loop, LosesADeliveryWrite), f"no loop serves {queue}"
+    return loop
+
+
 def test_deliveries_lost_after_the_commit_are_sent_again_with_the_same_lease(
     settings: Settings, journal: Callable[..., str]
 ) -> None:
@@ -90,8 +98,8 @@ def test_deliveries_lost_after_the_commit_are_sent_again_with_the_same_lease(
     put_queues(settings, {"name": "WorkToDo", "underlying_topic": topic,
                           "lease_period": LEASE_PERIOD})
     events = EventReader(settings)
-    with running_coordinator(settings, coordinator_class=LosesADeliveryWrite) as coordinator:
-        assert isinstance(coordinator, LosesADeliveryWrite)
+    with running_coordinator(settings, loop_class=LosesADeliveryWrite) as process:
+        coordinator = _loop_of(process, "WorkToDo")
         consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "WorkToDo",
                                max_backlog=5)
         try:
@@ -143,8 +151,8 @@ def test_the_sdk_drops_the_repeats_of_leases_it_holds(
     put_queues(settings, {"name": "WorkToDo", "underlying_topic": topic,
                           "lease_period": LEASE_PERIOD})
     total = 20
-    with running_coordinator(settings, coordinator_class=LosesADeliveryWrite) as coordinator:
-        assert isinstance(coordinator, LosesADeliveryWrite)
+    with running_coordinator(settings, loop_class=LosesADeliveryWrite) as process:
+        coordinator = _loop_of(process, "WorkToDo")
         coordinator.armed = False
         with QueueConsumer("WorkToDo", settings.bootstrap_servers,
                            topic_prefix=settings.topic_prefix, max_backlog=10) as consumer:

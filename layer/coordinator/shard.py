@@ -1,12 +1,14 @@
-"""The coordinator: turns journals into queues (DESIGN §2, §6).
+"""The shard loop: turns the journals of one shard's queues into queues (DESIGN §2, §6).
 
-One process, one thread, one loop. Each iteration (:meth:`Coordinator.run_once`):
+A coordinator process (`layer.coordinator.process`) runs one loop per shard the coordinators'
+group assigned it, on one thread. Each iteration (:meth:`ShardLoop.run_once`):
 
 1. poll journals, the control topic and the ack topic in one batch;
 2. hand control records, acks and journal records to the pure queue engines, then run their
    timers (``tick``) and matching (``dispatch``), and take what they decided (``drain``);
-3. write dead letters to Kafka and wait for them (an entry leaves only once its dead letter
-   is safe);
+3. write dead letters, and records that belong to another shard, to Kafka and wait for them
+   (an entry leaves only once its dead letter is safe; a passed-on ack is safe before its
+   position is stored);
 4. one PostgreSQL transaction for everything decided, guarded by the owner's epoch;
 5. only then produce deliveries, replies and events, and wait for them;
 6. commit the input topics' offsets.
@@ -16,29 +18,31 @@ deliveries. The restart sends the deliveries of every restored lease again, unch
 token), once the replay brings their records back; a consumer drops a delivery whose token it
 already has. Leases whose consumers are gone expire and are redelivered (at-least-once).
 The input positions of step 6 are also written in 4, so a restart applies no ack twice.
-:meth:`Coordinator.run` wraps this in the lifecycle: ownership (hot standby), signals,
-shutdown.
+The process wraps this in the lifecycle: group membership, signals, shutdown.
+
+A loop reads only its shard's partitions of the control and ack topics (partition p belongs to
+shard p mod N). A record there for a queue or session of another shard (a consumer that has
+not heard from its shard yet, a queue moved away) is passed on to that shard's partition with
+a ``qlayer.forwarded`` hop count.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import re
-import signal
 import socket
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from types import FrameType
 
+from layer.coordinator.catalog import Catalog
 from layer.coordinator.payloads import (
     DEFAULT_PAYLOAD_BUDGET,
+    MemoryPool,
     PayloadCache,
     RangeReader,
     record_size,
@@ -53,6 +57,7 @@ from layer.coordinator.translate import (
     wire_reason,
 )
 from layer.domain import events as ev
+from layer.domain.consumers import BacklogShare
 from layer.domain.definitions import QueueDefinition, Semantics
 from layer.domain.engine import AckItem as EngineAckItem
 from layer.domain.engine import QueueEngine
@@ -64,6 +69,7 @@ from layer.domain.expressions import (
     parse_document,
     project,
 )
+from layer.domain.shards import shard_key
 from layer.domain.states import AckResult as EngineAckResult
 from layer.domain.states import AckType as EngineAckType
 from layer.domain.states import Bookmark, LeaveReason
@@ -103,6 +109,8 @@ from layer.protocol import (
     ack_item_shape_problem,
     dead_letter_headers,
     encoded_delivery_headers,
+    forwarded_headers,
+    forwarded_hops,
     parse_deliver_at,
     reply_headers,
     topic_name_problem,
@@ -153,10 +161,9 @@ class CoordinatorOptions:
     """How one coordinator process behaves; every field has a sane default."""
 
     owner_id: str = field(default_factory=default_owner_id)
-    #: The ownership shard. One shard holds every queue; a second coordinator is a standby.
-    shard: str = "default"
-    #: A standby takes over this long after the owner's last renewal.
-    ownership_ttl: float = 6.0
+    #: Kafka's session timeout for the coordinators' group: a process silent this long loses
+    #: its shards to the others (the broker allows 6 s to 30 min by default).
+    group_session_timeout: float = 10.0
     #: Session timeout for consumers that give none.
     default_session_timeout: float = 30.0
     poll_timeout: float = 0.02
@@ -170,7 +177,8 @@ class CoordinatorOptions:
     group_commit_interval: float = 5.0
     #: Kafka transactions fence a zombie coordinator's producer (DESIGN §6).
     transactional: bool = True
-    standby_poll_interval: float = 0.5
+    #: How often each shard's lag and the process's shards are written for `qlayer coordinators`.
+    report_interval: float = 2.0
     #: Bytes of journal records kept in memory; past it, records are re-read when needed.
     payload_budget: int = DEFAULT_PAYLOAD_BUDGET
     #: Allocations between cyclic garbage collections, set for the process by `run()`
@@ -209,6 +217,8 @@ class _Session:
     session_timeout: float
     subscribed_at: float
     queues: list[str]
+    #: One backlog across the queues of a regex subscription (AMPS; `BacklogShare`).
+    share: BacklogShare | None = None
 
     def matches(self, queue: str) -> bool:
         if self.is_regex:
@@ -219,6 +229,11 @@ class _Session:
 #: What applying one ack item came to: its status, the lease's new expiry (RENEW) and why it
 #: was refused.
 AckOutcome = tuple[AckStatus, int | None, str | None]
+
+#: A control or ack record passes through at most this many coordinators: catalogs that
+#: disagree for a moment (a queue just moved) must not bounce a record for ever; past it, the
+#: shard that has it answers as best it can (UNKNOWN_ENTRY, UNKNOWN_SESSION).
+MAX_FORWARD_HOPS = 4
 
 
 class _Encoded(dict[str, bytes]):
@@ -254,26 +269,37 @@ class LeaseTokens:
         return token
 
 
-class Coordinator:
-    """Owns the queues of one shard while it holds the shard's ownership in PostgreSQL."""
+class ShardLoop:
+    """Serves the queues of one shard while its process holds the shard's epoch in PostgreSQL.
+
+    ``catalog`` gives the process's latest view of every queue and consumer (all shards);
+    ``admin`` is the process's Kafka admin client, shared by its loops."""
 
     def __init__(
         self,
         settings: Settings,
-        options: CoordinatorOptions | None = None,
+        options: CoordinatorOptions,
+        shard: int,
         *,
-        store: Store | None = None,
+        catalog: Callable[[], Catalog],
+        store: Store,
+        admin: KafkaAdmin,
+        memory: MemoryPool | None = None,
         tokens: Callable[[], str] | None = None,
     ) -> None:
         self.settings = settings
-        self.options = options or CoordinatorOptions()
-        self.store = store if store is not None else Store(settings.database_url)
+        self.options = options
+        self.shard = shard
+        self.key = shard_key(shard)
+        self._catalog = catalog
+        self.store = store
+        self._shared_admin = admin
+        self._memory = memory
         self.topics = TopicNames(settings.topic_prefix)
         self.codec = Codec()
         self._tokens = tokens or LeaseTokens()
         self.counters: Counter[str] = Counter()
         self.epoch: int | None = None
-        self._stop = threading.Event()
         # Events of decisions PostgreSQL holds whose Kafka write failed: kept across the
         # rebuild that follows (unlike everything in _reset_state) and written first by the
         # next write that succeeds. The failed write's transaction was aborted, so its
@@ -286,13 +312,17 @@ class Coordinator:
         self.engines: dict[str, QueueEngine] = {}
         self._versions: dict[str, int] = {}
         self._sessions: dict[str, _Session] = {}
-        self._payloads = PayloadCache(self.options.payload_budget)
+        old = getattr(self, "_payloads", None)
+        if old is not None:
+            old.clear()
+        self._payloads = PayloadCache(self.options.payload_budget, pool=self._memory)
         self._range_reader: RangeReader | None = None
         self._known_topics: set[str] = set()
-        self._directory_synced = False
         self._queues_by_topic: dict[str, list[QueueEngine]] = {}
         self._queue_keys: dict[str | None, bytes] = {}
         self._encoded = _Encoded()
+        self._reply_headers = reply_headers(self.shard)
+        self._catalog_seen = -1.0
         self._persisted_points: dict[PartitionKey, int] = {}
         # Per partition of each queue: the next offset not admitted yet, and what is stored of
         # it. A restart re-admits [recovery point, stored admitted_to) without counting those
@@ -316,8 +346,9 @@ class Coordinator:
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._admin: KafkaAdmin | None = None
+        # Control and ack records for other shards, written before this iteration's commit.
+        self._forwards: list[OutgoingRecord] = []
         self._next_refresh = 0.0
-        self._next_renew = 0.0
         self._next_group_commit = 0.0
         self._next_topic_check = 0.0
         self._next_position_write = 0.0
@@ -327,25 +358,21 @@ class Coordinator:
         return self.epoch is not None
 
     # ------------------------------------------------------------------ ownership
-    def try_acquire(self, now: float) -> bool:
-        """Become the owner if the shard is free or its owner stopped renewing."""
-        epoch = self.store.acquire(self.options.shard, self.options.owner_id,
-                                   self.options.ownership_ttl, now)
-        if epoch is None:
-            return False
-        self.epoch = epoch
-        log.info("coordinator %s owns shard %r at epoch %d", self.options.owner_id,
-                 self.options.shard, epoch)
+    def take(self, now: float) -> None:
+        """Take the shard (a new epoch, which fences any earlier holder) and start serving it:
+        restore its queues from PostgreSQL and read on. The group assigned it to us."""
+        self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
+        log.info("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
+                 self.epoch)
         try:
             self._start(now)
         except BaseException:
             self._lose_ownership("start-up failed")
             raise
-        return True
 
     def _lose_ownership(self, why: str) -> None:
-        log.warning("coordinator %s gives up shard %r: %s", self.options.owner_id,
-                    self.options.shard, why)
+        log.warning("coordinator %s gives up shard %d: %s", self.options.owner_id,
+                    self.shard, why)
         self._close_clients()
         self.epoch = None
         self._reset_state()
@@ -378,11 +405,27 @@ class Coordinator:
             self._pending_events = []
         if self.epoch is not None:
             try:
-                self.store.release(self.options.shard, self.options.owner_id, self.epoch, now)
+                self.store.release(self.key, self.options.owner_id, self.epoch, now)
             except QlayerError as exc:
                 log.warning("releasing ownership failed: %s", exc)
         self._close_clients()
         self.epoch = None
+
+    def abandon(self, why: str) -> None:
+        """Stop at once without writing anything (the shard was lost: another process may
+        already run it, and the epoch fences whatever this one would still write)."""
+        if self.epoch is not None:
+            self._lose_ownership(why)
+
+    def rebuild(self, now: float) -> None:
+        """Drop all in-memory state after a failure; keep nothing that was not persisted.
+        The process takes the shard again (a new epoch) before the next iteration."""
+        self.release(now)
+        self._reset_state()
+
+    def lag(self) -> int | None:
+        """Records of this shard's inputs not read yet (from the last fetches)."""
+        return self._reader.lag() if self._reader is not None else None
 
     def _close_clients(self) -> None:
         for closer in (self._reader, self._writer, self._range_reader):
@@ -398,25 +441,24 @@ class Coordinator:
     # ------------------------------------------------------------------ start-up
     def _start(self, now: float) -> None:
         kafka = self.settings.kafka_config()
-        self._admin = KafkaAdmin(kafka)
-        self._admin.ensure_topics([
-            TopicSpec(self.topics.control, 3),
-            TopicSpec(self.topics.ack, 6),
-            TopicSpec(self.topics.events, 6),
-        ])
-        tid = (f"{self.topics.prefix}coordinator-{self.options.shard}"
+        self._admin = self._shared_admin
+        # One transactional id per shard: a process that takes the shard fences the producer
+        # of the one that had it.
+        tid = (f"{self.topics.prefix}coordinator-{self.shard}"
                if self.options.transactional else None)
         self._writer = RecordWriter(kafka, transactional_id=tid)
         self._reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
         # Acks and control records are assigned before the journals, so the first fetches
         # carry them: after a restart, consumers' acks and heartbeats are read at once rather
         # than behind the replay of the journals.
-        inputs = [(self.topics.control, p) for p in range(self._partitions(self.topics.control))]
-        inputs += [(self.topics.ack, p) for p in range(self._partitions(self.topics.ack))]
+        catalog = self._catalog()
+        count = catalog.shard_count
+        inputs = [(topic, p) for topic in (self.topics.control, self.topics.ack)
+                  for p in range(self._partitions(topic)) if p % count == self.shard]
         # Read on where the last owner's applied acks and control records end: the positions
         # it committed to PostgreSQL with their effects. The group offsets in Kafka are only
         # for partitions it never wrote a position for (a database from before 0003).
-        stored = self.store.load_input_positions(self.options.shard)
+        stored = self.store.load_input_positions(self.key)
         committed = self._reader.committed([tp for tp in inputs if tp not in stored])
         committed.update(stored)
         # Control and ack records older than the topics' retention are gone for good; they
@@ -424,13 +466,12 @@ class Coordinator:
         firsts = self._admin.log_start_offsets(inputs)
         self._reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
                           for tp in inputs for o in [committed.get(tp)]})
-        session_of = {row.consumer_id: row.session_id for row in self.store.load_consumers()}
-        for record in self.store.load_queues():
+        session_of = {row.consumer_id: row.session_id for row in catalog.consumers.values()}
+        for record in catalog.on_shard(self.shard).values():
             self._add_queue(record.name, record.definition, record.version, now, session_of)
-        self._restore_sessions(now)
+        self._restore_sessions(catalog.consumers.values(), now)
         self._ownership_events(EventType.OWNERSHIP_ACQUIRED, now)
-        self._sync_directory()
-        self._next_refresh = now + self.options.refresh_interval
+        self._catalog_seen = catalog.loaded_at
 
     def _partitions(self, topic: str) -> int:
         assert self._admin is not None
@@ -540,43 +581,56 @@ class Coordinator:
                 # they have seen (the engine ignores offsets below its position).
                 self._reader.seek(tp[0], tp[1], offset)
 
-    def _restore_sessions(self, now: float) -> None:
-        """Consumers subscribed before a restart keep their sessions (and leases) for one more
-        session timeout: they heartbeat on the same topics and never noticed the change."""
-        for row in self.store.load_consumers():
+    def _restore_sessions(self, rows: Iterable[ConsumerRow], now: float,
+                          only: str | None = None) -> None:
+        """Consumers subscribed before a restart (or to a queue that moved here) keep their
+        sessions and leases for one more session timeout: they heartbeat on the same topics
+        (passed on to this shard when they write to another) and never noticed the change.
+        With ``only``, just the sessions of that queue this loop does not serve yet."""
+        for row in rows:
+            if row.consumer_id in self._sessions:
+                continue
             session = _Session(row.consumer_id, row.session_id, row.queue, row.is_regex,
                                row.max_backlog, row.filter, row.delivery_topic,
                                row.session_timeout_ms / 1000.0, row.subscribed_at, [])
-            for name, engine in self.engines.items():
-                if session.matches(name):
-                    try:
-                        engine.subscribe(row.consumer_id, row.session_id, now,
-                                         delivery_topic=row.delivery_topic,
-                                         max_backlog=row.max_backlog, filter=row.filter,
-                                         session_timeout=session.session_timeout)
-                    except ExpressionError:
-                        continue
-                    session.queues.append(name)
+            if row.is_regex:
+                session.share = BacklogShare()
+            try:
+                if only is not None and not session.matches(only):
+                    continue
+                names = [n for n in self.engines if session.matches(n)]
+            except re.error:
+                continue
+            for name in names:
+                try:
+                    self.engines[name].subscribe(row.consumer_id, row.session_id, now,
+                                                 delivery_topic=row.delivery_topic,
+                                                 max_backlog=row.max_backlog, filter=row.filter,
+                                                 session_timeout=session.session_timeout,
+                                                 share=session.share)
+                except ExpressionError:
+                    continue
+                session.queues.append(name)
             if session.queues:
                 self._sessions[row.consumer_id] = session
 
     # ------------------------------------------------------------------ the loop
-    def run_once(self, now: float) -> LoopStats:
+    def run_once(self, now: float, poll_timeout: float | None = None) -> LoopStats:
         """One iteration: poll, decide, persist, produce. Requires ownership."""
         if self._reader is None or self._writer is None or self.epoch is None:
-            raise QlayerError("run_once needs ownership: call try_acquire first")
+            raise QlayerError("run_once needs the shard: call take first")
         stats = LoopStats()
         batch = WriteBatch()
         replies: list[OutgoingRecord] = []
-        if now >= self._next_renew:
-            self._renew(now)
-        if now >= self._next_refresh:
+        if now >= self._next_refresh or self._catalog().loaded_at != self._catalog_seen:
             self._refresh(now, batch, replies)
             self._next_refresh = now + self.options.refresh_interval
 
         clock = time.perf_counter
         started = clock()
-        records = self._reader.poll(self.options.max_batch, self.options.poll_timeout)
+        records = self._reader.poll(self.options.max_batch,
+                                    self.options.poll_timeout if poll_timeout is None
+                                    else poll_timeout)
         polled = clock()
         if self._deferred_acks:
             self._retry_deferred_acks(now, replies)
@@ -643,11 +697,14 @@ class Coordinator:
         for e in expired:
             dead_letters.extend(self._dead_letter(e, now, reread))
 
-        # 3. Dead letters are safe in Kafka before their entries leave the queue.
-        if dead_letters:
-            self._writer.send(dead_letters)
+        # 3. Dead letters are safe in Kafka before their entries leave the queue, and records
+        # passed on to other shards before their input positions are stored.
+        if dead_letters or self._forwards:
+            self._writer.send(dead_letters + self._forwards)
             self._writer.flush()
             stats.dead_letters = len(dead_letters)
+            self.counters["forwarded"] += len(self._forwards)
+            self._forwards = []
 
         # 4. One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
@@ -662,7 +719,7 @@ class Coordinator:
         decided = clock()
         if not batch.is_empty():
             try:
-                result = self.store.commit(batch, self.options.shard, self.options.owner_id,
+                result = self.store.commit(batch, self.key, self.options.owner_id,
                                            self.epoch, now)
             except FencedError:
                 self._lose_ownership("fenced: another coordinator took the shard over")
@@ -761,14 +818,6 @@ class Coordinator:
     def _session_id_of(self, consumer_id: str) -> str | None:
         session = self._sessions.get(consumer_id)
         return session.session_id if session is not None else None
-
-    def _renew(self, now: float) -> None:
-        assert self.epoch is not None
-        if not self.store.renew(self.options.shard, self.options.owner_id, self.epoch,
-                                self.options.ownership_ttl, now):
-            self._lose_ownership("ownership lapsed: another coordinator took the shard over")
-            raise FencedError(self.options.shard, self.options.owner_id, -1)
-        self._next_renew = now + self.options.ownership_ttl / 4
 
     # ------------------------------------------------------------------ journals
     def _engines_for(self, topic: str) -> list[QueueEngine]:
@@ -946,7 +995,7 @@ class Coordinator:
     def _reply(self, topic: str, message: SubscribeResult | AckResult | SessionEnded,
                key: str) -> OutgoingRecord:
         return OutgoingRecord(topic, self.codec.encode_reply(message), key.encode(),
-                              reply_headers(), partition=0)
+                              self._reply_headers, partition=0)
 
     # ------------------------------------------------------------------ acks
     def _on_ack(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
@@ -957,12 +1006,43 @@ class Coordinator:
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
             return 0
         assert isinstance(record, AckRecord)
+        items = record.items
+        engines = self.engines
+        if not all(item.queue in engines for item in items):
+            items = self._forward_acks(r, record)
         waiting = len(self._deferred_acks)
-        self._settle(record.consumer_id, record.session_id, record.items, now, replies)
+        self._settle(record.consumer_id, record.session_id, items, now, replies)
         if len(self._deferred_acks) > waiting:
             self.counters["acks_deferred_for_replay"] += len(self._deferred_acks) - waiting
             self._deferred_from.setdefault((r.topic, r.partition), r.offset)
         return len(record.items)
+
+    def _forward_acks(self, r: JournalRecord, record: AckRecord) -> tuple[AckItem, ...]:
+        """Pass the items of queues another shard serves on to that shard's ack partition;
+        return the items this shard answers (its own, and those of unknown queues)."""
+        hops = forwarded_hops(r.headers)
+        if hops >= MAX_FORWARD_HOPS:
+            self.counters["forward_hops_exceeded"] += 1
+            return record.items
+        catalog = self._catalog()
+        mine: list[AckItem] = []
+        theirs: dict[int, list[AckItem]] = {}
+        for item in record.items:
+            shard = None if item.queue in self.engines else catalog.shard_of(item.queue)
+            if shard is None or shard == self.shard:
+                mine.append(item)
+            else:
+                theirs.setdefault(shard, []).append(item)
+        for shard, items in theirs.items():
+            value = r.value if len(items) == len(record.items) else self.codec.encode_ack(
+                AckRecord(consumer_id=record.consumer_id, session_id=record.session_id,
+                          sent_at_ms=record.sent_at_ms, items=tuple(items)))
+            self._forward(r, value, shard, hops)
+        return tuple(mine)
+
+    def _forward(self, r: JournalRecord, value: bytes | None, shard: int, hops: int) -> None:
+        self._forwards.append(OutgoingRecord(r.topic, value, r.key, forwarded_headers(hops + 1),
+                                             partition=shard))
 
     def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
                 replies: list[OutgoingRecord]) -> None:
@@ -1088,6 +1168,11 @@ class Coordinator:
             self.counters["malformed_control_records"] += 1
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
             return
+        hops = forwarded_hops(r.headers)
+        target = self._control_shard(message) if hops < MAX_FORWARD_HOPS else None
+        if target is not None and target != self.shard:
+            self._forward(r, r.value, target, hops)
+            return
         if isinstance(message, Subscribe | Replace):
             self._on_subscribe(message, now, batch, replies)
         elif isinstance(message, Heartbeat):
@@ -1110,6 +1195,23 @@ class Coordinator:
                 self.engines[name].unsubscribe(message.consumer_id, now)
             del self._sessions[message.consumer_id]
             batch.delete_consumer(message.consumer_id)
+
+    def _control_shard(self, message: Subscribe | Replace | Heartbeat | Unsubscribe
+                       ) -> int | None:
+        """The one shard that serves a control record, None when this shard answers it (its
+        own session, or a request no shard or several shards would serve)."""
+        session = self._sessions.get(message.consumer_id)
+        if session is not None and session.session_id == message.session_id:
+            return None
+        catalog = self._catalog()
+        if isinstance(message, Subscribe | Replace):
+            try:
+                shards = catalog.shards_matching(message.queue, message.queue_is_regex)
+            except re.error:
+                return None
+        else:
+            shards = catalog.consumer_shards(message.consumer_id, message.session_id)
+        return next(iter(shards)) if len(shards) == 1 else None
 
     def _delivery_topic_of(self, consumer_id: str) -> str:
         """Where to answer a consumer: its session's delivery topic, else the conventional
@@ -1208,9 +1310,21 @@ class Coordinator:
                            else now, [])
         try:
             names = [n for n in self.engines if session.matches(n)]
+            shards = self._catalog().shards_matching(m.queue, m.queue_is_regex)
         except re.error as exc:
             refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
             return
+        if len(shards) > 1:
+            # One backlog across the matched queues (AMPS) needs them in one loop.
+            refuse(SubscribeStatus.INVALID_REQUEST,
+                   f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a regex "
+                   "subscription reads queues of one shard only: give them one shard_group "
+                   "in their queue files (docs/coordinator.md, 'One backlog')")
+            return
+        if m.queue_is_regex:
+            session.share = (existing.share if existing is not None
+                             and kind is RequestKind.REPLACE and existing.share is not None
+                             else BacklogShare())
         if not names:
             refuse(SubscribeStatus.UNKNOWN_QUEUE,
                    f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}")
@@ -1234,12 +1348,13 @@ class Coordinator:
             event: ev.ConsumerSubscribed | ev.ConsumerReplaced
             if kind is RequestKind.REPLACE and name in old:
                 event = engine.replace(m.consumer_id, now, max_backlog=m.max_backlog,
-                                       filter=m.filter or None, delivery_topic=m.delivery_topic)
+                                       filter=m.filter or None, delivery_topic=m.delivery_topic,
+                                       share=session.share)
             else:
                 event = engine.subscribe(m.consumer_id, m.session_id, now,
                                          delivery_topic=m.delivery_topic,
                                          max_backlog=m.max_backlog, filter=m.filter or None,
-                                         session_timeout=timeout)
+                                         session_timeout=timeout, share=session.share)
             definition = engine.definition
             grants.append(QueueGrant(
                 queue=name, max_backlog=event.max_backlog,
@@ -1283,10 +1398,13 @@ class Coordinator:
 
     # ------------------------------------------------------------------ refresh
     def _refresh(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
-        """Pick up queues created, changed, purged or deleted, journal partitions added and
-        consumers an operator evicted."""
-        known = {r.name: r for r in self.store.load_queues()}
-        session_of = {s.consumer_id: s.session_id for s in self._sessions.values()}
+        """Pick up queues created, changed, purged, deleted or moved to or from this shard,
+        journal partitions added and consumers an operator evicted."""
+        catalog = self._catalog()
+        self._catalog_seen = catalog.loaded_at
+        known = catalog.on_shard(self.shard)
+        session_of = {row.consumer_id: row.session_id for row in catalog.consumers.values()}
+        session_of.update((s.consumer_id, s.session_id) for s in self._sessions.values())
         for name, record in known.items():
             if record.purge_pending and name in self.engines:
                 self._purge(name, now, batch)
@@ -1294,19 +1412,30 @@ class Coordinator:
                 batch.purge_done(name, record.purge_requested_at)
                 # A purge bumps the version; it is not a definition change to rebuild for.
                 self._versions[name] = record.version
-        self._evict(now, batch, replies)
-        if set(known) != set(self.engines) or any(
-                r.version != self._versions.get(n) for n, r in known.items()):
-            self._directory_synced = False
+        self._evict(catalog.consumers.values(), now, batch, replies)
         for name in list(self.engines):
             if name not in known:
-                log.info("queue %s was deleted", name)
+                elsewhere = catalog.shard_of(name)
+                if elsewhere is None:
+                    log.info("queue %s was deleted", name)
+                    self._drop_queue(name, now)
+                    continue
+                log.info("queue %s moved to shard %d", name, elsewhere)
                 self._drop_queue(name, now)
+                # Sessions left with no queue here belong to the shard the queue went to: it
+                # serves them from the stored consumer row, and this shard passes their
+                # records on to it.
+                for consumer_id, session in list(self._sessions.items()):
+                    if not session.queues:
+                        del self._sessions[consumer_id]
         for name, record in known.items():
             if name not in self.engines:
-                log.info("queue %s was created", name)
+                log.info("queue %s is served by shard %d from now on", name, self.shard)
                 self._add_queue(name, record.definition, record.version, now, session_of)
                 self._subscribe_regex_sessions(name, now)
+                # The sessions of a queue that moved here: their consumers still write to the
+                # old shard, which passes their records on.
+                self._restore_sessions(catalog.consumers.values(), now, only=name)
             elif record.version != self._versions.get(name):
                 # Rebuild the queue from its persisted state under the new definition: leases
                 # are persisted, so they survive; what is in flight this iteration is not lost
@@ -1317,8 +1446,6 @@ class Coordinator:
                 self._resubscribe(name, now)
         # New partitions or topics for queues that already exist: one listing for them all.
         if now < self._next_topic_check:
-            if not self._directory_synced:
-                self._sync_directory()
             return
         self._next_topic_check = now + self.options.topic_check_interval
         assert self._admin is not None
@@ -1333,24 +1460,6 @@ class Coordinator:
                 engine.restore([], starts)
                 self._read_from(starts)
                 self._queues_by_topic.clear()
-        if not self._directory_synced:
-            self._sync_directory()
-
-    def _sync_directory(self) -> None:
-        """Publish the queue definitions to the compacted directory topic, from which
-        publishers learn where a queue's name routes (its default_publish_target) without
-        PostgreSQL. Retried at the next refresh when Kafka refuses."""
-        from layer.sdk.directory import sync_queue_definitions
-
-        try:
-            sync_queue_definitions([e.definition for e in self.engines.values()],
-                                   self.settings.bootstrap_servers,
-                                   topic_prefix=self.settings.topic_prefix,
-                                   kafka_config=self.settings.kafka)
-        except QlayerError as exc:
-            log.warning("publishing the queue directory failed (retrying): %s", exc)
-            return
-        self._directory_synced = True
 
     def _purge(self, name: str, now: float, batch: WriteBatch) -> None:
         """`qlayer queue purge`: every entry leaves the queue, acknowledged by the operator
@@ -1368,12 +1477,16 @@ class Coordinator:
         self.counters["purged"] += purged
         log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)
 
-    def _evict(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
-        """`qlayer consumers evict`: break the consumer's leases at once and tell it."""
-        for row in self.store.load_consumers():
+    def _evict(self, rows: Iterable[ConsumerRow], now: float, batch: WriteBatch,
+               replies: list[OutgoingRecord]) -> None:
+        """`qlayer consumers evict`: break the consumer's leases at once and tell it. Each
+        shard evicts its own sessions; a consumer no shard serves is evicted by shard 0."""
+        for row in rows:
             if row.evict_requested_at is None:
                 continue
             session = self._sessions.get(row.consumer_id)
+            if session is None and not self._serves_orphan(row):
+                continue
             if session is not None:
                 for queue in session.queues:
                     engine = self.engines.get(queue)
@@ -1386,6 +1499,12 @@ class Coordinator:
             batch.delete_consumer(row.consumer_id)
             self.counters["evictions"] += 1
             log.info("consumer %s evicted; its leases were broken", row.consumer_id)
+
+    def _serves_orphan(self, row: ConsumerRow) -> bool:
+        """Whether this shard handles a stored consumer no loop has a session for: the shard
+        its queues are on, or shard 0 when they are on none (deleted)."""
+        shards = self._catalog().consumer_shards(row.consumer_id, row.session_id)
+        return self.shard in shards or (not shards and self.shard == 0)
 
     def _drop_queue(self, name: str, now: float, keep_sessions: bool = False) -> None:
         engine = self.engines.pop(name)
@@ -1412,7 +1531,7 @@ class Coordinator:
             if name in s.queues:
                 engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
                                  max_backlog=s.max_backlog, filter=s.filter,
-                                 session_timeout=s.session_timeout)
+                                 session_timeout=s.session_timeout, share=s.share)
 
     def _subscribe_regex_sessions(self, name: str, now: float) -> None:
         """A regex subscription covers queues created after it (as AMPS regex topics do)."""
@@ -1423,66 +1542,5 @@ class Coordinator:
             if s.is_regex and s.matches(name) and name not in s.queues:
                 engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
                                  max_backlog=s.max_backlog, filter=s.filter,
-                                 session_timeout=s.session_timeout)
+                                 session_timeout=s.session_timeout, share=s.share)
                 s.queues.append(name)
-
-    # ------------------------------------------------------------------ lifecycle
-    def stop(self) -> None:
-        self._stop.set()
-
-    def run(self, clock: Callable[[], float] = time.time, install_signals: bool = True) -> None:
-        """Run until stopped (SIGTERM / SIGINT): a hot standby until ownership is free, then
-        the owner; gives ownership up on the way out so a standby takes over at once."""
-        if install_signals:
-            def handler(signum: int, frame: FrameType | None) -> None:
-                log.info("signal %d: stopping", signum)
-                self._stop.set()
-
-            signal.signal(signal.SIGTERM, handler)
-            signal.signal(signal.SIGINT, handler)
-        if self.options.gc_threshold:
-            # Every iteration allocates a few objects per message (records, rows, events), and
-            # the default threshold (700) ran the cyclic collector every few dozen messages,
-            # re-walking the queues' long-lived objects each time. Nothing in the loop makes
-            # reference cycles, so collecting less often costs no memory.
-            gc.set_threshold(self.options.gc_threshold, 50, 100)
-        announced_standby = False
-        backoff = 0.0
-        try:
-            while not self._stop.is_set():
-                now = clock()
-                try:
-                    if not self.is_owner:
-                        if not self.try_acquire(now):
-                            if not announced_standby:
-                                log.info("coordinator %s is a hot standby for shard %r",
-                                         self.options.owner_id, self.options.shard)
-                                announced_standby = True
-                            self._stop.wait(self.options.standby_poll_interval)
-                            continue
-                        announced_standby = False
-                    self.run_once(now)
-                    backoff = 0.0
-                except FencedError:
-                    continue
-                except QlayerError as exc:
-                    # Kafka or PostgreSQL failed mid-iteration: what the engines decided may
-                    # not be persisted, so the in-memory state is not trusted. Crash-only
-                    # recovery: hand the shard back, wait, and rebuild from PostgreSQL and the
-                    # journals exactly as after a restart.
-                    backoff = min(max(backoff * 2, 0.5), 10.0)
-                    log.error("iteration failed (%s); rebuilding from stored state in %.1fs",
-                              exc, backoff)
-                    self.counters["iteration_failures"] += 1
-                    self._recover(clock())
-                    self._stop.wait(backoff)
-        finally:
-            self.release(clock())
-
-    def _recover(self, now: float) -> None:
-        """Drop all in-memory state after a failure; keep nothing that was not persisted.
-
-        The shard is handed back (if the database is what failed, ownership lapses by its TTL)
-        and taken again, with a new epoch, by the next iteration of `run`."""
-        self.release(now)
-        self._reset_state()

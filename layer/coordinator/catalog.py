@@ -1,0 +1,55 @@
+"""What a coordinator process knows of every queue and consumer (all shards), from PostgreSQL.
+
+Loaded once per refresh by the process and shared by its shard loops: each serves the queues
+of its own shard and uses the rest to pass records on to the shard that serves them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from layer.store.rows import ConsumerRow, QueueRecord
+
+__all__ = ["Catalog"]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    shard_count: int
+    queues: dict[str, QueueRecord] = field(default_factory=dict)
+    consumers: dict[str, ConsumerRow] = field(default_factory=dict)
+    loaded_at: float = 0.0
+
+    @classmethod
+    def of(cls, shard_count: int, queues: Iterable[QueueRecord],
+           consumers: Iterable[ConsumerRow], now: float) -> Catalog:
+        return cls(shard_count, {q.name: q for q in queues},
+                   {c.consumer_id: c for c in consumers}, now)
+
+    def shard_of(self, queue: str) -> int | None:
+        record = self.queues.get(queue)
+        return None if record is None else record.shard
+
+    def on_shard(self, shard: int) -> dict[str, QueueRecord]:
+        return {n: q for n, q in self.queues.items() if q.shard == shard}
+
+    def shards_matching(self, queue: str, is_regex: bool) -> set[int]:
+        """The shards of the queues a subscription names (a name, or a regex over names).
+        Raises ``re.error`` for an invalid regex."""
+        if not is_regex:
+            found = self.shard_of(queue)
+            return set() if found is None else {found}
+        pattern = re.compile(queue)
+        return {q.shard for n, q in self.queues.items() if pattern.fullmatch(n)}
+
+    def consumer_shards(self, consumer_id: str, session_id: str) -> set[int]:
+        """The shards serving a known session's queues (empty when the session is unknown)."""
+        row = self.consumers.get(consumer_id)
+        if row is None or row.session_id != session_id:
+            return set()
+        try:
+            return self.shards_matching(row.queue, row.is_regex)
+        except re.error:
+            return set()

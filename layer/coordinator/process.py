@@ -1,0 +1,374 @@
+"""A coordinator process: group membership, one shard loop per assigned shard, lifecycle.
+
+Every process of an installation joins the consumer group ``P`` + ``coordinators`` on the
+topic ``P`` + ``shards`` (one partition per shard, `layer.kafka.shards`). The partitions Kafka
+assigns it are the shards it runs, each in a `ShardLoop`, all on this one thread, round after
+round; a process with none is a hot standby. Kafka's group protocol does the election, the
+failure detection (``group_session_timeout``) and the balancing; PostgreSQL's epochs still
+fence: a loop takes its shard (a new epoch) before it starts, so a process that lost a shard
+without noticing cannot write for it any more.
+
+A failure in one shard (Kafka or PostgreSQL refusing a write, a fenced commit) rebuilds that
+shard alone, after a back-off; the others go on.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+from layer.coordinator.catalog import Catalog
+from layer.coordinator.payloads import MemoryPool
+from layer.coordinator.shard import CoordinatorOptions, LeaseTokens, LoopStats, ShardLoop
+from layer.domain.definitions import QueueDefinition
+from layer.domain.errors import QlayerError, QueueConfigError
+from layer.domain.shards import shard_key
+from layer.kafka import KafkaAdmin, TopicSpec
+from layer.kafka.shards import ShardMembership
+from layer.protocol import TopicNames
+from layer.settings import Settings
+from layer.store.errors import FencedError
+from layer.store.store import Store
+
+log = logging.getLogger(__name__)
+
+#: A registry row not refreshed for this long belongs to a process that is gone (killed).
+FORGET_PROCESSES_AFTER = 60.0
+
+
+@dataclass
+class _Slot:
+    """A shard the group assigned this process, and how its loop is doing."""
+
+    loop: ShardLoop
+    #: Not before this time: the next take after a failure (back-off).
+    next_try: float = 0.0
+    backoff: float = 0.0
+    #: Another process holds the epoch although the group gave us the shard (a revocation
+    #: on its way to us): wait for the group rather than fence each other in turn.
+    parked: bool = False
+
+
+class CoordinatorProcess:
+    """Runs the shards Kafka's group protocol assigns this process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: CoordinatorOptions | None = None,
+        *,
+        store: Store | None = None,
+        tokens: Callable[[], str] | None = None,
+        loop_class: type[ShardLoop] = ShardLoop,
+    ) -> None:
+        self.settings = settings
+        self.options = options or CoordinatorOptions()
+        self.store = store if store is not None else Store(settings.database_url)
+        self.topics = TopicNames(settings.topic_prefix)
+        self._tokens = tokens or LeaseTokens()
+        self._loop_class = loop_class
+        self._memory = MemoryPool(self.options.payload_budget)
+        self._slots: dict[int, _Slot] = {}
+        # Loops stay after their shard is revoked, so their counters keep counting.
+        self._loops: dict[int, ShardLoop] = {}
+        self._membership: ShardMembership | None = None
+        self._admin: KafkaAdmin | None = None
+        self._catalog = Catalog(0)
+        self._next_catalog = 0.0
+        self._next_report = 0.0
+        self._directory_versions: dict[str, tuple[int, int]] | None = None
+        self._stop = threading.Event()
+        self._process_counters: Counter[str] = Counter()
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ what tests and tools see
+    @property
+    def counters(self) -> Counter[str]:
+        """Every loop's counters added up, with the process's own."""
+        total: Counter[str] = Counter(self._process_counters)
+        for loop in self._loops.values():
+            total.update(loop.counters)
+        return total
+
+    @property
+    def loops(self) -> dict[int, ShardLoop]:
+        return dict(self._loops)
+
+    @property
+    def shards(self) -> list[int]:
+        """The shards this process runs now (holds the epoch of)."""
+        return sorted(s for s, slot in self._slots.items() if slot.loop.epoch is not None)
+
+    @property
+    def is_owner(self) -> bool:
+        return bool(self.shards)
+
+    @property
+    def shard_count(self) -> int:
+        return self._catalog.shard_count
+
+    def loop_for(self, queue: str) -> ShardLoop | None:
+        """The running loop that serves ``queue`` in this process, if any."""
+        for slot in self._slots.values():
+            if queue in slot.loop.engines:
+                return slot.loop
+        return None
+
+    # ------------------------------------------------------------------ start and stop
+    def start(self, now: float) -> None:
+        """Make the shared topics, load the catalog and join the coordinators' group."""
+        kafka = self.settings.kafka_config()
+        self._admin = admin = KafkaAdmin(kafka)
+        count = self.store.shard_count()
+        topics = self.topics
+        admin.ensure_topics([
+            TopicSpec(topics.control, count),
+            TopicSpec(topics.ack, count),
+            TopicSpec(topics.events, 6),
+            TopicSpec(topics.shards, count),
+        ])
+        # Topics made by version 1 (3 control and 6 ack partitions) grow to one partition per
+        # shard; their old partitions are read by shard p mod N, so nothing is left unread.
+        for topic in (topics.control, topics.ack, topics.shards):
+            admin.ensure_partitions(topic, count)
+        self._load_catalog(now)
+        self._membership = ShardMembership(
+            kafka, group_id=topics.coordinators_group, topic=topics.shards,
+            session_timeout=self.options.group_session_timeout, on_revoke=self._on_revoke,
+            instance_id=self.options.owner_id)
+        self._report(now)
+        log.info("coordinator %s joined %s (%d shards in the installation)",
+                 self.options.owner_id, topics.coordinators_group, count)
+
+    def shutdown(self, now: float) -> None:
+        """Stop every shard cleanly (events written, epochs released), leave the group so the
+        other processes take the shards at once, and leave the registry."""
+        for shard in list(self._slots):
+            self._stop_shard(shard, now, lost=False)
+        if self._membership is not None:
+            self._membership.close()
+            self._membership = None
+        try:
+            self.store.forget_process(self.options.owner_id)
+        except QlayerError as exc:
+            log.warning("leaving the process registry failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ the loop
+    def run_once(self, now: float, wait: float | None = None) -> LoopStats:
+        """One round: serve the group protocol, then one iteration of every shard loop.
+        Waits up to ``wait`` (default: the poll timeout) only when no shard had input."""
+        assert self._membership is not None, "call start first"
+        changes = self._membership.poll(0)
+        for shard in changes.assigned:
+            self._assign(shard)
+        if now >= self._next_catalog:
+            self._load_catalog(now)
+        total = LoopStats()
+        for shard in sorted(self._slots):
+            slot = self._slots.get(shard)
+            if slot is None:
+                continue
+            stats = self._run_shard(slot, now)
+            if stats is not None:
+                total.journal_records += stats.journal_records
+                total.control_records += stats.control_records
+                total.ack_items += stats.ack_items
+                total.deliveries += stats.deliveries
+                total.replies += stats.replies
+                total.events += stats.events
+        if now >= self._next_report:
+            self._report(now)
+        busy = total.journal_records or total.control_records or total.ack_items
+        if not busy:
+            timeout = self.options.poll_timeout if wait is None else wait
+            if timeout > 0:
+                for shard in self._membership.poll(timeout).assigned:
+                    self._assign(shard)
+        return total
+
+    def run(self, clock: Callable[[], float] = time.time, install_signals: bool = True) -> None:
+        """Run until stopped (SIGTERM / SIGINT); hands every shard over on the way out."""
+        if install_signals:
+            def handler(signum: int, frame: FrameType | None) -> None:
+                log.info("signal %d: stopping", signum)
+                self._stop.set()
+
+            signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGINT, handler)
+        if self.options.gc_threshold:
+            # Every iteration allocates a few objects per message (records, rows, events), and
+            # the default threshold (700) ran the cyclic collector every few dozen messages,
+            # re-walking the queues' long-lived objects each time. Nothing in the loop makes
+            # reference cycles, so collecting less often costs no memory.
+            gc.set_threshold(self.options.gc_threshold, 50, 100)
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                self.start(clock())
+                break
+            except QlayerError as exc:
+                backoff = min(max(backoff * 2, 0.5), 10.0)
+                log.error("coordinator start-up failed (%s); again in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once(clock())
+                except QlayerError as exc:
+                    # The group protocol or the catalog failed (a shard's own failures are
+                    # handled per shard): wait, and go on.
+                    self._process_counters["round_failures"] += 1
+                    log.error("coordinator round failed: %s", exc)
+                    self._stop.wait(1.0)
+        finally:
+            self.shutdown(clock())
+
+    # ------------------------------------------------------------------ shards
+    def _assign(self, shard: int) -> None:
+        slot = self._slots.get(shard)
+        if slot is not None:
+            slot.parked = False
+            return
+        loop = self._loops.get(shard)
+        if loop is None:
+            loop = self._loop_class(
+                self.settings, self.options, shard, catalog=lambda: self._catalog,
+                store=self.store, admin=self._admin_client(), memory=self._memory,
+                tokens=self._tokens)
+            self._loops[shard] = loop
+        self._slots[shard] = _Slot(loop)
+
+    def _on_revoke(self, shards: list[int], lost: bool) -> None:
+        """Called inside the group protocol: stop writing for these shards before Kafka
+        hands them to another process."""
+        now = time.time()
+        for shard in shards:
+            self._stop_shard(shard, now, lost=lost)
+
+    def _stop_shard(self, shard: int, now: float, *, lost: bool) -> None:
+        slot = self._slots.pop(shard, None)
+        if slot is None:
+            return
+        if lost:
+            slot.loop.abandon("the coordinators' group gave the shard to another process")
+        else:
+            slot.loop.release(now)
+            slot.loop.abandon("revoked")
+
+    def _run_shard(self, slot: _Slot, now: float) -> LoopStats | None:
+        loop = slot.loop
+        if loop.epoch is None:
+            if slot.parked or now < slot.next_try:
+                return None
+            try:
+                loop.take(now)
+            except QlayerError as exc:
+                self._failed(slot, now, f"taking shard {loop.shard} failed: {exc}")
+                return None
+        try:
+            stats = loop.run_once(now, poll_timeout=0)
+        except FencedError:
+            self._fenced(slot, now)
+            return None
+        except QlayerError as exc:
+            # Kafka or PostgreSQL failed mid-iteration: what the engines decided may not be
+            # persisted, so the shard's in-memory state is not trusted. Crash-only recovery:
+            # rebuild it from PostgreSQL and the journals, exactly as after a restart.
+            self._failed(slot, now, f"iteration of shard {loop.shard} failed: {exc}")
+            loop.counters["iteration_failures"] += 1
+            loop.rebuild(now)
+            return None
+        slot.backoff = 0.0
+        return stats
+
+    def _failed(self, slot: _Slot, now: float, why: str) -> None:
+        slot.backoff = min(max(slot.backoff * 2, 0.5), 10.0)
+        slot.next_try = now + slot.backoff
+        log.error("%s; rebuilding from stored state in %.1fs", why, slot.backoff)
+
+    def _fenced(self, slot: _Slot, now: float) -> None:
+        """A newer epoch: a queue moved off the shard (this process is still the owner) or
+        another process took the shard (the group will revoke it from us)."""
+        loop = slot.loop
+        try:
+            owner = self.store.owner(loop.key)
+        except QlayerError as exc:
+            self._failed(slot, now, f"reading the owner of shard {loop.shard} failed: {exc}")
+            return
+        if owner is None or owner.owner_id == self.options.owner_id:
+            # Rebuilt at once, without the queues that left (and their sessions).
+            self._load_catalog(now)
+            slot.next_try = now
+            return
+        log.warning("shard %d is held by %s although the group assigned it here: waiting "
+                    "for the group", loop.shard, owner.owner_id)
+        slot.parked = True
+
+    def _admin_client(self) -> KafkaAdmin:
+        assert self._admin is not None, "call start first"
+        return self._admin
+
+    # ------------------------------------------------------------------ catalog, directory, report
+    def _load_catalog(self, now: float) -> None:
+        self._catalog = Catalog.of(self.store.shard_count(), self.store.list_queues(),
+                                   self.store.load_consumers(), now)
+        self._next_catalog = now + self.options.refresh_interval
+        if 0 in self._slots and self._slots[0].loop.epoch is not None:
+            self._sync_directory()
+
+    def _sync_directory(self) -> None:
+        """Publish every queue definition, with its shard, to the compacted directory topic
+        (publishers route by it without PostgreSQL). The process running shard 0 does it, so
+        one writer keeps it; retried at the next catalog load when Kafka refuses."""
+        versions = {n: (q.version, q.shard) for n, q in self._catalog.queues.items()}
+        if versions == self._directory_versions:
+            return
+        from layer.sdk.directory import sync_queue_definitions
+
+        placed: list[tuple[QueueDefinition, int]] = []
+        for record in self._catalog.queues.values():
+            try:
+                placed.append((QueueDefinition.from_mapping(record.definition), record.shard))
+            except QueueConfigError:
+                continue  # counted and logged by the loop that serves it
+        try:
+            sync_queue_definitions([d for d, _ in placed], self.settings.bootstrap_servers,
+                                   topic_prefix=self.settings.topic_prefix,
+                                   kafka_config=self.settings.kafka,
+                                   shards={d.name: s for d, s in placed},
+                                   shard_count=self._catalog.shard_count)
+        except QlayerError as exc:
+            log.warning("publishing the queue directory failed (retrying): %s", exc)
+            return
+        self._directory_versions = versions
+
+    def _report(self, now: float) -> None:
+        """Say which shards this process runs and how far behind each is."""
+        self._next_report = now + self.options.report_interval
+        try:
+            self.store.report_process(self.options.owner_id, socket.gethostname(), os.getpid(),
+                                      self.started_at, self.shards, now)
+            for slot in self._slots.values():
+                loop = slot.loop
+                if loop.epoch is not None:
+                    try:
+                        lag = loop.lag()
+                    except QlayerError:
+                        lag = None
+                    self.store.report_shard(shard_key(loop.shard), self.options.owner_id,
+                                            loop.epoch, lag, now)
+            self.store.forget_processes_seen_before(now - FORGET_PROCESSES_AFTER)
+        except QlayerError as exc:
+            log.warning("reporting to the process registry failed: %s", exc)
