@@ -31,6 +31,10 @@ LABELS = {
     "qlayer-amo": "qlayer at-most-once",
 }
 
+#: The loop's own frames, left out of "qlayer's own functions" (they include everything).
+_LOOP_FRAMES = ("CoordinatorProcess.run (", "CoordinatorProcess.run_once (",
+                "ShardLoop.run_once (")
+
 
 def _fmt(value: Any, digits: int = 0) -> str:
     if value is None:
@@ -130,14 +134,14 @@ def profile_summary(raw: Path, top: int = 12) -> list[str]:
     # Steps of one iteration: samples under each line of run_once that the loop was in.
     steps: dict[str, int] = {}
     for frame, n in inclusive.items():
-        if frame.startswith("Coordinator.run_once (layer/coordinator/service.py:"):
+        if frame.startswith("ShardLoop.run_once (layer/coordinator/shard.py:"):
             steps[frame] = n
     lines = [f"{total:,} samples at 100 Hz over 12 s in the coordinator process (threads that "
              "were not idle)."]
-    lines += table("By step of `Coordinator.run_once` (inclusive):",
+    lines += table("By step of `ShardLoop.run_once` (inclusive):",
                    [(n, f) for f, n in steps.items()], inclusive)
     ours = [(n, f) for f, n in inclusive.items()
-            if "(layer/" in f and not f.startswith(("Coordinator.run (", "Coordinator.run_once ("))]
+            if "(layer/" in f and not f.startswith(_LOOP_FRAMES)]
     lines += table("qlayer's own functions, inclusive:", ours, inclusive)
     lines += table("Self time, any code:", [(n, f) for f, n in own.items()], own)
     return lines

@@ -7,7 +7,19 @@ from typing import Annotated
 
 import typer
 
-from cli import consumers, coordinator, db, dev, dlq, messages, pipeline, queue, stats, view
+from cli import (
+    consumers,
+    coordinator,
+    coordinators,
+    db,
+    dev,
+    dlq,
+    messages,
+    pipeline,
+    queue,
+    stats,
+    view,
+)
 from cli.demo import demo as demo_command
 from cli.errors import run_friendly
 
@@ -20,6 +32,7 @@ app = typer.Typer(
 app.add_typer(dev.app, name="dev")
 app.add_typer(db.app, name="db")
 app.add_typer(coordinator.app, name="coordinator")
+app.command(name="coordinators")(coordinators.coordinators)
 app.command(name="publish")(messages.publish)
 app.command(name="consume")(messages.consume)
 app.add_typer(dlq.app, name="dlq")

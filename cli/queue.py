@@ -371,3 +371,35 @@ def purge(
     else:
         typer.echo(f"purge of queue {name} requested (version {result.version}); the "
                    "coordinator carries it out shortly (--wait waits for it)")
+
+
+@app.command()
+def move(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    shard: Annotated[int, typer.Option("--shard", min=0, help="The shard to serve it from.")],
+    json_out: JsonOut = False,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Serve a queue from another shard (and so, maybe, another coordinator process).
+
+    Safe while consumers work: the queue's state (leases, positions) goes with it, the old
+    shard's coordinator is fenced at once, and consumers' acks and heartbeats sent to the old
+    shard are passed on. A `shard:` or `shard_group:` in the queue file moves it too.
+    """
+    import time
+
+    from layer.services.coordinators import move_queue
+    from layer.store.store import Store
+
+    settings = load_settings(database_url)
+    with Store(settings.database_url) as store:
+        moved = move_queue(store, name, shard, time.time())
+    if json_out:
+        emit_json({"queue": moved.queue, "from_shard": moved.from_shard,
+                   "to_shard": moved.to_shard, "version": moved.version})
+    elif moved.from_shard == moved.to_shard:
+        typer.echo(f"queue {name} is on shard {shard} already; nothing changed")
+    else:
+        typer.echo(f"moved queue {name} from shard {moved.from_shard} to shard "
+                   f"{moved.to_shard} (version {moved.version}); shard {moved.to_shard}'s "
+                   "coordinator serves it within its refresh interval")

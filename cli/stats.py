@@ -72,6 +72,18 @@ def _tables(sample: list[QueueStats]) -> Group:
     return Group(*parts)
 
 
+def _warn_unowned(settings: Settings) -> None:
+    """Numbers of a shard nobody runs stand still: say so before showing them."""
+    from cli.coordinators import unowned_warning
+    from layer.services.coordinators import coordinator_status
+    from layer.store.store import Store
+
+    with Store(settings.database_url) as store:
+        warning = unowned_warning(coordinator_status(store, time.time()))
+    if warning:
+        typer.echo(warning, err=True)
+
+
 def stats(
     queue: Annotated[str | None, typer.Argument(help="One queue (default: every queue).")
                      ] = None,
@@ -89,6 +101,7 @@ def stats(
     Rates are per second over --interval (stats waits that long for its second sample).
     """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    _warn_unowned(settings)
     first = {s.queue: s for s in _sample(settings, queue, {})}
     time.sleep(interval)
     sample = _sample(settings, queue, first)

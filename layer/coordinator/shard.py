@@ -1011,7 +1011,11 @@ class ShardLoop:
         if not all(item.queue in engines for item in items):
             items = self._forward_acks(r, record)
         waiting = len(self._deferred_acks)
-        self._settle(record.consumer_id, record.session_id, items, now, replies)
+        # A record passed on by a shard that was then fenced is passed on again after its
+        # rebuild (it is written before the position past it is stored): its acks were
+        # applied the first time, so their DUPLICATE is not news to the consumer.
+        self._settle(record.consumer_id, record.session_id, items, now, replies,
+                     quiet_duplicates=r.headers is not None and forwarded_hops(r.headers) > 0)
         if len(self._deferred_acks) > waiting:
             self.counters["acks_deferred_for_replay"] += len(self._deferred_acks) - waiting
             self._deferred_from.setdefault((r.topic, r.partition), r.offset)
@@ -1045,7 +1049,7 @@ class ShardLoop:
                                              partition=shard))
 
     def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
-                replies: list[OutgoingRecord]) -> None:
+                replies: list[OutgoingRecord], quiet_duplicates: bool = False) -> None:
         """Apply one consumer's ack items and answer the refused ones (and every RENEW).
 
         Items for entries a restart has not re-read yet wait for the replay
@@ -1060,6 +1064,9 @@ class ShardLoop:
                 self._deferred_acks.append((consumer_id, session_id, item))
                 continue
             status, expires, message = outcome
+            if quiet_duplicates and status is AckStatus.DUPLICATE:
+                self.counters["ack_duplicate_forwarded"] += 1
+                continue
             statuses[status] += 1
             if status is not AckStatus.OK:
                 self._refused(EventType.ACK_REFUSED, now, status.value, consumer_id,

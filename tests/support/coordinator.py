@@ -35,6 +35,7 @@ from layer.protocol import (
     Unsubscribe,
     is_reply,
     parse_delivery_headers,
+    reply_shard,
 )
 from layer.settings import Settings
 from layer.store.store import Store
@@ -100,12 +101,16 @@ class Delivered:
 
 
 class RawConsumer:
-    """A queue consumer written against the wire protocol only."""
+    """A queue consumer written against the wire protocol only.
+
+    With ``follow_shard`` (protocol 2, the default) it writes its control and ack records to
+    the partition a reply's ``qlayer.shard`` header names; without, it writes them by key as a
+    protocol-1 client does, and the coordinators pass them on."""
 
     def __init__(self, bootstrap_servers: str, prefix: str, queue: str, *,
                  max_backlog: int | None = None, filter: str | None = None,
                  session_timeout_ms: int = 10_000, consumer_id: str | None = None,
-                 queue_is_regex: bool = False) -> None:
+                 queue_is_regex: bool = False, follow_shard: bool = True) -> None:
         self.codec = Codec()
         self.topics = TopicNames(prefix)
         self.consumer_id = consumer_id or f"raw-{uuid.uuid4().hex[:8]}"
@@ -126,10 +131,16 @@ class RawConsumer:
         #: True once the coordinator accepted a Subscribe, until unsubscribe().
         self.subscribed = False
         self._next_heartbeat = time.monotonic() + session_timeout_ms / 3000
+        self.follow_shard = follow_shard
+        #: The shard the last reply came from (None before any).
+        self.shard: int | None = None
+
+    def _route(self) -> dict[str, int]:
+        return {"partition": self.shard} if self.follow_shard and self.shard is not None else {}
 
     def _send_control(self, message: object) -> None:
         self.producer.produce(self.topics.control, self.codec.encode_control(message),  # type: ignore[arg-type]
-                              key=self.consumer_id.encode())
+                              key=self.consumer_id.encode(), **self._route())
         self.producer.flush(10)
 
     def subscribe(self, timeout: float = 30.0, delivery_topic: str | None = None
@@ -170,6 +181,9 @@ class RawConsumer:
             headers = m.headers() or []
             if is_reply(headers):
                 self.replies.append(self.codec.decode_reply(m.value()))
+                shard = reply_shard(headers)
+                if shard is not None:
+                    self.shard = shard
                 continue
             info = parse_delivery_headers(headers)
             out.append(Delivered(info.queue, info.bookmark.format(), info.lease, m.value(),
@@ -185,7 +199,7 @@ class RawConsumer:
         record = AckRecord(consumer_id=self.consumer_id, session_id=self.session_id,
                            sent_at_ms=int(time.time() * 1000), items=items)
         self.producer.produce(self.topics.ack, self.codec.encode_ack(record),
-                              key=self.consumer_id.encode())
+                              key=self.consumer_id.encode(), **self._route())
         self.producer.flush(10)
 
     def send_items(self, items: Iterable[AckItem]) -> None:
@@ -193,7 +207,7 @@ class RawConsumer:
         record = AckRecord(consumer_id=self.consumer_id, session_id=self.session_id,
                            sent_at_ms=int(time.time() * 1000), items=tuple(items))
         self.producer.produce(self.topics.ack, self.codec.encode_ack(record),
-                              key=self.consumer_id.encode())
+                              key=self.consumer_id.encode(), **self._route())
         self.producer.flush(10)
 
     def send_raw(self, topic: str, value: bytes | None) -> None:

@@ -1,0 +1,71 @@
+"""What `qlayer coordinators` and `qlayer stats` say about the coordinator processes and
+shards: who runs which shard, under which epoch, how far behind, and which shards nobody runs.
+
+Read from PostgreSQL only: every process reports itself and its shards' lag every few
+seconds (`CoordinatorOptions.report_interval`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from layer.store.rows import Ownership, ProcessRow, QueueMove
+from layer.store.store import Store
+
+__all__ = ["STALE_AFTER", "CoordinatorStatus", "ShardStatus", "coordinator_status", "move_queue"]
+
+#: A process that has not reported for this long is shown as silent (it reports every 2 s;
+#: a killed one keeps its row until the others drop it after a minute).
+STALE_AFTER = 10.0
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    shard: int
+    owner_id: str | None
+    epoch: int | None
+    queues: int
+    lag: int | None
+    reported_at: float | None
+    #: The owner is a process that reports (not a killed one whose shard awaits the group).
+    running: bool
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    shard_count: int
+    processes: list[ProcessRow]
+    shards: list[ShardStatus]
+    now: float
+
+    def live(self, process: ProcessRow) -> bool:
+        return self.now - process.seen_at <= STALE_AFTER
+
+    @property
+    def unowned(self) -> list[ShardStatus]:
+        """Shards with queues and no running owner: their queues are not being served."""
+        return [s for s in self.shards if s.queues and not s.running]
+
+
+def coordinator_status(store: Store, now: float) -> CoordinatorStatus:
+    count = store.shard_count()
+    processes = store.processes()
+    owners: dict[int, Ownership] = {int(o.shard): o for o in store.owners()
+                                    if o.shard.isdigit()}
+    queues = Counter(q.shard for q in store.list_queues())
+    live = {p.owner_id for p in processes if now - p.seen_at <= STALE_AFTER}
+    shards = []
+    for shard in range(count):
+        owner = owners.get(shard)
+        shards.append(ShardStatus(
+            shard=shard, owner_id=owner.owner_id if owner else None,
+            epoch=owner.epoch if owner else None, queues=queues.get(shard, 0),
+            lag=owner.lag if owner else None, reported_at=owner.reported_at if owner else None,
+            running=owner is not None and owner.owner_id in live))
+    return CoordinatorStatus(count, processes, shards, now)
+
+
+def move_queue(store: Store, name: str, shard: int, now: float) -> QueueMove:
+    """`qlayer queue move`: see `Store.move_queue`."""
+    return store.move_queue(name, shard, now)

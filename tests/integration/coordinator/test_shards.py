@@ -1,0 +1,273 @@
+"""Coordinator v2: shards spread over processes by Kafka's group protocol (DESIGN §3).
+
+Real `qlayer coordinator run` processes and consumer processes; a real broker and database.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from layer.protocol import SubscribeStatus
+from layer.settings import Settings
+from layer.store import migrate
+from layer.store.store import Store
+from tests.conftest import DatabaseFactory
+from tests.support.coordinator import RawConsumer, put_queues, running_coordinator
+from tests.support.processes import (
+    ConsumerWorker,
+    CoordinatorSubprocess,
+    audit,
+    produce_numbers,
+    read_events,
+)
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 16
+
+
+@pytest.fixture
+def settings16(bootstrap_servers: str, databases: DatabaseFactory) -> Settings:
+    """Settings over a database of the default sixteen shards."""
+    url = databases.empty()
+    migrate.upgrade(url, shard_count=SHARDS)
+    return Settings(bootstrap_servers=bootstrap_servers, database_url=url,
+                    topic_prefix=f"qs{uuid.uuid4().hex[:8]}.")
+
+
+def _wait(probe: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until ``probe()`` held; fails the test past ``timeout``."""
+    started = time.monotonic()
+    while not probe():
+        assert time.monotonic() - started < timeout, f"{what} within {timeout}s"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def _owners(store: Store) -> dict[int, str]:
+    return {int(o.shard): o.owner_id for o in store.owners()}
+
+
+def _acked(store: Store, queues: dict[str, str], per_queue: int) -> bool:
+    return all(sum(store.load_recovery_points(q).values()) == per_queue for q in queues)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[CoordinatorSubprocess | ConsumerWorker]]:
+    procs: list[CoordinatorSubprocess | ConsumerWorker] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_shards_move_between_processes_without_loss(
+    settings16: Settings, create_topic: Callable[..., str], tmp_path: Path,
+    processes: list[CoordinatorSubprocess | ConsumerWorker],
+) -> None:
+    """3 coordinator processes, 12 queues over 16 shards, 4 consumer processes: SIGKILL one
+    coordinator, add a 4th, stop all but one. Nothing lost, nothing acked twice, nothing
+    delivered after its ack."""
+    settings = settings16
+    queues = {f"Q{i:02d}": create_topic(f"{settings.topic_prefix[:-1]}-j{i:02d}", 1)
+              for i in range(12)}
+    put_queues(settings, *({"name": q, "underlying_topic": t, "lease_period": "10s"}
+                           for q, t in queues.items()))
+    wave = 150
+    waves = 0
+
+    def produce_wave() -> None:
+        nonlocal waves
+        for topic in queues.values():
+            produce_numbers(settings.bootstrap_servers, topic, wave, start=waves * wave)
+        waves += 1
+
+    coordinators = [CoordinatorSubprocess(settings, tmp_path, f"c{i}") for i in range(3)]
+    processes.extend(coordinators)
+    with Store(settings.database_url) as store:
+        _wait(lambda: len(_owners(store)) == SHARDS and len(set(_owners(store).values())) == 3,
+              90, "3 processes running the 16 shards")
+        names = sorted(queues)
+        workers = [ConsumerWorker(settings, tmp_path, f"w{i}", names[i::4]) for i in range(4)]
+        processes.extend(workers)
+
+        def received() -> int:
+            return sum(len(w.received()) for w in workers)
+
+        produce_wave()
+        _wait(lambda: received() >= len(queues) * wave, 120, "the first wave consumed")
+
+        # SIGKILL a process that runs shards: the others run them after the group's session
+        # timeout (6 s) and a restore.
+        victim = coordinators[0]
+        lost = {s for s, o in _owners(store).items() if o == victim.name}
+        assert lost
+        victim.kill()
+        produce_wave()
+        failover = _wait(lambda: all(_owners(store).get(s) not in (None, victim.name)
+                                     for s in lost), 60, "the killed process's shards moved")
+        assert failover < 30, f"failover took {failover:.1f}s"
+        _wait(lambda: received() >= 2 * len(queues) * wave, 120, "the second wave consumed")
+
+        # A fourth process gets shards of its own.
+        fourth = CoordinatorSubprocess(settings, tmp_path, "c3")
+        processes.append(fourth)
+        _wait(lambda: fourth.name in _owners(store).values(), 60, "c3 given shards")
+        produce_wave()
+        _wait(lambda: received() >= 3 * len(queues) * wave, 120, "the third wave consumed")
+
+        # All but one stop: the last carries every shard.
+        for p in coordinators[1:]:
+            p.stop()
+        _wait(lambda: set(_owners(store).values()) == {fourth.name}
+              and len(_owners(store)) == SHARDS, 60, "c3 running all 16 shards")
+        produce_wave()
+        _wait(lambda: _acked(store, queues, waves * wave), 180, "every message acked")
+        registered = {p.owner_id: p.shards for p in store.processes()}
+        assert registered.get(fourth.name) == tuple(range(SHARDS))
+
+    for w in workers:
+        w.stop()
+    got: dict[str, Counter[str]] = {q: Counter() for q in queues}
+    for w in workers:
+        for queue, value in w.received():
+            got[queue][value] += 1
+    for queue in queues:
+        assert set(got[queue]) == {str(i) for i in range(waves * wave)}, queue
+    acked, late = audit(read_events(settings, set(queues)))
+    assert len(acked) == len(queues) * waves * wave
+    assert max(acked.values()) == 1, "an entry was acked twice"
+    assert late == [], "an entry was delivered after its ack"
+
+
+def test_a_regex_consumer_over_pinned_queues_has_one_backlog(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """AMPS: a subscription over several queues has ONE backlog, the smallest
+    MaxPerSubscriptionBacklog of them, its max_backlog counted across all of them."""
+    topics = {f"Orders{i}": journal(f"orders{i}") for i in range(3)}
+    put_queues(settings, *({"name": q, "underlying_topic": t, "shard_group": "orders",
+                            "max_per_subscription_backlog": 10 + i}
+                           for i, (q, t) in enumerate(topics.items())))
+    with running_coordinator(settings):
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Orders.*",
+                               queue_is_regex=True, max_backlog=4)
+        try:
+            result = consumer.subscribe()
+            assert result.status is SubscribeStatus.OK, result.message
+            assert {g.queue for g in result.queues} == set(topics)
+            for topic in topics.values():
+                produce_numbers(settings.bootstrap_servers, topic, 5)
+            held: list[object] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                held.extend(consumer.poll(0.2))
+                if len(held) >= 4:
+                    break
+            # Nothing more comes while four are held, whichever queues they came from.
+            held.extend(consumer.poll(2.0))
+            assert len(held) == 4
+            consumer.ack(held[:2])  # type: ignore[arg-type]
+            more: list[object] = []
+            deadline = time.monotonic() + 20
+            while len(more) < 2 and time.monotonic() < deadline:
+                more.extend(consumer.poll(0.2))
+            more.extend(consumer.poll(1.0))
+            assert len(more) == 2
+        finally:
+            consumer.close()
+
+
+def test_a_regex_over_queues_of_several_shards_is_refused_with_the_way_out(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    put_queues(settings, {"name": "Split0", "underlying_topic": journal("s0"), "shard": 0},
+               {"name": "Split1", "underlying_topic": journal("s1"), "shard": 1})
+    with running_coordinator(settings) as coordinator:
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Split.*",
+                               queue_is_regex=True)
+        try:
+            result = consumer.subscribe()
+        finally:
+            consumer.close()
+        assert result.status is SubscribeStatus.INVALID_REQUEST
+        assert result.message is not None
+        assert "shards [0, 1]" in result.message and "shard_group" in result.message
+        assert coordinator.counters["subscribe_invalid_request"] == 1
+
+
+def test_moving_a_queue_keeps_its_leases_and_loses_nothing(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """`qlayer queue move`: held leases are acked on the new shard (passed on from the old
+    one), nothing is delivered twice, and the rest comes from the new shard."""
+    topic = journal("moving")
+    put_queues(settings, {"name": "Moving", "underlying_topic": topic, "shard": 1,
+                          "lease_period": "300s"})
+    produce_numbers(settings.bootstrap_servers, topic, 20)
+    with running_coordinator(settings) as coordinator, Store(settings.database_url) as store:
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Moving",
+                               max_backlog=5)
+        try:
+            assert consumer.subscribe().status is SubscribeStatus.OK
+            held: list[object] = []
+            deadline = time.monotonic() + 20
+            while len(held) < 5 and time.monotonic() < deadline:
+                held.extend(consumer.poll(0.2))
+            assert len(held) == 5
+            moved = store.move_queue("Moving", 2, time.time())
+            assert (moved.from_shard, moved.to_shard) == (1, 2)
+            _wait(lambda: (loop := coordinator.loop_for("Moving")) is not None
+                  and loop.shard == 2, 30, "shard 2 serving the queue")
+            consumer.ack(held)  # type: ignore[arg-type]
+            # Deliveries of restored leases come again with their token (the new shard
+            # cannot know which ones left): a consumer drops a token it has (protocol §2).
+            received = {d.lease: d for d in held}  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30
+            while len(received) < 20 and time.monotonic() < deadline:
+                batch = [d for d in consumer.poll(0.2) if d.lease not in received]
+                consumer.ack(batch)
+                received.update((d.lease, d) for d in batch)
+            _wait(lambda: sum(store.load_recovery_points("Moving").values()) == 20, 30,
+                  "every message acked")
+            consumer.poll(1.0)
+            assert consumer.ack_results() == []  # every ack applied, none refused
+        finally:
+            consumer.close()
+    values = Counter(d.value for d in received.values())
+    assert set(values) == {str(i).encode() for i in range(20)}
+    assert max(values.values()) == 1, "a message was delivered twice (under two leases)"
+    assert all(d.delivery_count == 1 for d in received.values())
+    assert coordinator.counters["forwarded"] >= 1
+
+
+def test_two_processes_in_one_installation_split_the_shards(settings: Settings) -> None:
+    """Two processes in one interpreter (as the benchmarks run them): each runs some shards,
+    together all of them, and the first takes everything back when the second stops."""
+    with Store(settings.database_url) as store:
+        count = store.shard_count()
+        with running_coordinator(settings, owner_id="one") as one:
+            with running_coordinator(settings, owner_id="two", wait_for_shards=False) as two:
+                _wait(lambda: bool(one.shards) and bool(two.shards)
+                      and len(one.shards) + len(two.shards) == count, 60,
+                      "the shards split between two processes")
+                assert not set(one.shards) & set(two.shards)
+            _wait(lambda: len(one.shards) == count, 60, "one running every shard again")
+            assert {o.owner_id for o in store.owners()} == {"one"}
+
+
+def test_a_clean_stop_leaves_no_owner_and_no_process_behind(settings: Settings) -> None:
+    """A clean stop leaves no owner and no registered process behind."""
+    with running_coordinator(settings, owner_id="solo"), Store(settings.database_url) as store:
+        _wait(lambda: [p.owner_id for p in store.processes()] == ["solo"], 30,
+              "the process registered")
+    with Store(settings.database_url) as store:
+        assert store.owners() == []
+        assert store.processes() == []
