@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layer.coordinator.payloads import PayloadCache, record_size
+from layer.coordinator.payloads import MemoryPool, PayloadCache, record_size
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord
 
@@ -39,3 +39,20 @@ def test_a_record_several_queues_hold_stays_until_the_last_lets_go() -> None:
     assert cache.get(bookmark) is None and len(cache) == 0 and cache.bytes == 0
     cache.release(bookmark)  # releasing what is not held changes nothing
     assert cache.bytes == 0
+
+
+def test_shard_loops_of_one_process_share_one_budget() -> None:
+    size = record_size(_record(0))
+    pool = MemoryPool(budget=3 * size)
+    busy = PayloadCache(budget=3 * size, pool=pool)
+    quiet = PayloadCache(budget=3 * size, pool=pool)
+    for offset in range(2):
+        busy.hold(Bookmark("orders", 0, offset), _record(offset))
+    quiet.hold(Bookmark("jobs", 0, 0), _record(0))
+    quiet.hold(Bookmark("jobs", 0, 1), _record(1))  # the pool is full: held without bytes
+    assert pool.used == 3 * size
+    assert quiet.missing([Bookmark("jobs", 0, 1)]) == [Bookmark("jobs", 0, 1)]
+    busy.release(Bookmark("orders", 0, 0))
+    assert pool.used == 2 * size
+    busy.clear()  # a loop rebuilding gives its bytes back
+    assert pool.used == size and len(busy) == 0

@@ -8,7 +8,11 @@ import pytest
 
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import QueueConfigError
-from layer.sdk.directory import decode_definition, encode_definition
+from layer.sdk.directory import (
+    decode_definition,
+    decode_placed_definition,
+    encode_definition,
+)
 from layer.sdk.publisher import deliver_at_ms
 
 QUEUES = load_queue_file("""
@@ -32,6 +36,24 @@ def test_definitions_round_trip(definition: QueueDefinition) -> None:
     assert key == definition.name.encode()
     assert json.loads(value)["name"] == definition.name
     assert decode_definition(key, value) == (definition.name, definition)
+
+
+@pytest.mark.parametrize("definition", QUEUES, ids=lambda d: d.name)
+def test_format_two_carries_the_shard(definition: QueueDefinition) -> None:
+    key, value = encode_definition(definition, 3, 16)
+    document = json.loads(value)
+    assert (document["format"], document["shard"], document["shard_count"]) == (2, 3, 16)
+    assert document["definition"]["name"] == definition.name
+    assert decode_placed_definition(key, value) == (definition.name, definition, 3)
+    assert decode_definition(key, value) == (definition.name, definition)
+    # A format-1 record (an older coordinator's) reads with no shard.
+    old_key, old_value = encode_definition(definition)
+    assert decode_placed_definition(old_key, old_value) == (definition.name, definition, None)
+
+
+def test_an_unknown_format_is_refused_not_misread() -> None:
+    with pytest.raises(ValueError, match="unknown format 3"):
+        decode_placed_definition(b"Jobs", b'{"format": 3, "definition": {"name": "Jobs"}}')
 
 
 def test_a_tombstone_deletes() -> None:
