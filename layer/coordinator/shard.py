@@ -1201,7 +1201,7 @@ class ShardLoop:
             for name in session.queues:
                 self.engines[name].unsubscribe(message.consumer_id, now)
             del self._sessions[message.consumer_id]
-            batch.delete_consumer(message.consumer_id)
+            batch.delete_consumer(message.consumer_id, message.session_id)
 
     def _control_shard(self, message: Subscribe | Replace | Heartbeat | Unsubscribe
                        ) -> int | None:
@@ -1399,7 +1399,7 @@ class ShardLoop:
                                            SessionEndReason.TIMED_OUT, now,
                                            "no heartbeat within the session timeout"))
         del self._sessions[e.consumer_id]
-        batch.delete_consumer(e.consumer_id)
+        batch.delete_consumer(e.consumer_id, e.session_id)
         self.counters["session_timeouts"] += 1
         log.info("consumer %s timed out; its leases were broken", e.consumer_id)
 
@@ -1503,7 +1503,7 @@ class ShardLoop:
                     row.consumer_id, session.session_id, SessionEndReason.EVICTED, now,
                     "evicted by an operator (qlayer consumers evict)"))
                 del self._sessions[row.consumer_id]
-            batch.delete_consumer(row.consumer_id)
+            batch.delete_consumer(row.consumer_id, row.session_id)
             self.counters["evictions"] += 1
             log.info("consumer %s evicted; its leases were broken", row.consumer_id)
 

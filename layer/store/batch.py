@@ -31,6 +31,10 @@ class WriteBatch:
     admitted: dict[PartitionKey, int] = field(default_factory=dict)
     consumers: dict[str, ConsumerRow] = field(default_factory=dict)
     consumer_deletes: set[str] = field(default_factory=set)
+    #: Rows to delete only while they still hold this session (consumer id -> session id):
+    #: a shard ending its session must not delete the row of the consumer's newer session on
+    #: another shard.
+    session_deletes: dict[str, str] = field(default_factory=dict)
     # consumer id -> time of its latest heartbeat (epoch seconds)
     heartbeats: dict[str, float] = field(default_factory=dict)
     # queue -> counter name -> increment
@@ -73,12 +77,19 @@ class WriteBatch:
 
     def put_consumer(self, row: ConsumerRow) -> None:
         self.consumer_deletes.discard(row.consumer_id)
+        self.session_deletes.pop(row.consumer_id, None)
         self.consumers[row.consumer_id] = row
 
-    def delete_consumer(self, consumer_id: str) -> None:
+    def delete_consumer(self, consumer_id: str, session_id: str | None = None) -> None:
+        """Delete the consumer's row; with ``session_id``, only if it still holds that
+        session."""
         self.consumers.pop(consumer_id, None)
         self.heartbeats.pop(consumer_id, None)
-        self.consumer_deletes.add(consumer_id)
+        if session_id is None:
+            self.session_deletes.pop(consumer_id, None)
+            self.consumer_deletes.add(consumer_id)
+        elif consumer_id not in self.consumer_deletes:
+            self.session_deletes[consumer_id] = session_id
 
     def heartbeat(self, consumer_id: str, at: float) -> None:
         previous = self.heartbeats.get(consumer_id)
@@ -119,6 +130,7 @@ class WriteBatch:
             + len(self.recovery_points)
             + len(self.consumers)
             + len(self.consumer_deletes)
+            + len(self.session_deletes)
             + len(self.heartbeats)
             + len(self.counters)
             + len(self.forgotten_queues)

@@ -287,6 +287,10 @@ PRUNE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
 DELETE_CONSUMERS: Final = delete(consumers).where(
     consumers.c.consumer_id == any_(_names_param("consumer_ids"))
 )
+_ended = _unnest("ended", {"consumer": Text(), "session": Text()})
+DELETE_CONSUMER_SESSIONS: Final = delete(consumers).where(
+    consumers.c.consumer_id == _ended.c.consumer, consumers.c.session_id == _ended.c.session
+)
 
 CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "consumer_id": Text(),

@@ -623,6 +623,11 @@ def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
     if batch.consumer_deletes:
         conn.execute(sql.DELETE_CONSUMERS, {"consumer_ids": sorted(batch.consumer_deletes)})
         statements += 1
+    if batch.session_deletes:
+        ended = sorted(batch.session_deletes.items())
+        conn.execute(sql.DELETE_CONSUMER_SESSIONS, {"consumer": [c for c, _ in ended],
+                                                    "session": [s for _, s in ended]})
+        statements += 1
     if batch.consumers:
         ordered = [batch.consumers[consumer_id] for consumer_id in sorted(batch.consumers)]
         conn.execute(

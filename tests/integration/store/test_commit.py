@@ -6,6 +6,8 @@ once per parameter set), i.e. what PostgreSQL actually executes, BEGIN and COMMI
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -255,6 +257,23 @@ def test_consumers_are_upserted_heartbeated_and_deleted(store: Store, epoch: int
     assert [(c.consumer_id, c.last_heartbeat_at) for c in store.load_consumers()] == [
         ("c1", T0 + 5), ("c3", T0 + 6),
     ]
+
+
+def test_a_session_delete_leaves_a_newer_session_of_the_consumer_alone(
+    store: Store, epoch: int
+) -> None:
+    """A shard ending its old session must not delete the consumer's row once another shard
+    stored a newer session for it."""
+    first = WriteBatch()
+    first.put_consumer(replace(_consumer("c1", heartbeat=T0), session_id="new"))
+    first.put_consumer(replace(_consumer("c2", heartbeat=T0), session_id="s2"))
+    store.commit(first, SHARD, OWNER, epoch, T0 + 1)
+
+    ended = WriteBatch()
+    ended.delete_consumer("c1", "old")  # the old session: the row has moved on
+    ended.delete_consumer("c2", "s2")  # the current session: the row goes
+    store.commit(ended, SHARD, OWNER, epoch, T0 + 2)
+    assert [(c.consumer_id, c.session_id) for c in store.load_consumers()] == [("c1", "new")]
 
 
 def test_counters_accumulate_across_batches(store: Store, epoch: int) -> None:
