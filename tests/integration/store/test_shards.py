@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -24,6 +25,14 @@ T0 = 1_700_000_000.0
 
 def _definition(name: str, **extra: object) -> dict[str, object]:
     return {"name": name, "underlying_topic": name, **extra}
+
+
+@pytest.fixture
+def store(empty_database_url: str) -> Iterator[Store]:
+    """A database of the default sixteen shards (the suite's template has four)."""
+    migrate.upgrade(empty_database_url)
+    with Store(empty_database_url) as store:
+        yield store
 
 
 def test_queues_are_placed_by_name_group_or_explicit_shard(store: Store) -> None:
