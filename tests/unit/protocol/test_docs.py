@@ -127,5 +127,5 @@ def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
-    assert len(names) == 18  # 8 delivery, reply, deliver-at, 8 dead-letter
+    assert len(names) == 20  # 8 delivery, reply, shard, deliver-at, 8 dead-letter, forwarded
     assert [n for n in names if f"`{n}`" not in DOC] == []
