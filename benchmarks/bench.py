@@ -209,8 +209,8 @@ def coordinator_process(settings: dict[str, str], conn: Any) -> None:
     """The coordinator alone in a process, answering "counters" and "stop" on a pipe."""
     import threading
 
+    from layer.coordinator.options import CoordinatorOptions
     from layer.coordinator.process import CoordinatorProcess as Coordinator
-    from layer.coordinator.shard import CoordinatorOptions
 
     coordinator = Coordinator(Settings(**settings), CoordinatorOptions(refresh_interval=0.5))
     thread = threading.Thread(target=coordinator.run, kwargs={"install_signals": False},

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import create_topic, machine, scratch_database
 from confluent_kafka import Producer
 
+from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.process import CoordinatorProcess as Coordinator
-from layer.coordinator.shard import CoordinatorOptions
 from layer.settings import Settings
 from layer.store.store import Store
 

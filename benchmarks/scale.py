@@ -77,8 +77,8 @@ def coordinator_process(settings: dict[str, str], budget: int | None, target: in
     """A coordinator with `qlayer coordinator run`'s defaults (but the payload budget), and a
     watcher timing its milestones; answers ("status",), ("target", n) and ("stop",)."""
     marks: dict[str, float] = {"spawned": spawned_at}
+    from layer.coordinator.options import CoordinatorOptions
     from layer.coordinator.process import CoordinatorProcess as Coordinator
-    from layer.coordinator.shard import CoordinatorOptions
 
     marks["imported"] = time.time()
     options = CoordinatorOptions() if budget is None else CoordinatorOptions(payload_budget=budget)

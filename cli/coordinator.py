@@ -42,8 +42,8 @@ def run(
     one per shard. A process with no shard is a hot standby. `qlayer coordinators` shows who
     runs what.
     """
+    from layer.coordinator.options import CoordinatorOptions, default_owner_id
     from layer.coordinator.process import CoordinatorProcess
-    from layer.coordinator.shard import CoordinatorOptions, default_owner_id
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

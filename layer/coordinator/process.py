@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from types import FrameType
 
 from layer.coordinator.catalog import Catalog
+from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
 from layer.coordinator.payloads import MemoryPool
-from layer.coordinator.shard import CoordinatorOptions, LeaseTokens, LoopStats, ShardLoop
+from layer.coordinator.shard import ShardLoop
 from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QlayerError, QueueConfigError
 from layer.domain.shards import shard_key

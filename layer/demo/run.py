@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from sqlalchemy.exc import SQLAlchemyError
 
+from layer.coordinator.options import CoordinatorOptions, default_owner_id
 from layer.coordinator.process import CoordinatorProcess
-from layer.coordinator.shard import CoordinatorOptions, default_owner_id
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import QlayerError
 from layer.kafka import KafkaAdmin, TopicSpec

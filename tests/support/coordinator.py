@@ -17,8 +17,9 @@ from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
+from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.process import CoordinatorProcess
-from layer.coordinator.shard import CoordinatorOptions, ShardLoop
+from layer.coordinator.shard import ShardLoop
 from layer.protocol import (
     AckItem,
     AckItemResult,

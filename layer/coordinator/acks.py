@@ -1,0 +1,236 @@
+"""Ack records of one shard: items applied to their queues' engines in order, refused ones
+answered, items of queues another shard serves passed on, items for entries a restart's
+replay has not reached yet kept until it has."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from itertools import groupby
+from typing import TYPE_CHECKING
+
+from layer.coordinator.translate import ms
+from layer.domain.definitions import Semantics
+from layer.domain.engine import AckItem as EngineAckItem
+from layer.domain.states import AckResult as EngineAckResult
+from layer.domain.states import AckType as EngineAckType
+from layer.domain.states import Bookmark
+from layer.kafka import JournalRecord, OutgoingRecord
+from layer.protocol import (
+    AckItem,
+    AckItemResult,
+    AckRecord,
+    AckResult,
+    AckStatus,
+    EventType,
+    ProtocolError,
+    ack_item_shape_problem,
+    forwarded_hops,
+)
+from layer.protocol import AckType as WireAckType
+from layer.protocol import Bookmark as WireBookmark
+
+if TYPE_CHECKING:
+    from layer.coordinator.core import ShardCore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MAX_FORWARD_HOPS", "AckOutcome", "Acks"]
+
+_ACK_STATUS = {
+    EngineAckResult.APPLIED: AckStatus.OK,
+    EngineAckResult.REMEMBERED: AckStatus.OK,
+    EngineAckResult.WRONG_TOKEN: AckStatus.WRONG_TOKEN,
+    EngineAckResult.NOT_LEASED: AckStatus.LEASE_LOST,
+    EngineAckResult.ALREADY_DONE: AckStatus.DUPLICATE,
+    EngineAckResult.UNKNOWN_BOOKMARK: AckStatus.UNKNOWN_ENTRY,
+}
+
+#: What applying one ack item came to: its status, the lease's new expiry (RENEW) and why it
+#: was refused.
+AckOutcome = tuple[AckStatus, int | None, str | None]
+
+#: A control or ack record passes through at most this many coordinators: catalogs that
+#: disagree for a moment (a queue just moved) must not bounce a record for ever; past it, the
+#: shard that has it answers as best it can (UNKNOWN_ENTRY, UNKNOWN_SESSION).
+MAX_FORWARD_HOPS = 4
+
+
+def _bookmark_or_none(text: str) -> WireBookmark | None:
+    try:
+        return WireBookmark.parse(text)
+    except ProtocolError:
+        return None
+
+
+class Acks:
+    """The ack side of a `ShardCore`."""
+
+    def __init__(self, core: ShardCore) -> None:
+        self.core = core
+        self.reset()
+
+    def reset(self) -> None:
+        # Ack items (consumer id, session id, item) for restored leases the replay has not
+        # reached yet, retried each step in order.
+        self.deferred: list[tuple[str, str, AckItem]] = []
+        # Per ack partition, the offset of the first record with deferred items: its input
+        # position is not stored past it until they are applied (a restart reads them again).
+        self.deferred_from: dict[tuple[str, int], int] = {}
+
+    def on_record(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
+        try:
+            record = self.core.codec.decode_ack(r.value)
+        except ProtocolError as exc:
+            self.core.counters["malformed_ack_records"] += 1
+            log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
+            return 0
+        assert isinstance(record, AckRecord)
+        items = record.items
+        engines = self.core.engines
+        if not all(item.queue in engines for item in items):
+            items = self._forward_acks(r, record)
+        waiting = len(self.deferred)
+        # A record passed on by a shard that was then fenced is passed on again after its
+        # rebuild (it is written before the position past it is stored): its acks were
+        # applied the first time, so their DUPLICATE is not news to the consumer.
+        self._settle(record.consumer_id, record.session_id, items, now, replies,
+                     quiet_duplicates=r.headers is not None and forwarded_hops(r.headers) > 0)
+        if len(self.deferred) > waiting:
+            self.core.counters["acks_deferred_for_replay"] += len(self.deferred) - waiting
+            self.deferred_from.setdefault((r.topic, r.partition), r.offset)
+        return len(record.items)
+
+    def _forward_acks(self, r: JournalRecord, record: AckRecord) -> tuple[AckItem, ...]:
+        """Pass the items of queues another shard serves on to that shard's ack partition;
+        return the items this shard answers (its own, and those of unknown queues)."""
+        hops = forwarded_hops(r.headers)
+        if hops >= MAX_FORWARD_HOPS:
+            self.core.counters["forward_hops_exceeded"] += 1
+            return record.items
+        catalog = self.core.catalog()
+        mine: list[AckItem] = []
+        theirs: dict[int, list[AckItem]] = {}
+        for item in record.items:
+            shard = None if item.queue in self.core.engines else catalog.shard_of(item.queue)
+            if shard is None or shard == self.core.shard:
+                mine.append(item)
+            else:
+                theirs.setdefault(shard, []).append(item)
+        for shard, items in theirs.items():
+            value = r.value if len(items) == len(record.items) else self.core.codec.encode_ack(
+                AckRecord(consumer_id=record.consumer_id, session_id=record.session_id,
+                          sent_at_ms=record.sent_at_ms, items=tuple(items)))
+            self.core.control.forward(r, value, shard, hops)
+        return tuple(mine)
+
+    def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
+                replies: list[OutgoingRecord], quiet_duplicates: bool = False) -> None:
+        """Apply one consumer's ack items and answer the refused ones (and every RENEW).
+
+        Items for entries a restart has not re-read yet wait for the replay
+        (`_retry_deferred_acks`): refused now, the consumer would lose its ack and the
+        message come back when its restored lease ran out.
+        """
+        outcomes = self._apply_acks(items, now)
+        answers: list[AckItemResult] = []
+        statuses: Counter[AckStatus] = Counter()
+        for item, outcome in zip(items, outcomes, strict=True):
+            if outcome is None:
+                self.deferred.append((consumer_id, session_id, item))
+                continue
+            status, expires, message = outcome
+            if quiet_duplicates and status is AckStatus.DUPLICATE:
+                self.core.counters["ack_duplicate_forwarded"] += 1
+                continue
+            statuses[status] += 1
+            if status is not AckStatus.OK:
+                self.core.control.refused(EventType.ACK_REFUSED, now, status.value, consumer_id,
+                              session_id, item.queue, _bookmark_or_none(item.bookmark))
+            if status is not AckStatus.OK or item.type is WireAckType.RENEW:
+                answers.append(AckItemResult(queue=item.queue, bookmark=item.bookmark,
+                                             type=item.type, status=status,
+                                             lease_expires_ms=expires, message=message))
+        for status, n in statuses.items():
+            self.core.counters[f"ack_{status.value.lower()}"] += n
+        if answers:
+            topic = self.core.control.delivery_topic_of(consumer_id)
+            replies.append(self.core.control.reply(topic, AckResult(
+                consumer_id=consumer_id, session_id=session_id,
+                items=tuple(answers), sent_at_ms=ms(now)), consumer_id))
+
+    def retry_deferred(self, now: float, replies: list[OutgoingRecord]) -> None:
+        """Acks that waited for the replay, in the order they came, before any newer one."""
+        if not self.deferred:
+            return
+        deferred, self.deferred = self.deferred, []
+        for (consumer_id, session_id), group in groupby(deferred, key=lambda d: d[:2]):
+            self._settle(consumer_id, session_id, [item for _, _, item in group], now, replies)
+        if not self.deferred:
+            self.deferred_from.clear()
+
+    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[AckOutcome | None]:
+        """Each item's status, lease expiry (RENEW) and refusal message, applied in order;
+        None for an item whose entry waits for the replay after a restart (not applied).
+
+        Items go to their queue's engine a run at a time (one call per queue, not per item);
+        a RENEW ends the run, because its answer reads the lease right after it.
+        """
+        outcomes: list[AckOutcome | None] = [None] * len(items)
+        run: dict[str, list[tuple[int, EngineAckItem]]] = {}
+        for i, item in enumerate(items):
+            checked = self._checked_ack(item)
+            if not isinstance(checked, EngineAckItem):
+                outcomes[i] = checked
+            elif item.type is WireAckType.RENEW:
+                self._apply_run(run, outcomes, now)
+                self._apply_run({item.queue: [(i, checked)]}, outcomes, now)
+            else:
+                run.setdefault(item.queue, []).append((i, checked))
+        self._apply_run(run, outcomes, now)
+        return outcomes
+
+    def _checked_ack(self, item: AckItem) -> EngineAckItem | AckOutcome:
+        """The engine's form of a well-formed item for a known queue, else its refusal."""
+        try:
+            wire = WireBookmark.parse(item.bookmark)
+        except ProtocolError as exc:
+            return AckStatus.INVALID, None, exc.message
+        problem = ack_item_shape_problem(item)
+        if problem is not None:
+            return AckStatus.INVALID, None, problem
+        if item.queue not in self.core.engines:
+            return AckStatus.UNKNOWN_ENTRY, None, f"unknown queue {item.queue!r}"
+        delay = item.delay_ms / 1000.0 if item.delay_ms is not None else None
+        return EngineAckItem(Bookmark(wire.topic, wire.partition, wire.offset), item.lease,
+                             EngineAckType(int(item.type)), delay, item.reason)
+
+    def _apply_run(self, run: dict[str, list[tuple[int, EngineAckItem]]],
+                   outcomes: list[AckOutcome | None], now: float) -> None:
+        for queue, pairs in run.items():
+            engine = self.core.engines[queue]
+            at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
+            results = engine.ack([item for _, item in pairs], now)
+            for (i, item), result in zip(pairs, results, strict=True):
+                if result is EngineAckResult.UNKNOWN_BOOKMARK and engine.restoring(
+                        item.bookmark):
+                    # A lease restored from PostgreSQL whose record the replay has not
+                    # reached yet: nothing was applied; the item waits (see `_settle`).
+                    outcomes[i] = None
+                    continue
+                status = _ACK_STATUS[result]
+                if (at_most_once and result is EngineAckResult.ALREADY_DONE
+                        and item.type is not EngineAckType.RENEW):
+                    # An at-most-once entry is done when it is delivered; the ack only frees
+                    # a backlog slot, and after a restart (which frees them all) there is none
+                    # left to free. Nothing failed that the consumer could act on.
+                    status = AckStatus.OK
+                expires = None
+                if status is AckStatus.OK and item.type is EngineAckType.RENEW:
+                    entry = engine.entry(item.bookmark)
+                    if entry is not None and entry.deadline is not None:
+                        expires = ms(entry.deadline)
+                outcomes[i] = (status, expires, None if status is AckStatus.OK
+                               else result.value)
+        run.clear()

@@ -1,0 +1,435 @@
+"""The shard core: what one shard decides, without I/O (DESIGN §6).
+
+`ShardCore.step` takes the records one poll brought (journal, control and ack records) and
+returns a `Plan`: the PostgreSQL batch, the deliveries, the entries to dead-letter, replies,
+events and records passed on to other shards. The loop (`layer/coordinator/shard.py`) does the
+I/O around it: poll → step → dead letters → store → Kafka → offsets.
+
+The core holds the queue engines and the shard's sessions. Its one door to the outside is the
+`TopicAdmin` port, asked whether a subscriber's delivery topic exists or can be made (the
+answer decides whether the subscribe is refused); tests give it `ports.FakeTopicAdmin`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from layer.coordinator.acks import Acks
+from layer.coordinator.catalog import Catalog
+from layer.coordinator.control import Control
+from layer.coordinator.options import CoordinatorOptions, LoopStats
+from layer.coordinator.payloads import MemoryPool, PayloadCache, record_size
+from layer.coordinator.ports import TopicAdmin
+from layer.coordinator.sessions import Session
+from layer.coordinator.translate import add_outbox, lost_to_retention
+from layer.domain import events as ev
+from layer.domain.definitions import QueueDefinition
+from layer.domain.engine import QueueEngine
+from layer.domain.entries import JournalRecord as EngineRecord
+from layer.domain.errors import ExpressionError
+from layer.domain.expressions import RawDocument, parse_document, project
+from layer.domain.states import Bookmark
+from layer.kafka import JournalRecord, OutgoingRecord
+from layer.protocol import Codec, Event, ProtocolError, TopicNames, parse_deliver_at
+from layer.store.batch import WriteBatch
+from layer.store.rows import ConsumerRow, EntryRow, PartitionKey
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Plan", "QueueState", "ShardCore"]
+
+
+@dataclass
+class Plan:
+    """What one step decided, for the loop to carry out in order."""
+
+    batch: WriteBatch
+    replies: list[OutgoingRecord]
+    deliveries: list[ev.Delivery] = field(default_factory=list)
+    #: Entries that leave to their dead-letter topic (written before the batch is committed).
+    expired: list[ev.EntryExpired] = field(default_factory=list)
+    #: Entries done: their records' bytes can go once the plan is carried out.
+    done: list[Bookmark] = field(default_factory=list)
+    events: list[ev.Event] = field(default_factory=list)
+    #: This poll's journal records by bookmark (their timestamps go into events).
+    fresh: dict[Bookmark, JournalRecord] = field(default_factory=dict)
+    #: Control and ack records for other shards (written before the batch is committed).
+    forwards: list[OutgoingRecord] = field(default_factory=list)
+    #: Next offsets of the control and ack partitions read, committed to Kafka at the end.
+    input_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    stats: LoopStats = field(default_factory=LoopStats)
+
+
+@dataclass
+class QueueState:
+    """A queue as PostgreSQL and Kafka have it, loaded by the loop for `ShardCore.add_queue`."""
+
+    definition: QueueDefinition
+    version: int
+    entries: list[EntryRow]
+    #: Where each journal partition's replay starts (recovery point or `recovery_point`).
+    starts: dict[tuple[str, int], int]
+    stored_points: dict[PartitionKey, int]
+    admitted: dict[PartitionKey, int]
+    #: Each partition's first offset still in Kafka (retention).
+    log_starts: dict[tuple[str, int], int]
+
+
+class ShardCore:
+    """The engines and sessions of one shard, and every decision about them."""
+
+    def __init__(self, shard: int, options: CoordinatorOptions, *, topics: TopicNames,
+                 catalog: Callable[[], Catalog], admin: TopicAdmin,
+                 tokens: Callable[[], str], owner_id: str,
+                 memory: MemoryPool | None = None,
+                 counters: Counter[str] | None = None) -> None:
+        self.shard = shard
+        self.options = options
+        self.topics = topics
+        self.catalog = catalog
+        self.admin = admin
+        self.tokens = tokens
+        self.owner_id = owner_id
+        self.memory = memory
+        self.codec = Codec()
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.epoch = 0
+        self.acks = Acks(self)
+        self.control = Control(self)
+        self.payloads = PayloadCache(options.payload_budget, pool=memory)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a rebuild): nothing here outlives a failure."""
+        self.engines: dict[str, QueueEngine] = {}
+        self.versions: dict[str, int] = {}
+        self.sessions: dict[str, Session] = {}
+        self.payloads.clear()
+        self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
+        self.known_topics: set[str] = set()
+        self._queues_by_topic: dict[str, list[QueueEngine]] = {}
+        self.persisted_points: dict[PartitionKey, int] = {}
+        # Per partition of each queue: the next offset not admitted yet, and what is stored of
+        # it. A restart re-admits [recovery point, stored admitted_to) without counting those
+        # entries as enqueued again (`counted_from`).
+        self._admitted_to: dict[PartitionKey, int] = {}
+        self._persisted_admitted: dict[PartitionKey, int] = {}
+        self._counted_from: dict[str, dict[tuple[str, int], int]] = {}
+        # Entries lost to retention, found while (re)building a queue: reported (events,
+        # counters) by the next step, with the queue's own decisions.
+        self._lost: dict[str, list[ev.Event]] = {}
+        self._input_offsets: dict[tuple[str, int], int] = {}
+        # ACK_REFUSED / SUBSCRIBE_REFUSED events of this step (the engines never see what was
+        # refused, so these do not come from their outboxes).
+        self.pending_events: list[Event] = []
+        self.forwards: list[OutgoingRecord] = []
+        self._next_position_write = 0.0
+        self.acks.reset()
+
+    # ------------------------------------------------------------------ the step
+    def step(self, records: list[JournalRecord], now: float, batch: WriteBatch | None = None,
+             replies: list[OutgoingRecord] | None = None) -> Plan:
+        """Decide what this poll's records, and the passing of time, mean for the shard.
+
+        ``batch`` and ``replies`` may hold what maintenance decided before the step."""
+        plan = Plan(batch if batch is not None else WriteBatch(),
+                    replies if replies is not None else [])
+        stats = plan.stats
+        batch, replies = plan.batch, plan.replies
+        self.acks.retry_deferred(now, replies)
+        control_topic, ack_topic = self.topics.control, self.topics.ack
+        journal: list[JournalRecord] = []
+        controls: list[JournalRecord] = []
+        offsets = self._input_offsets
+        for r in records:
+            if r.topic == ack_topic:
+                stats.ack_items += self.acks.on_record(r, now, replies)
+                offsets[(r.topic, r.partition)] = r.offset + 1
+            elif r.topic == control_topic:
+                controls.append(r)
+            else:
+                journal.append(r)
+        # Acks before control records: a consumer acks, then unsubscribes on another topic;
+        # both may arrive in one poll, and the acks must not find their leases broken.
+        for r in controls:
+            stats.control_records += 1
+            self.control.on_record(r, now, batch, replies)
+            offsets[(r.topic, r.partition)] = r.offset + 1
+        stats.journal_records = len(journal)
+        plan.fresh = self._enqueue(journal, now) if journal else {}
+        self._decide(plan, now)
+        # One guarded transaction for everything decided, with how far the inputs were
+        # applied: a restart reads on from there and applies no ack twice. Records that
+        # changed nothing stored (at-most-once acks, refused items) do not make a
+        # transaction of their own more than once a second: read again after a crash, they
+        # change nothing either.
+        if offsets and (not batch.is_empty() or now >= self._next_position_write):
+            deferred_from = self.acks.deferred_from
+            for tp, offset in offsets.items():
+                batch.set_input_position(tp[0], tp[1], min(offset, deferred_from.get(tp, offset)))
+            self._next_position_write = now + 1.0
+        plan.input_offsets, self._input_offsets = offsets, {}
+        plan.forwards, self.forwards = self.forwards, []
+        return plan
+
+    def _decide(self, plan: Plan, now: float) -> None:
+        """Timers, matching and the engines' outboxes: deliveries, batch rows, events."""
+        batch, deliveries = plan.batch, plan.deliveries
+        outboxes: list[tuple[str, ev.Outbox]] = []
+        for name, engine in self.engines.items():
+            engine.tick(now)
+            # After a restart: the deliveries of restored leases, which the crash may have
+            # kept from being written (Postgres is committed before Kafka is written).
+            resent = engine.resends(now)
+            if resent:
+                self.counters["deliveries_resent"] += len(resent)
+                deliveries.extend(resent)
+            deliveries.extend(engine.dispatch(now))
+            outbox = engine.drain()
+            lost = self._lost.pop(name, None)
+            if lost:
+                outbox = ev.Outbox(lost + outbox.events, outbox.entries)
+            outboxes.append((name, outbox))
+        done, expired, events, fresh = plan.done, plan.expired, plan.events, plan.fresh
+        for name, outbox in outboxes:
+            add_outbox(batch, name, outbox, self._counted_from.get(name))
+            events.extend(outbox.events)
+            for e in outbox.events:
+                kind = type(e)
+                if kind is ev.EntriesEnqueued:
+                    self._hold(e, fresh)  # type: ignore[arg-type]
+                elif kind is ev.EntryAcked:
+                    done.append(e.bookmark)  # type: ignore[union-attr]
+                elif kind is ev.EntryExpired:
+                    done.append(e.bookmark)  # type: ignore[union-attr]
+                    if e.dead_letter:  # type: ignore[union-attr]
+                        expired.append(e)  # type: ignore[arg-type]
+                elif kind is ev.ConsumerLeft:
+                    self.control.on_consumer_left(e, batch, plan.replies, now)  # type: ignore[arg-type]
+            self._recovery_points(name, batch)
+
+    def settled(self, plan: Plan) -> None:
+        """The plan was carried out: the bytes of the entries it finished can go."""
+        for bookmark in plan.done:
+            self.payloads.release(bookmark)
+
+    # ------------------------------------------------------------------ journal records
+    def _engines_for(self, topic: str) -> list[QueueEngine]:
+        engines = self._queues_by_topic.get(topic)
+        if engines is None:
+            engines = [e for e in self.engines.values() if e.definition.matches_topic(topic)]
+            self._queues_by_topic[topic] = engines
+        return engines
+
+    def _enqueue(self, records: list[JournalRecord], now: float) -> dict[Bookmark, JournalRecord]:
+        """Offer journal records to every queue whose underlying topic matches."""
+        by_topic: dict[str, list[JournalRecord]] = {}
+        for r in records:
+            by_topic.setdefault(r.topic, []).append(r)
+        fresh: dict[Bookmark, JournalRecord] = {}
+        # What the payload budget still takes: records past it are projected below.
+        room = self.payloads.budget - self.payloads.bytes
+        for topic, rs in by_topic.items():
+            engines = self._engines_for(topic)
+            if not engines:
+                continue
+            # Every record keeps its document, even when no expression reads it now: a
+            # consumer may subscribe later with a filter. Within the memory window it is the
+            # record's bytes, parsed when an expression first reads them (`RawDocument`:
+            # the bytes are held for delivery anyway). Past it only the fields the queues'
+            # expressions read now are kept (DESIGN §2): a filter subscribed later sees null
+            # in other fields there.
+            fields: frozenset[str] | None = None
+            offered = []
+            for r in rs:
+                deliver_at_ms = self._deliver_at(r) if r.headers else None
+                room -= record_size(r)
+                doc: object
+                if room >= 0:
+                    doc = RawDocument(r.value)
+                else:
+                    if fields is None:
+                        fields = frozenset().union(*(e.fields_needed() for e in engines))
+                    doc = project(parse_document(r.value), fields)
+                    self.counters["documents_projected"] += 1
+                offered.append(EngineRecord(
+                    r.topic, r.partition, r.offset, r.key,
+                    doc,
+                    r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,
+                    deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
+                ))
+                fresh[Bookmark(r.topic, r.partition, r.offset)] = r
+            last: dict[int, int] = {}
+            for r in rs:
+                last[r.partition] = r.offset
+            admitted = self._admitted_to
+            for engine in engines:
+                engine.enqueue(offered, now)
+                for partition, offset in last.items():
+                    key = PartitionKey(engine.name, topic, partition)
+                    if offset >= admitted.get(key, 0):
+                        admitted[key] = offset + 1
+        return fresh
+
+    def _deliver_at(self, r: JournalRecord) -> int | None:
+        """The record's deliver-at time; a malformed header is the producer's mistake, so it
+        is counted and the message is available at once (docs/protocol.md §5.3) rather than
+        stopping every queue on a record that would fail the same way after each restart."""
+        try:
+            return parse_deliver_at(r.headers)
+        except ProtocolError as exc:
+            self.counters["malformed_deliver_at_headers"] += 1
+            log.warning("ignoring the deliver-at header of %s[%d]@%d: %s", r.topic,
+                        r.partition, r.offset, exc)
+            return None
+
+    def _hold(self, e: ev.EntriesEnqueued, fresh: dict[Bookmark, JournalRecord]) -> None:
+        for offset in e.offsets:
+            bookmark = Bookmark(e.topic, e.partition, offset)
+            record = fresh.get(bookmark) or self.payloads.get(bookmark)
+            if record is not None:
+                self.payloads.hold(bookmark, record)
+
+    def _recovery_points(self, name: str, batch: WriteBatch) -> None:
+        """Moved recovery points, each with how far its partition was admitted."""
+        for (topic, partition), offset in self.engines[name].recovery_points().items():
+            key = PartitionKey(name, topic, partition)
+            admitted = self._admitted_to.get(key)
+            if (self.persisted_points.get(key) != offset
+                    or self._persisted_admitted.get(key) != admitted):
+                batch.set_recovery_point(name, topic, partition, offset)
+                self.persisted_points[key] = offset
+                if admitted is not None:
+                    batch.set_admitted(name, topic, partition, admitted)
+                    self._persisted_admitted[key] = admitted
+
+    # ------------------------------------------------------------------ queues
+    def add_queue(self, state: QueueState, rows: Iterable[ConsumerRow], now: float
+                  ) -> dict[tuple[str, int], int]:
+        """Serve a queue from its stored state; returns where its partitions' reads start.
+
+        Retention may have deleted records the queue had not finished: those entries
+        expire (reason retention), loudly, and the reads start at the log's start."""
+        from layer.coordinator.translate import entry_record
+
+        definition = state.definition
+        name = definition.name
+        session_of = {row.consumer_id: row.session_id for row in rows}
+        session_of.update((s.consumer_id, s.session_id) for s in self.sessions.values())
+        engine = QueueEngine(definition, tokens=self.tokens,
+                             session_timeout=self.options.default_session_timeout)
+        starts = dict(state.starts)
+        entries = [entry_record(row, session_of) for row in state.entries]
+        engine.restore(entries, starts)
+        stored_entries = {e.bookmark: e for e in entries}
+        for (topic, partition), start in state.starts.items():
+            first = state.log_starts.get((topic, partition), 0)
+            if first > start:
+                # The engine settles the entries it knows of (persisted rows); the events and
+                # counters cover every lost offset, including those never delivered.
+                engine.expire_before(topic, partition, first, now)
+                lost = lost_to_retention(name, topic, partition, start, first,
+                                         stored_entries, now)
+                self._lost.setdefault(name, []).extend(lost)
+                self.counters["retention_expired"] += len(lost)
+                log.error("queue %s: %s[%d] offsets %d..%d were deleted by retention before "
+                          "the queue was done with them; %d entries expired (reason retention)",
+                          name, topic, partition, start, first - 1, len(lost))
+                starts[(topic, partition)] = first
+        self.engines[name] = engine
+        self.versions[name] = state.version
+        for topic, partition in starts:
+            key = PartitionKey(name, topic, partition)
+            self.persisted_points[key] = state.stored_points.get(key, -1)
+        self._admitted_to.update(state.admitted)
+        self._persisted_admitted.update(state.admitted)
+        self._counted_from[name] = {(k.topic, k.partition): v for k, v in state.admitted.items()}
+        self._queues_by_topic.clear()
+        return starts
+
+    def add_partitions(self, name: str, starts: dict[tuple[str, int], int]) -> None:
+        """Journal partitions (or topics) the queue's underlying topic matches since."""
+        self.engines[name].restore([], starts)
+        self._queues_by_topic.clear()
+
+    def drop_queue(self, name: str, keep_sessions: bool = False) -> None:
+        self.engines.pop(name)
+        self.versions.pop(name, None)
+        for known in (self.persisted_points, self._admitted_to, self._persisted_admitted):
+            for key in [k for k in known if k.queue == name]:
+                del known[key]
+        self._counted_from.pop(name, None)
+        self._queues_by_topic.clear()
+        if keep_sessions:
+            return
+        for session in self.sessions.values():
+            if name in session.queues:
+                session.queues.remove(name)
+
+    def resubscribe(self, name: str, now: float) -> None:
+        """A rebuilt queue gets the sessions it had."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        for s in self.sessions.values():
+            if name in s.queues:
+                engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
+                                 max_backlog=s.max_backlog, filter=s.filter,
+                                 session_timeout=s.session_timeout, share=s.share)
+
+    def subscribe_regex_sessions(self, name: str, now: float) -> None:
+        """A regex subscription covers queues created after it (as AMPS regex topics do)."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        for s in self.sessions.values():
+            if s.is_regex and s.matches(name) and name not in s.queues:
+                engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
+                                 max_backlog=s.max_backlog, filter=s.filter,
+                                 session_timeout=s.session_timeout, share=s.share)
+                s.queues.append(name)
+
+    def restore_sessions(self, rows: Iterable[ConsumerRow], now: float,
+                         only: str | None = None) -> None:
+        """Consumers subscribed before a restart (or to a queue that moved here) keep their
+        sessions and leases for one more session timeout: they heartbeat on the same topics
+        (passed on to this shard when they write to another) and never noticed the change.
+        With ``only``, just the sessions of that queue this shard does not serve yet."""
+        import re
+
+        for row in rows:
+            if row.consumer_id in self.sessions:
+                continue
+            session = Session.from_row(row)
+            try:
+                if only is not None and not session.matches(only):
+                    continue
+                names = [n for n in self.engines if session.matches(n)]
+            except re.error:
+                continue
+            for name in names:
+                try:
+                    self.engines[name].subscribe(row.consumer_id, row.session_id, now,
+                                                 delivery_topic=row.delivery_topic,
+                                                 max_backlog=row.max_backlog, filter=row.filter,
+                                                 session_timeout=session.session_timeout,
+                                                 share=session.share)
+                except ExpressionError:
+                    continue
+                session.queues.append(name)
+            if session.queues:
+                self.sessions[row.consumer_id] = session
+
+    def forget_empty_sessions(self) -> None:
+        """Sessions left with no queue here (their queue moved): the shard the queue went to
+        serves them from the stored consumer row, and this shard passes their records on."""
+        for consumer_id, session in list(self.sessions.items()):
+            if not session.queues:
+                del self.sessions[consumer_id]
+
+    def session_id_of(self, consumer_id: str) -> str | None:
+        session = self.sessions.get(consumer_id)
+        return session.session_id if session is not None else None

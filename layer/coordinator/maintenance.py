@@ -1,0 +1,269 @@
+"""A shard's periodic work besides its records, each a small service with ``run_once(now)``
+(like river's ``internal/maintenance``): picking up queue changes from the catalog (created,
+changed, moved, deleted, purged; consumers evicted), new journal partitions, and the queues'
+recovery points as consumer-group offsets for lag tools.
+
+`QueueLoader` is the I/O a queue's (re)build needs: its stored state from PostgreSQL and its
+partitions and offsets from Kafka, handed to the pure `ShardCore.add_queue`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from layer.coordinator.core import QueueState, ShardCore
+from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
+from layer.domain.definitions import QueueDefinition
+from layer.domain.errors import QlayerError, QueueConfigError
+from layer.domain.states import LeaveReason
+from layer.kafka import OutgoingRecord, TopicSpec
+from layer.protocol import SessionEndReason, TopicNames
+from layer.store.batch import WriteBatch
+from layer.store.rows import ConsumerRow, PartitionKey, QueueRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupOffsets", "PartitionCheck", "QueueLoader", "Refresh", "evict", "purge",
+           "read_from"]
+
+
+def read_from(reader: JournalSource, starts: dict[tuple[str, int], int]) -> None:
+    """Make the reader cover these partitions from at least these offsets."""
+    assigned = set(reader.assignment)
+    reader.add({tp: o for tp, o in starts.items() if tp not in assigned})
+    for tp, offset in starts.items():
+        if tp in assigned:
+            # Another queue reads this partition further on: go back; queues skip what they
+            # have seen (the engine ignores offsets below its position).
+            reader.seek(tp[0], tp[1], offset)
+
+
+class QueueLoader:
+    """Loads a queue's state for `ShardCore.add_queue` and starts reading its journals."""
+
+    def __init__(self, core: ShardCore, store: StateStore, admin: TopicAdmin,
+                 reader: JournalSource) -> None:
+        self.core = core
+        self.store = store
+        self.admin = admin
+        self.reader = reader
+
+    def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float) -> bool:
+        """Serve the queue; False (counted, logged) when its stored definition is invalid."""
+        core = self.core
+        try:
+            definition = QueueDefinition.from_mapping(record.definition)
+        except QueueConfigError as exc:
+            core.counters["invalid_queue_definitions"] += 1
+            log.error("queue %s has an invalid stored definition, skipped: %s", record.name, exc)
+            return False
+        topics = core.topics
+        if not definition.is_regex_topic and topics.is_internal(definition.underlying_topic):
+            # Internal topics (deliveries, acks, ...) are never journals; say so rather than
+            # leave the queue silently empty.
+            core.counters["queues_on_internal_topics"] += 1
+            log.error("queue %s: underlying topic %s is under the internal topic prefix %r "
+                      "and will never be read; rename the journal", record.name,
+                      definition.underlying_topic, topics.prefix)
+        name = definition.name
+        stored = self.store.load_recovery_points(name)
+        starts = self.start_positions(definition, self.journal_partitions(definition), stored)
+        state = QueueState(definition, record.version, self.store.load_entries(name), starts,
+                           stored, self.store.load_admitted(name),
+                           self.admin.log_start_offsets(list(starts)))
+        starts = core.add_queue(state, rows, now)
+        self.admin.ensure_topics([TopicSpec(dead_letter_topic(topics, definition), 1)])
+        read_from(self.reader, starts)
+        return True
+
+    def journal_partitions(self, definition: QueueDefinition,
+                           listed: dict[str, int] | None = None) -> list[tuple[str, int]]:
+        if listed is None:
+            listed = self.admin.topics()
+        topics = self.core.topics
+        return [(topic, p) for topic, count in sorted(listed.items())
+                if not topics.is_internal(topic) and definition.matches_topic(topic)
+                for p in range(count)]
+
+    def start_positions(self, definition: QueueDefinition, partitions: list[tuple[str, int]],
+                        stored: dict[PartitionKey, int]) -> dict[tuple[str, int], int]:
+        """Where each partition's replay starts: the recovery point, else the queue's
+        `recovery_point` setting (beginning, end or a timestamp)."""
+        starts: dict[tuple[str, int], int] = {}
+        fresh = []
+        for topic, partition in partitions:
+            point = stored.get(PartitionKey(definition.name, topic, partition))
+            if point is None:
+                fresh.append((topic, partition))
+            else:
+                starts[(topic, partition)] = point
+        if fresh:
+            setting = definition.recovery_point
+            if setting == "end":
+                starts.update(self.admin.end_offsets(fresh))
+            elif setting == "beginning":
+                starts.update(self.admin.log_start_offsets(fresh))
+            else:
+                moment = definition.recovery_timestamp
+                assert moment is not None
+                starts.update(self.admin.offsets_for_time(fresh, int(moment.timestamp() * 1000)))
+        return starts
+
+
+def dead_letter_topic(topics: TopicNames, definition: QueueDefinition) -> str:
+    return definition.dead_letter_topic or topics.dead_letter(definition.name)
+
+
+class Refresh:
+    """Queue changes from the process's catalog: created, changed, moved, deleted, purged,
+    and consumers an operator evicted."""
+
+    def __init__(self, core: ShardCore, loader: QueueLoader, interval: float) -> None:
+        self.core = core
+        self.loader = loader
+        self.interval = interval
+        self.next_at = 0.0
+        self.seen = -1.0
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at or self.core.catalog().loaded_at != self.seen
+
+    def run_once(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
+        core = self.core
+        catalog = core.catalog()
+        self.seen = catalog.loaded_at
+        self.next_at = now + self.interval
+        known = catalog.on_shard(core.shard)
+        for name, record in known.items():
+            if record.purge_pending and name in core.engines:
+                purge(core, name, now)
+                assert record.purge_requested_at is not None
+                batch.purge_done(name, record.purge_requested_at)
+                # A purge bumps the version; it is not a definition change to rebuild for.
+                core.versions[name] = record.version
+        evict(core, catalog.consumers.values(), now, batch, replies)
+        for name in list(core.engines):
+            if name not in known:
+                elsewhere = catalog.shard_of(name)
+                core.drop_queue(name)
+                if elsewhere is None:
+                    log.info("queue %s was deleted", name)
+                else:
+                    log.info("queue %s moved to shard %d", name, elsewhere)
+                    core.forget_empty_sessions()
+        rows = catalog.consumers.values()
+        for name, record in known.items():
+            if name not in core.engines:
+                log.info("queue %s is served by shard %d from now on", name, core.shard)
+                if self.loader.add(record, rows, now):
+                    core.subscribe_regex_sessions(name, now)
+                    # The sessions of a queue that moved here: their consumers still write to
+                    # the old shard, which passes their records on.
+                    core.restore_sessions(rows, now, only=name)
+            elif record.version != core.versions.get(name):
+                # Rebuild the queue from its persisted state under the new definition: leases
+                # are persisted, so they survive; what is in flight is not lost because the
+                # journal is re-read from the recovery points.
+                log.info("queue %s changed (version %d); rebuilding it", name, record.version)
+                core.drop_queue(name, keep_sessions=True)
+                if self.loader.add(record, rows, now):
+                    core.resubscribe(name, now)
+
+
+class PartitionCheck:
+    """New partitions or topics for the queues that exist: one topic listing for them all (a
+    metadata request over every topic, which stalls the loop on a large cluster)."""
+
+    def __init__(self, core: ShardCore, loader: QueueLoader, interval: float) -> None:
+        self.core = core
+        self.loader = loader
+        self.interval = interval
+        self.next_at = 0.0
+
+    def run_once(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        self.next_at = now + self.interval
+        listed = self.loader.admin.topics()
+        for name, engine in list(self.core.engines.items()):
+            points = engine.recovery_points()
+            missing = [tp for tp in self.loader.journal_partitions(engine.definition, listed)
+                       if tp not in points]
+            if missing:
+                starts = self.loader.admin.log_start_offsets(missing)
+                self.core.add_partitions(name, starts)
+                read_from(self.loader.reader, starts)
+
+
+class GroupOffsets:
+    """Recovery points as consumer-group offsets: lag tools show each queue's backlog."""
+
+    def __init__(self, core: ShardCore, admin: TopicAdmin, interval: float) -> None:
+        self.core = core
+        self.admin = admin
+        self.interval = interval
+        self.next_at = 0.0
+
+    def run_once(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        self.next_at = now + self.interval
+        by_queue: dict[str, dict[tuple[str, int], int]] = {}
+        for key, offset in self.core.persisted_points.items():
+            if offset >= 0:
+                by_queue.setdefault(key.queue, {})[(key.topic, key.partition)] = offset
+        for queue, offsets in by_queue.items():
+            try:
+                self.admin.commit_group_offsets(self.core.topics.queue_group(queue), offsets)
+            except QlayerError as exc:
+                # Only monitoring depends on it: log and go on.
+                log.warning("committing lag offsets of queue %s failed: %s", queue, exc)
+
+
+def purge(core: ShardCore, name: str, now: float) -> None:
+    """`qlayer queue purge`: every entry leaves the queue, acknowledged by the operator
+    (AMPS: a sow_delete on the queue). Leases end; their holders' late acks are answered
+    DUPLICATE. Each entry gets its ACKED event (source admin), so audits still balance."""
+    engine = core.engines[name]
+    purged = 0
+    # Entries beyond target_queue_depth become active as the ones before them leave.
+    for _ in range(1_000):
+        n = engine.ack_matching(None, now)
+        engine.tick(now)
+        purged += n
+        if n == 0:
+            break
+    core.counters["purged"] += purged
+    log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)
+
+
+def evict(core: ShardCore, rows: Iterable[ConsumerRow], now: float, batch: WriteBatch,
+          replies: list[OutgoingRecord]) -> None:
+    """`qlayer consumers evict`: break the consumer's leases at once and tell it. Each shard
+    evicts its own sessions; a consumer no shard serves is evicted by shard 0."""
+    for row in rows:
+        if row.evict_requested_at is None:
+            continue
+        session = core.sessions.get(row.consumer_id)
+        if session is None and not _serves_orphan(core, row):
+            continue
+        if session is not None:
+            for queue in session.queues:
+                engine = core.engines.get(queue)
+                if engine is not None:
+                    engine.unsubscribe(row.consumer_id, now, LeaveReason.EVICTED)
+            replies.append(core.control.session_ended(
+                row.consumer_id, session.session_id, SessionEndReason.EVICTED, now,
+                "evicted by an operator (qlayer consumers evict)"))
+            del core.sessions[row.consumer_id]
+        batch.delete_consumer(row.consumer_id, row.session_id)
+        core.counters["evictions"] += 1
+        log.info("consumer %s evicted; its leases were broken", row.consumer_id)
+
+
+def _serves_orphan(core: ShardCore, row: ConsumerRow) -> bool:
+    """Whether this shard handles a stored consumer no shard has a session for: the shard its
+    queues are on, or shard 0 when they are on none (deleted)."""
+    shards = core.catalog().consumer_shards(row.consumer_id, row.session_id)
+    return core.shard in shards or (not shards and core.shard == 0)

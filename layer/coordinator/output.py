@@ -1,0 +1,189 @@
+"""A plan's records: deliveries, dead letters, events and replies as Kafka records.
+
+Pure but for what the loop hands in (records re-read from Kafka) and the `TopicAdmin` port
+asked whether a reply's topic exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from layer.coordinator.translate import event_fields, ms, wire_bookmark, wire_reason
+from layer.domain import events as ev
+from layer.domain.states import Bookmark
+from layer.kafka import JournalRecord, KafkaAdapterError, OutgoingRecord, TopicSpec
+from layer.protocol import (
+    DeadLetterInfo,
+    DeliveryInfo,
+    dead_letter_headers,
+    encoded_delivery_headers,
+    topic_name_problem,
+    with_delivery_headers,
+    without_delivery_headers,
+)
+
+if TYPE_CHECKING:
+    from layer.coordinator.core import ShardCore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Output"]
+
+
+def _timestamp_ms(record: JournalRecord | None) -> int | None:
+    """The journal record's own timestamp (Kafka gives 0 or -1 when it has none)."""
+    if record is None or record.timestamp_ms <= 0:
+        return None
+    return record.timestamp_ms
+
+
+class _Encoded(dict[str, bytes]):
+    """UTF-8 forms of names that recur in every delivery (queues, consumer and session ids)."""
+
+    def __call__(self, text: str) -> bytes:
+        found = self.get(text)
+        if found is None:
+            if len(self) >= 50_000:
+                self.clear()
+            found = self[text] = text.encode()
+        return found
+
+
+class Output:
+    """Turns a shard's plans into records. Its ``unwritten`` events outlive a rebuild."""
+
+    def __init__(self, core: ShardCore) -> None:
+        self.core = core
+        self._encoded = _Encoded()
+        self._queue_keys: dict[str | None, bytes] = {}
+        # Events of decisions PostgreSQL holds whose Kafka write failed: kept across the
+        # rebuild that follows and written first by the next write that succeeds. The failed
+        # write's transaction was aborted, so its read_committed readers never saw them:
+        # written again, they count once.
+        self.unwritten: list[OutgoingRecord] = []
+
+    def events(self, events: list[ev.Event], fresh: dict[Bookmark, JournalRecord],
+               out: list[OutgoingRecord]) -> int:
+        """This iteration's events-topic records, keyed by queue name, appended to ``out``."""
+        topic, owner, epoch = self.core.topics.events, self.core.owner_id, self.core.epoch
+        encode = self.core.codec.event_encoder.encode_fields
+        keys = self._queue_keys
+        before = len(out)
+        for f in event_fields(events, session_of=self.core.session_id_of,
+                              record_time_of=lambda b: _timestamp_ms(fresh.get(b))):
+            key = keys.get(f.queue)
+            if key is None:
+                key = keys[f.queue] = (f.queue or "").encode()
+            out.append(OutgoingRecord(topic, encode(owner, epoch, *f), key))
+        encode_event = self.core.codec.encode_event
+        out.extend(OutgoingRecord(topic, encode_event(w), (w.queue or "").encode())
+                   for w in self.core.pending_events)
+        self.core.pending_events = []
+        return len(out) - before
+
+    def keep_unwritten_events(self, out: list[OutgoingRecord], earlier: int,
+                              committed: bool) -> None:
+        """After a failed write: keep the events of decisions PostgreSQL holds.
+
+        ``out`` starts with the ``earlier`` events kept before. The write's deliveries need no
+        keeping (the rebuild sends the restored leases' deliveries again) and its replies are
+        answers a consumer asks again for; its events are the pipeline's only record of those
+        decisions. An iteration that committed nothing adds none: the rebuild decides those
+        things again, with their events."""
+        topic = self.core.topics.events
+        kept = out[:earlier]
+        if committed:
+            kept += [r for r in out[earlier:] if r.topic == topic]
+        over = len(kept) - self.core.options.max_unwritten_events
+        if over > 0:
+            # Kafka has refused writes for long: memory is bounded, the oldest are dropped.
+            log.error("dropping %d events never written to %s (Kafka refuses writes)",
+                      over, topic)
+            self.core.counters["events_dropped"] += over
+            kept = kept[over:]
+        self.unwritten = kept
+
+    def deliveries(self, deliveries: list[ev.Delivery],
+                   reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
+        out: list[OutgoingRecord] = []
+        encoded = self._encoded
+        for d in deliveries:
+            record = self.core.payloads.get(d.bookmark) or reread.get(d.bookmark)
+            if record is None:
+                # The journal no longer has the record (retention) or could not be read in
+                # time; the lease expires and the entry is offered again. Count it, go on.
+                self.core.counters["delivery_without_payload"] += 1
+                log.error("no payload for %s in queue %s", d.bookmark, d.queue)
+                continue
+            if type(d) is ev.EntryLeased:
+                session = self.core.sessions.get(d.consumer_id)
+                b = d.bookmark
+                headers = without_delivery_headers(record.headers) if record.headers else []
+                headers.extend(encoded_delivery_headers(
+                    encoded(d.queue), f"{b.topic}/{b.partition}/{b.offset}".encode(),
+                    d.token.encode(), int(d.deadline * 1000), d.delivery_count, False,
+                    encoded(d.consumer_id),
+                    encoded(session.session_id) if session is not None else None))
+                out.append(OutgoingRecord(d.delivery_topic, record.value, record.key, headers,
+                                          record.timestamp_ms))
+            else:
+                assert isinstance(d, ev.BarrierDelivered)
+                for recipient in d.recipients:
+                    session = self.core.sessions.get(recipient.consumer_id)
+                    # A barrier needs no ack: no lease token, no deadline.
+                    info = DeliveryInfo(queue=d.queue, bookmark=wire_bookmark(d.bookmark),
+                                        lease="", lease_expires_ms=0, delivery_count=1,
+                                        barrier=True, consumer_id=recipient.consumer_id,
+                                        session_id=session.session_id if session else None)
+                    out.append(OutgoingRecord(recipient.delivery_topic, record.value,
+                                              record.key,
+                                              with_delivery_headers(record.headers or [], info),
+                                              record.timestamp_ms))
+        return out
+
+    def dead_letter(self, e: ev.EntryExpired, now: float,
+                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
+        record = self.core.payloads.get(e.bookmark) or reread.get(e.bookmark)
+        if record is None:
+            self.core.counters["dead_letter_without_payload"] += 1
+            log.error("no payload to dead-letter %s of queue %s", e.bookmark, e.queue)
+            return []
+        engine = self.core.engines[e.queue]
+        info = DeadLetterInfo(reason=wire_reason(str(e.reason)), queue=e.queue,
+                              bookmark=wire_bookmark(e.bookmark),
+                              delivery_count=e.delivery_count, dead_lettered_at_ms=ms(now),
+                              last_consumer=e.consumer_id, detail=e.detail)
+        return [OutgoingRecord((engine.definition.dead_letter_topic
+                                or self.core.topics.dead_letter(e.queue)), record.value,
+                               record.key, dead_letter_headers(record.headers or [], info),
+                               record.timestamp_ms)]
+
+    def answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
+        """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
+        answered; producing to it would fail the iteration, and every retry after it."""
+        good = [r for r in replies
+                if topic_name_problem(r.topic) is None and self._topic_exists(r.topic)]
+        if len(good) < len(replies):
+            self.core.counters["unanswerable_replies"] += len(replies) - len(good)
+            log.warning("%d replies dropped: no legal topic to answer on",
+                        len(replies) - len(good))
+        return good
+
+    def _topic_exists(self, topic: str) -> bool:
+        """Whether Kafka has the topic (replies never create one: a broker without topic
+        auto-creation would fail the whole iteration's flush, again on every retry)."""
+        if topic in self.core.known_topics:
+            return True
+        self.core.known_topics = set(self.core.admin.topics())
+        if topic in self.core.known_topics:
+            return True
+        # A reply topic is a consumer's delivery topic (one partition), which it reads already:
+        # create it as a subscribe would; a broker that refuses means no answer is possible.
+        try:
+            self.core.admin.ensure_topics([TopicSpec(topic, 1)])
+        except KafkaAdapterError as exc:
+            log.warning("cannot create reply topic %s: %s", topic, exc)
+            return False
+        self.core.known_topics.add(topic)
+        return True

@@ -1,0 +1,41 @@
+"""Consumer sessions as a shard knows them (a session may span several queues of the shard)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from layer.domain.consumers import BacklogShare
+from layer.store.rows import ConsumerRow
+
+__all__ = ["Session"]
+
+
+@dataclass
+class Session:
+    """A consumer's subscription as the coordinator knows it (it may span several queues)."""
+
+    consumer_id: str
+    session_id: str
+    queue: str
+    is_regex: bool
+    max_backlog: int | None
+    filter: str | None
+    delivery_topic: str
+    session_timeout: float
+    subscribed_at: float
+    queues: list[str]
+    #: One backlog across the queues of a regex subscription (AMPS; `BacklogShare`).
+    share: BacklogShare | None = None
+
+    def matches(self, queue: str) -> bool:
+        if self.is_regex:
+            return re.fullmatch(self.queue, queue) is not None
+        return self.queue == queue
+
+    @classmethod
+    def from_row(cls, row: ConsumerRow) -> Session:
+        """The session a stored consumer row describes (before it is subscribed anywhere)."""
+        return cls(row.consumer_id, row.session_id, row.queue, row.is_regex, row.max_backlog,
+                   row.filter, row.delivery_topic, row.session_timeout_ms / 1000.0,
+                   row.subscribed_at, [], BacklogShare() if row.is_regex else None)

@@ -1,0 +1,264 @@
+"""The shard core without Kafka or PostgreSQL: records in, a plan out (`ShardCore.step`).
+
+Records are encoded as consumers encode them (`Codec`); the only port the core uses is a
+`FakeTopicAdmin`. A hypothesis state machine drives random subscribes, publishes, acks,
+releases, unsubscribes and time through `step` and checks what a user would: no entry leased
+to two consumers at once, nothing delivered after its ack, and, once everyone acks, every
+published record acked exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from layer.coordinator.acks import MAX_FORWARD_HOPS
+from layer.coordinator.catalog import Catalog
+from layer.coordinator.core import Plan, QueueState, ShardCore
+from layer.coordinator.options import CoordinatorOptions
+from layer.coordinator.ports import FakeTopicAdmin
+from layer.domain import events as ev
+from layer.domain.definitions import QueueDefinition
+from layer.domain.states import Bookmark
+from layer.kafka import JournalRecord
+from layer.protocol import (
+    AckItem,
+    AckRecord,
+    AckResult,
+    AckStatus,
+    AckType,
+    Codec,
+    Subscribe,
+    SubscribeResult,
+    SubscribeStatus,
+    TopicNames,
+    Unsubscribe,
+    forwarded_headers,
+    forwarded_hops,
+)
+from layer.store.rows import QueueRecord
+
+TOPICS = TopicNames("qt.")
+CODEC = Codec()
+JOURNAL = "work"
+
+
+def _queue(name: str, shard: int, **extra: Any) -> QueueRecord:
+    return QueueRecord(name=name, definition={"name": name, "underlying_topic": JOURNAL,
+                                              **extra},
+                       version=1, created_at=0.0, updated_at=0.0, shard=shard)
+
+
+class Harness:
+    """A core serving queue Work (shard 0), with the records consumers would write."""
+
+    def __init__(self, *others: QueueRecord, lease_period: str = "30s") -> None:
+        work = _queue("Work", 0, lease_period=lease_period)
+        self.catalog = Catalog.of(2, [work, *others], [], now=0.0)
+        self.admin = FakeTopicAdmin({JOURNAL: 1, TOPICS.control: 2, TOPICS.ack: 2})
+        counter = itertools.count()
+        self.core = ShardCore(0, CoordinatorOptions(owner_id="test"), topics=TOPICS,
+                              catalog=lambda: self.catalog, admin=self.admin,
+                              tokens=lambda: f"tok{next(counter)}", owner_id="test")
+        self.core.epoch = 1
+        self.core.add_queue(QueueState(QueueDefinition.from_mapping(work.definition), 1, [],
+                                       {(JOURNAL, 0): 0}, {}, {}, {(JOURNAL, 0): 0}), [], 0.0)
+        self.offsets: dict[str, int] = {}
+
+    def _record(self, topic: str, value: bytes, key: bytes | None = None,
+                headers: list[tuple[str, bytes | None]] | None = None,
+                partition: int = 0) -> JournalRecord:
+        offset = self.offsets.get(topic, 0)
+        self.offsets[topic] = offset + 1
+        return JournalRecord(topic, partition, offset, key, value, 1, headers)
+
+    def publish(self, n: int) -> list[JournalRecord]:
+        start = self.offsets.get(JOURNAL, 0)
+        return [self._record(JOURNAL, json.dumps({"n": start + i}).encode()) for i in range(n)]
+
+    def subscribe(self, consumer: str, backlog: int = 2, queue: str = "Work",
+                  regex: bool = False) -> JournalRecord:
+        return self._record(TOPICS.control, CODEC.encode_control(Subscribe(
+            consumer_id=consumer, session_id=f"s-{consumer}", request_id="r", queue=queue,
+            queue_is_regex=regex, max_backlog=backlog, filter=None,
+            delivery_topic=TOPICS.delivery(consumer), session_timeout_ms=600_000,
+            client_name="test", client_version="0", sent_at_ms=0)), consumer.encode())
+
+    def unsubscribe(self, consumer: str) -> JournalRecord:
+        return self._record(TOPICS.control, CODEC.encode_control(Unsubscribe(
+            consumer_id=consumer, session_id=f"s-{consumer}", sent_at_ms=0)), consumer.encode())
+
+    def ack(self, consumer: str, leases: list[ev.EntryLeased], kind: AckType = AckType.ACCEPT,
+            queue: str = "Work", hops: int = 0) -> JournalRecord:
+        items = tuple(AckItem(queue=queue, bookmark=f"{d.bookmark.topic}/{d.bookmark.partition}/"
+                              f"{d.bookmark.offset}", lease=d.token, type=kind) for d in leases)
+        return self._record(TOPICS.ack, CODEC.encode_ack(AckRecord(
+            consumer_id=consumer, session_id=f"s-{consumer}", sent_at_ms=0, items=items)),
+            consumer.encode(), forwarded_headers(hops) if hops else None)
+
+    def step(self, records: list[JournalRecord], now: float) -> Plan:
+        plan = self.core.step(records, now)
+        self.core.settled(plan)
+        return plan
+
+
+def _lease(queue: str) -> ev.EntryLeased:
+    return ev.EntryLeased(queue, Bookmark(JOURNAL, 0, 0), "c2", "d", "tok", 0.0, 1, 0.0)
+
+
+def _replies(plan: Plan) -> list[object]:
+    return [CODEC.decode_reply(r.value) for r in plan.replies if r.value is not None]
+
+
+def _leases(plan: Plan) -> list[ev.EntryLeased]:
+    return [d for d in plan.deliveries if isinstance(d, ev.EntryLeased)]
+
+
+def test_subscribe_deliver_ack_is_one_plan_each_with_its_batch() -> None:
+    h = Harness()
+    plan = h.step([h.subscribe("c1", backlog=2), *h.publish(3)], 1.0)
+    (reply,) = _replies(plan)
+    assert isinstance(reply, SubscribeResult) and reply.status is SubscribeStatus.OK
+    assert [g.queue for g in reply.queues] == ["Work"]
+    # The reply says which shard answered: the consumer writes to that partition from now on.
+    assert ("qlayer.shard", b"0") in list(plan.replies[0].headers or [])
+    leased = _leases(plan)
+    assert [d.bookmark.offset for d in leased] == [0, 1]  # backlog 2
+    assert plan.batch.input_positions == {(TOPICS.control, 0): 1}
+    acked = h.step([h.ack("c1", leased)], 2.0)
+    assert [d.bookmark.offset for d in _leases(acked)] == [2]
+    assert sorted(b.offset for b in acked.done) == [0, 1]
+    assert acked.batch.recovery_points == {("Work", JOURNAL, 0): 2}
+    assert _replies(acked) == []  # accepted acks are not answered
+
+
+def test_a_delivery_topic_kafka_refuses_makes_the_subscribe_refused() -> None:
+    h = Harness()
+    h.admin.refuse.add(TOPICS.delivery("c1"))
+    plan = h.step([h.subscribe("c1"), *h.publish(1)], 1.0)
+    (reply,) = _replies(plan)
+    assert isinstance(reply, SubscribeResult)
+    assert reply.status is SubscribeStatus.INVALID_REQUEST
+    assert "cannot use delivery_topic" in (reply.message or "")
+    assert plan.deliveries == [] and h.core.sessions == {}
+
+
+def test_records_of_another_shard_are_passed_on_to_its_partition() -> None:
+    h = Harness(_queue("Elsewhere", 1))
+    plan = h.step([h.subscribe("c2", queue="Elsewhere")], 1.0)
+    assert plan.replies == []
+    (forwarded,) = plan.forwards
+    assert (forwarded.topic, forwarded.partition) == (TOPICS.control, 1)
+    assert forwarded_hops(forwarded.headers) == 1
+    acks = h.step([h.ack("c2", [_lease("Elsewhere")], queue="Elsewhere")], 2.0)
+    assert [(r.topic, r.partition) for r in acks.forwards] == [(TOPICS.ack, 1)]
+    assert _replies(acks) == []  # shard 1 answers it, not this one
+
+
+def test_a_record_passed_on_too_often_is_answered_where_it_is() -> None:
+    h = Harness(_queue("Elsewhere", 1))
+    plan = h.step([h.ack("c2", [_lease("Elsewhere")], queue="Elsewhere",
+                         hops=MAX_FORWARD_HOPS)], 1.0)
+    assert plan.forwards == []
+    (reply,) = _replies(plan)
+    assert isinstance(reply, AckResult)
+    assert [i.status for i in reply.items] == [AckStatus.UNKNOWN_ENTRY]
+
+
+def test_a_regex_over_queues_of_two_shards_is_refused() -> None:
+    h = Harness(_queue("Worker", 1))
+    plan = h.step([h.subscribe("c3", queue="Work.*", regex=True)], 1.0)
+    (reply,) = _replies(plan)
+    assert isinstance(reply, SubscribeResult)
+    assert reply.status is SubscribeStatus.INVALID_REQUEST
+    assert "shard_group" in (reply.message or "")
+
+
+class CoreMachine(RuleBasedStateMachine):
+    """Random interleavings through `step`; the model is built from the plans alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(lease_period="5s")
+        self.now = 1.0
+        self.published = 0
+        self.subscribed: set[str] = set()
+        self.held: dict[int, tuple[str, ev.EntryLeased]] = {}
+        self.acked: set[int] = set()
+
+    def _step(self, records: list[JournalRecord]) -> Plan:
+        plan = self.h.step(records, self.now)
+        assert {id(d) for d in _leases(plan)} <= {id(e) for e in plan.events}
+        for e in plan.events:  # in the order the engine decided them
+            if isinstance(e, ev.EntryLeased):
+                offset = e.bookmark.offset
+                assert offset not in self.acked, f"entry {offset} delivered after its ack"
+                holder = self.held.get(offset)
+                assert holder is None or holder[0] == e.consumer_id, (
+                    f"entry {offset} leased to {e.consumer_id} while {holder[0]} holds it")
+                self.held[offset] = (e.consumer_id, e)
+            elif isinstance(e, ev.EntryAcked):
+                assert e.bookmark.offset not in self.acked, "acked twice"
+                self.acked.add(e.bookmark.offset)
+                self.held.pop(e.bookmark.offset, None)
+            elif isinstance(e, ev.LeaseExpired | ev.LeaseBroken | ev.EntryReleased):
+                self.held.pop(e.bookmark.offset, None)
+        return plan
+
+    @rule(n=st.integers(1, 4))
+    def publish(self, n: int) -> None:
+        self.published += n
+        self._step(self.h.publish(n))
+
+    @rule(consumer=st.sampled_from(["a", "b", "c"]), backlog=st.integers(1, 3))
+    def subscribe(self, consumer: str, backlog: int) -> None:
+        self.subscribed.add(consumer)
+        self._step([self.h.subscribe(consumer, backlog)])
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data(), kind=st.sampled_from([AckType.ACCEPT, AckType.RELEASE]))
+    def settle(self, data: st.DataObject, kind: AckType) -> None:
+        offset = data.draw(st.sampled_from(sorted(self.held)))
+        consumer, lease = self.held[offset]
+        self._step([self.h.ack(consumer, [lease], kind)])
+
+    @precondition(lambda self: bool(self.subscribed))
+    @rule(data=st.data())
+    def unsubscribe(self, data: st.DataObject) -> None:
+        consumer = data.draw(st.sampled_from(sorted(self.subscribed)))
+        self.subscribed.discard(consumer)
+        self._step([self.h.unsubscribe(consumer)])
+
+    @rule(seconds=st.sampled_from([0.5, 6.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self._step([])
+
+    @invariant()
+    def recovery_point_passes_only_acked_entries(self) -> None:
+        for point in self.h.core.persisted_points.values():
+            assert all(o in self.acked for o in range(max(point, 0)))
+
+    def teardown(self) -> None:
+        # The others leave; one consumer acks everything: every published record is acked
+        # exactly once.
+        self._step([self.h.unsubscribe(c) for c in sorted(self.subscribed)]
+                   + [self.h.subscribe("closer", 3)])
+        for _ in range(4 * self.published + 10):
+            if len(self.acked) == self.published:
+                break
+            mine = [lease for consumer, lease in self.held.values() if consumer == "closer"]
+            self.now += 6.0  # others' leases expire and come to the closer
+            self._step([self.h.ack("closer", mine)] if mine else [])
+        assert self.acked == set(range(self.published))
+
+
+CoreMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestCoreMachine = CoreMachine.TestCase
