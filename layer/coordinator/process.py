@@ -372,4 +372,5 @@ class CoordinatorProcess:
                                             loop.epoch, lag, now)
             self.store.forget_processes_seen_before(now - FORGET_PROCESSES_AFTER)
         except QlayerError as exc:
+            self._process_counters["report_failures"] += 1
             log.warning("reporting to the process registry failed: %s", exc)

@@ -66,5 +66,8 @@ def test_killed_database_connections_lose_nothing(
                 assert sum(store.load_recovery_points("WorkToDo").values()) == total
         finally:
             consumer.close()
-        assert coordinator.counters["iteration_failures"] >= 1
+        # Whichever of its PostgreSQL users met a killed connection first noticed: a shard's
+        # iteration (rebuilt from stored state), or the process's registry report.
+        noticed = coordinator.counters
+        assert noticed["iteration_failures"] + noticed["report_failures"] >= 1
     assert set(received) == set(range(total))
