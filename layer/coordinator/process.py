@@ -34,6 +34,7 @@ from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QlayerError, QueueConfigError
 from layer.domain.shards import shard_key
 from layer.kafka import KafkaAdmin, TopicSpec
+from layer.kafka.directory import DirectoryWriter
 from layer.kafka.shards import ShardMembership
 from layer.protocol import TopicNames
 from layer.settings import Settings
@@ -336,20 +337,16 @@ class CoordinatorProcess:
         versions = {n: (q.version, q.shard) for n, q in self._catalog.queues.items()}
         if versions == self._directory_versions:
             return
-        from layer.sdk.directory import sync_queue_definitions
-
-        placed: list[tuple[QueueDefinition, int]] = []
+        placed: dict[str, tuple[dict[str, object], int]] = {}
         for record in self._catalog.queues.values():
             try:
-                placed.append((QueueDefinition.from_mapping(record.definition), record.shard))
+                definition = QueueDefinition.from_mapping(record.definition)
             except QueueConfigError:
                 continue  # counted and logged by the loop that serves it
+            placed[record.name] = (definition.model_dump(mode="json"), record.shard)
         try:
-            sync_queue_definitions([d for d, _ in placed], self.settings.bootstrap_servers,
-                                   topic_prefix=self.settings.topic_prefix,
-                                   kafka_config=self.settings.kafka,
-                                   shards={d.name: s for d, s in placed},
-                                   shard_count=self._catalog.shard_count)
+            DirectoryWriter(self.settings.kafka_config(), self.topics.queues).sync(
+                placed, self._catalog.shard_count)
         except QlayerError as exc:
             log.warning("publishing the queue directory failed (retrying): %s", exc)
             return

@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from sqlalchemy.exc import SQLAlchemyError
 
 from layer.coordinator.options import CoordinatorOptions, default_owner_id
@@ -41,6 +40,7 @@ from layer.coordinator.process import CoordinatorProcess
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import QlayerError
 from layer.kafka import KafkaAdmin, TopicSpec
+from layer.kafka.scan import RangeScanner
 from layer.protocol.headers import DLQ_DETAIL, DLQ_REASON
 from layer.sdk import (
     Message,
@@ -351,25 +351,27 @@ def _kill(process: subprocess.Popen[str]) -> None:
 
 def _dead_letters(settings: Settings, topic: str, count: int,
                   options: DemoOptions) -> list[dict[str, Any]]:
-    """Read the dead-letter journal with a plain Kafka consumer: the records stay AVAILABLE in
-    the dead-letter queue, for `qlayer view` and `qlayer dlq list` afterwards."""
-    reader = Consumer(settings.kafka_config(**{
-        "group.id": f"{settings.topic_prefix}demo-{options.run_id}",
-        "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
+    """Read the dead-letter journal without a queue: the records stay AVAILABLE in the
+    dead-letter queue, for `qlayer view` and `qlayer dlq list` afterwards."""
+    admin = KafkaAdmin(settings.kafka_config())
     got: list[dict[str, Any]] = []
-    try:
-        reader.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
-        deadline = time.monotonic() + options.scene_timeout
-        while len(got) < count and time.monotonic() < deadline:
-            record = reader.poll(0.5)
-            if record is None or record.error() is not None:
-                continue
-            headers = dict(record.headers() or [])
-            got.append({"id": json.loads(record.value() or b"{}").get("id"),
-                        "reason": _text(headers.get(DLQ_REASON)),
-                        "detail": _text(headers.get(DLQ_DETAIL))})
-    finally:
-        reader.close()
+    deadline = time.monotonic() + options.scene_timeout
+    while len(got) < count and time.monotonic() < deadline:
+        ends = admin.end_offsets([(topic, 0)])
+        if ends.get((topic, 0), 0) < count:
+            time.sleep(0.2)
+            continue
+        scanner = RangeScanner(settings.kafka_config(),
+                               f"{settings.topic_prefix}demo-{options.run_id}")
+        try:
+            got = []
+            for record in scanner.read({(topic, 0): 0}, ends):
+                headers = dict(record.headers or [])
+                got.append({"id": json.loads(record.value or b"{}").get("id"),
+                            "reason": _text(headers.get(DLQ_REASON)),
+                            "detail": _text(headers.get(DLQ_DETAIL))})
+        finally:
+            scanner.close()
     if len(got) < count:
         raise DemoError(f"demo: {len(got)} of {count} dead letters reached {topic}")
     return sorted(got, key=lambda d: int(d["id"]))
@@ -606,7 +608,7 @@ def run_demo(options: DemoOptions, progress: Progress = lambda _: None) -> DemoR
     try:
         KafkaAdmin(settings.kafka_config()).ensure_topics(
             [TopicSpec(name) for name in _journals(queues, run)], timeout=15)
-    except (KafkaException, QlayerError) as exc:
+    except QlayerError as exc:
         raise DemoError(f"demo: cannot create the journals on Kafka at "
                         f"{settings.bootstrap_servers} ({exc}); is it running? "
                         "(qlayer dev status)") from exc

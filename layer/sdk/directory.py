@@ -19,7 +19,6 @@ helpers) write it.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -32,7 +31,9 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from layer.domain.definitions import QueueDefinition
 from layer.domain.definitions import publish_target as route
 from layer.domain.errors import QueueConfigError
+from layer.kafka.directory import DIRECTORY_TOPIC_CONFIG
 from layer.kafka.errors import KafkaAdapterError
+from layer.protocol.directory import decode_directory_record, encode_directory_record
 from layer.sdk.config import ClientConfig
 from layer.sdk.errors import NoPublishTargetError
 from layer.sdk.transport import SdkProducer, ensure_topic
@@ -51,47 +52,31 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: One partition keeps every change in one order; compaction keeps the latest per queue.
-DIRECTORY_TOPIC_CONFIG: Mapping[str, str] = {"cleanup.policy": "compact"}
-
-
-#: The directory record format this version writes.
-DIRECTORY_FORMAT = 2
 
 
 def encode_definition(definition: QueueDefinition, shard: int | None = None,
                       shard_count: int | None = None) -> tuple[bytes, bytes]:
     """The directory record (key, value) of one queue definition: format 2 with its shard,
     format 1 (the bare definition) when the shard is not known."""
-    body: dict[str, Any] = definition.model_dump(mode="json")
-    if shard is not None:
-        body = {"format": DIRECTORY_FORMAT, "shard": shard, "shard_count": shard_count,
-                "definition": body}
-    value = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return definition.name.encode(), value.encode()
+    key, value = encode_directory_record(definition.name, definition.model_dump(mode="json"),
+                                         shard, shard_count)
+    assert value is not None
+    return key, value
 
 
 def decode_placed_definition(key: bytes | None, value: bytes | None
                              ) -> tuple[str, QueueDefinition | None, int | None]:
     """``(queue name, definition, shard)`` of a directory record (see `decode_definition`);
     the shard is None in a format-1 record or a tombstone."""
-    name, data = _directory_json(key, value)
-    if data is None:
-        return name, None, None
-    shard: int | None = None
-    if "format" in data:
-        if data.get("format") != DIRECTORY_FORMAT or not isinstance(data.get("definition"), dict):
-            raise ValueError(f"directory record of queue {name!r} has an unknown format "
-                             f"{data.get('format')!r} (written by a newer qlayer?)")
-        found = data.get("shard")
-        shard = found if isinstance(found, int) and not isinstance(found, bool) else None
-        data = data["definition"]
-    definition = QueueDefinition.from_mapping(data)
-    if definition.name != name:
+    record = decode_directory_record(key, value)
+    if record.definition is None:
+        return record.name, None, None
+    definition = QueueDefinition.from_mapping(record.definition)
+    if definition.name != record.name:
         raise ValueError(
-            f"directory record keyed {name!r} defines queue {definition.name!r}"
+            f"directory record keyed {record.name!r} defines queue {definition.name!r}"
         )
-    return name, definition, shard
+    return record.name, definition, record.shard
 
 
 def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, QueueDefinition | None]:
@@ -100,25 +85,6 @@ def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, Queu
     cannot accept) when the record is not a valid directory record."""
     name, definition, _ = decode_placed_definition(key, value)
     return name, definition
-
-
-def _directory_json(key: bytes | None, value: bytes | None
-                    ) -> tuple[str, dict[str, Any] | None]:
-    if not key:
-        raise ValueError("directory record without a key (the queue name)")
-    try:
-        name = key.decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"directory key is not UTF-8: {key[:40]!r}") from None
-    if value is None:
-        return name, None
-    try:
-        data = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"directory record of queue {name!r} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"directory record of queue {name!r} is not a JSON object")
-    return name, data
 
 
 class QueueDirectory:

@@ -11,21 +11,20 @@ the same time fence each other instead of both moving the same records.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
-
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from layer.domain.definitions import QueueDefinition
 from layer.domain.durations import parse_duration
 from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
 from layer.domain.expressions import Expression, compile_expression, parse_document
 from layer.kafka import JournalReader, JournalRecord, KafkaAdapterError, KafkaAdmin
+from layer.kafka.scan import RangeScanner
+from layer.kafka.transactions import TransactionalRelay
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
@@ -260,68 +259,6 @@ def _belongs(letter: DeadLetter, queue: str) -> bool:
     return letter.info is not None and letter.info.queue == queue
 
 
-class RangeReader:
-    """Reads partitions between given offsets, then stops: for the CLI's one-off scans.
-
-    Partition EOF events, not the last offset, end a partition: a topic written with Kafka
-    transactions ends with a commit marker, which is an offset no record is ever read at.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        self._consumer = Consumer(settings.kafka_config(**{
-            "group.id": settings.topic_prefix + "cli", "enable.auto.commit": False,
-            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-            "enable.partition.eof": True, "isolation.level": "read_committed"}))
-        self._pending: dict[tuple[str, int], int] = {}
-
-    def read(self, starts: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int],
-             *, stall_timeout: float = 30.0) -> Iterator[JournalRecord]:
-        """Every record from ``starts`` up to (not including) ``ends``, per partition in order.
-
-        ``stop(partition)`` while iterating ends one partition early.
-        """
-        self._pending = {tp: end for tp, end in ends.items() if starts.get(tp, end) < end}
-        pending = self._pending
-        if not pending:
-            return
-        self._consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in pending])
-        last_progress = time.monotonic()
-        while pending:
-            try:
-                messages = self._consumer.consume(1000, 0.5)
-            except KafkaException as exc:
-                raise KafkaAdapterError(f"reading {sorted(pending)} failed: {exc}") from exc
-            if not messages and time.monotonic() - last_progress > stall_timeout:
-                raise KafkaAdapterError(
-                    f"reading {sorted(pending)} stalled below their end offsets; is Kafka up?")
-            for m in messages:
-                tp: tuple[str, int] = (m.topic(), m.partition())  # type: ignore[assignment]
-                end = pending.get(tp)
-                if end is None:
-                    continue
-                last_progress = time.monotonic()
-                error = m.error()
-                offset = m.offset() or 0
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF and offset >= end:
-                        del pending[tp]
-                    continue
-                if offset >= end:
-                    del pending[tp]
-                    continue
-                yield JournalRecord(tp[0], tp[1], offset, m.key(), m.value(),
-                                    m.timestamp()[1], m.headers())  # type: ignore[arg-type]
-                if offset + 1 >= end:
-                    pending.pop(tp, None)
-
-    def stop(self, partition: tuple[str, int]) -> None:
-        """Read no more of this partition (records already fetched are skipped)."""
-        self._pending.pop(partition, None)
-
-    def close(self) -> None:
-        self._consumer.close()
-
-
 def _partitions(admin: KafkaAdmin, topic: str) -> list[tuple[str, int]]:
     count = admin.topics().get(topic, 0)
     return [(topic, p) for p in range(count)]
@@ -339,7 +276,7 @@ def list_dead_letters(settings: Settings, queue: str, *, limit: int | None = 100
         return []
     starts = admin.log_start_offsets(pairs)
     ends = admin.end_offsets(pairs)
-    reader = RangeReader(settings)
+    reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     letters: list[DeadLetter] = []
     try:
         for record in reader.read(starts, ends):
@@ -386,58 +323,6 @@ def _redriven_headers(letter: DeadLetter) -> list[tuple[str, bytes | None]]:
     return kept
 
 
-class _Transactions:
-    """A transactional producer and a reader in the redrive group: publish + position, atomic."""
-
-    def __init__(self, settings: Settings, queue: str) -> None:
-        group = redrive_group(settings.topic_prefix, queue)
-        self.consumer = Consumer(settings.kafka_config(**{
-            "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
-            "isolation.level": "read_committed", "enable.partition.eof": False}))
-        self.producer = Producer(settings.kafka_config(**{
-            "transactional.id": group, "enable.idempotence": True, "acks": "all",
-            "linger.ms": 5}))
-        self.producer.init_transactions(30)
-        self.open = False
-
-    def committed(self, pairs: list[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
-        found = self.consumer.committed([TopicPartition(t, p) for t, p in pairs], 10)
-        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
-                for tp in found}
-
-    def send(self, topic: str, letter: DeadLetter) -> None:
-        if not self.open:
-            self.producer.begin_transaction()
-            self.open = True
-        while True:
-            try:
-                self.producer.produce(topic, value=letter.value, key=letter.key,
-                                      headers=_redriven_headers(letter))  # type: ignore[arg-type]
-                return
-            except BufferError:
-                self.producer.poll(0.05)
-
-    def commit(self, positions: Mapping[tuple[str, int], int]) -> None:
-        if not positions:
-            return
-        if not self.open:
-            self.producer.begin_transaction()
-            self.open = True
-        offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items()]
-        self.producer.send_offsets_to_transaction(
-            offsets, self.consumer.consumer_group_metadata(), 30)
-        self.producer.commit_transaction(30)
-        self.open = False
-
-    def close(self) -> None:
-        if self.open:
-            # Failing that, the broker aborts it on its own after the transaction timeout.
-            with contextlib.suppress(KafkaException):
-                self.producer.abort_transaction(10)
-            self.open = False
-        self.consumer.close()
-
-
 def redrive(
     settings: Settings,
     queue: str,
@@ -470,10 +355,12 @@ def redrive(
     if not pairs:
         return result
     try:
-        tx = _Transactions(settings, queue) if not dry_run else None
-    except KafkaException as exc:
+        tx = (TransactionalRelay(settings.kafka_config(),
+                                 redrive_group(settings.topic_prefix, queue))
+              if not dry_run else None)
+    except KafkaAdapterError as exc:
         raise KafkaAdapterError(f"cannot start the redrive transaction: {exc}") from exc
-    reader = RangeReader(settings)
+    reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     try:
         log_starts = admin.log_start_offsets(pairs)
         ends = admin.end_offsets(pairs)
@@ -511,7 +398,7 @@ def redrive(
                 if tx is not None:
                     if in_batch == 0:
                         batch_started = time.monotonic()
-                    tx.send(target, letter)
+                    tx.send(target, letter.value, letter.key, _redriven_headers(letter))
                     in_batch += 1
                 result.moved += 1
                 result.targets[target] = result.targets.get(target, 0) + 1
@@ -523,7 +410,7 @@ def redrive(
                 progress(result.scanned, total)
         if tx is not None:
             tx.commit(positions)
-    except KafkaException as exc:
+    except KafkaAdapterError as exc:
         raise KafkaAdapterError(f"redrive of {queue!r} failed (nothing of the open batch was "
                                 f"moved; run it again to continue): {exc}") from exc
     finally:

@@ -14,8 +14,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from confluent_kafka import KafkaException
-
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
 from layer.kafka.admin import KafkaAdmin
@@ -452,9 +450,8 @@ class QueueService:
             try:
                 pairs |= set(self._journal_partitions(record))
                 ends = self._admin().end_offsets(sorted(pairs), timeout=KAFKA_TIMEOUT)
-            except (QlayerError, KafkaException) as exc:
-                # KafkaAdmin.topics() lets the driver's error through; either way the figures
-                # from PostgreSQL are still worth showing.
+            except QlayerError as exc:
+                # The figures from PostgreSQL are still worth showing.
                 servers = (self.settings or Settings.load()).bootstrap_servers
                 kafka_problem = (f"Kafka at {servers} did not answer ({exc}); check "
                                  "--bootstrap-servers or QLAYER_BOOTSTRAP_SERVERS")

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from layer.domain.definitions import QueueDefinition
 from layer.domain.expressions import Document, as_number, compile_expression, parse_document
 from layer.kafka import JournalRecord, KafkaAdmin
+from layer.kafka.scan import RangeScanner
 from layer.protocol.headers import parse_deliver_at
 from layer.protocol.topics import TopicNames
-from layer.services.messages import RangeReader, queue_definition
+from layer.services.messages import queue_definition
 from layer.settings import Settings
 from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueCounters
 from layer.store.store import Store
@@ -150,7 +151,7 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
     early_stop = priority is None and limit is not None
     found: list[ViewEntry] = []
     per_partition: dict[tuple[str, int], int] = {}
-    reader = RangeReader(settings)
+    reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     try:
         for record in reader.read(starts, ends):
             row = rows.get((record.topic, record.partition, record.offset))
@@ -258,7 +259,7 @@ def _oldest_timestamps(settings: Settings, starts: Mapping[tuple[str, int], int]
     """The timestamp of the first not-done record at or after each recovery point."""
     oldest: int | None = None
     seen: set[tuple[str, int]] = set()
-    reader = RangeReader(settings)
+    reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     try:
         for record in reader.read(starts, ends):
             tp = (record.topic, record.partition)
