@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from layer.domain.definitions import QueueDefinition
-from layer.domain.engine import AckItem, QueueEngine
-from layer.domain.entries import JournalRecord
+from layer.domain.engine import EntryAck, QueueEngine
+from layer.domain.entries import OfferedRecord
 from layer.domain.states import AckType
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
@@ -52,10 +52,10 @@ def os_tokens(block: int = 4096) -> Callable[[], str]:
     return token
 
 
-def records(start: int, count: int, topic: str = "Work") -> Iterator[JournalRecord]:
+def records(start: int, count: int, topic: str = "Work") -> Iterator[OfferedRecord]:
     """Journal records spread over PARTITIONS partitions, as a poll batch would bring them."""
     for n in range(start, start + count):
-        yield JournalRecord(topic, n % PARTITIONS, n // PARTITIONS, None, None, 1_700_000_000.0)
+        yield OfferedRecord(topic, n % PARTITIONS, n // PARTITIONS, None, None, 1_700_000_000.0)
 
 
 def fifo_engine(backlog: int) -> QueueEngine:
@@ -86,7 +86,7 @@ def full_cycle_run(total: int, batch: int) -> Rate:
     for start in range(0, total, batch):
         engine.enqueue(records(start, batch), now)
         leases = engine.dispatch(now)
-        engine.ack([AckItem(lease.bookmark, lease.token, AckType.ACCEPT) for lease in leases], now)
+        engine.ack([EntryAck(lease.bookmark, lease.token, AckType.ACCEPT) for lease in leases], now)
         engine.drain()
         now += 0.001
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
@@ -105,7 +105,7 @@ def lease_ack_run(total: int, batch: int) -> Rate:
     done = 0
     while done < total:
         leases = engine.dispatch(now)
-        engine.ack([AckItem(lease.bookmark, lease.token, AckType.ACCEPT) for lease in leases], now)
+        engine.ack([EntryAck(lease.bookmark, lease.token, AckType.ACCEPT) for lease in leases], now)
         engine.drain()
         done += len(leases)
         now += 0.001
@@ -129,7 +129,7 @@ def memory_per_entry(entries: int, *, priority: bool = False) -> float:
             # Ten shared documents: the figure is the engine's own cost, not the documents'
             # (what a record keeps in memory is the coordinator's projection, not the engine's).
             batch = [
-                JournalRecord("Work", n % PARTITIONS, n // PARTITIONS, None, docs[n % 10], 1.0)
+                OfferedRecord("Work", n % PARTITIONS, n // PARTITIONS, None, docs[n % 10], 1.0)
                 for n in range(start, start + step)
             ]
         else:

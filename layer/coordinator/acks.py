@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING
 
 from layer.coordinator.translate import ms
 from layer.domain.definitions import Semantics
-from layer.domain.engine import AckItem as EngineAckItem
-from layer.domain.states import AckResult as EngineAckResult
-from layer.domain.states import AckType as EngineAckType
-from layer.domain.states import Bookmark
+from layer.domain.engine import EntryAck
+from layer.domain.states import AckOutcome, AckType, Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
     AckItem,
@@ -28,7 +26,6 @@ from layer.protocol import (
     ack_item_shape_problem,
     forwarded_hops,
 )
-from layer.protocol import AckType as WireAckType
 from layer.protocol import Bookmark as WireBookmark
 
 if TYPE_CHECKING:
@@ -36,20 +33,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_FORWARD_HOPS", "AckOutcome", "Acks"]
+__all__ = ["MAX_FORWARD_HOPS", "Acks", "ItemOutcome"]
 
 _ACK_STATUS = {
-    EngineAckResult.APPLIED: AckStatus.OK,
-    EngineAckResult.REMEMBERED: AckStatus.OK,
-    EngineAckResult.WRONG_TOKEN: AckStatus.WRONG_TOKEN,
-    EngineAckResult.NOT_LEASED: AckStatus.LEASE_LOST,
-    EngineAckResult.ALREADY_DONE: AckStatus.DUPLICATE,
-    EngineAckResult.UNKNOWN_BOOKMARK: AckStatus.UNKNOWN_ENTRY,
+    AckOutcome.APPLIED: AckStatus.OK,
+    AckOutcome.REMEMBERED: AckStatus.OK,
+    AckOutcome.WRONG_TOKEN: AckStatus.WRONG_TOKEN,
+    AckOutcome.NOT_LEASED: AckStatus.LEASE_LOST,
+    AckOutcome.ALREADY_DONE: AckStatus.DUPLICATE,
+    AckOutcome.UNKNOWN_BOOKMARK: AckStatus.UNKNOWN_ENTRY,
 }
 
 #: What applying one ack item came to: its status, the lease's new expiry (RENEW) and why it
 #: was refused.
-AckOutcome = tuple[AckStatus, int | None, str | None]
+ItemOutcome = tuple[AckStatus, int | None, str | None]
 
 #: A control or ack record passes through at most this many coordinators: catalogs that
 #: disagree for a moment (a queue just moved) must not bounce a record for ever; past it, the
@@ -148,7 +145,7 @@ class Acks:
             if status is not AckStatus.OK:
                 self.core.control.refused(EventType.ACK_REFUSED, now, status.value, consumer_id,
                               session_id, item.queue, _bookmark_or_none(item.bookmark))
-            if status is not AckStatus.OK or item.type is WireAckType.RENEW:
+            if status is not AckStatus.OK or item.type is AckType.RENEW:
                 answers.append(AckItemResult(queue=item.queue, bookmark=item.bookmark,
                                              type=item.type, status=status,
                                              lease_expires_ms=expires, message=message))
@@ -170,20 +167,20 @@ class Acks:
         if not self.deferred:
             self.deferred_from.clear()
 
-    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[AckOutcome | None]:
+    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[ItemOutcome | None]:
         """Each item's status, lease expiry (RENEW) and refusal message, applied in order;
         None for an item whose entry waits for the replay after a restart (not applied).
 
         Items go to their queue's engine a run at a time (one call per queue, not per item);
         a RENEW ends the run, because its answer reads the lease right after it.
         """
-        outcomes: list[AckOutcome | None] = [None] * len(items)
-        run: dict[str, list[tuple[int, EngineAckItem]]] = {}
+        outcomes: list[ItemOutcome | None] = [None] * len(items)
+        run: dict[str, list[tuple[int, EntryAck]]] = {}
         for i, item in enumerate(items):
             checked = self._checked_ack(item)
-            if not isinstance(checked, EngineAckItem):
+            if not isinstance(checked, EntryAck):
                 outcomes[i] = checked
-            elif item.type is WireAckType.RENEW:
+            elif item.type is AckType.RENEW:
                 self._apply_run(run, outcomes, now)
                 self._apply_run({item.queue: [(i, checked)]}, outcomes, now)
             else:
@@ -191,7 +188,7 @@ class Acks:
         self._apply_run(run, outcomes, now)
         return outcomes
 
-    def _checked_ack(self, item: AckItem) -> EngineAckItem | AckOutcome:
+    def _checked_ack(self, item: AckItem) -> EntryAck | ItemOutcome:
         """The engine's form of a well-formed item for a known queue, else its refusal."""
         try:
             wire = WireBookmark.parse(item.bookmark)
@@ -203,31 +200,31 @@ class Acks:
         if item.queue not in self.core.engines:
             return AckStatus.UNKNOWN_ENTRY, None, f"unknown queue {item.queue!r}"
         delay = item.delay_ms / 1000.0 if item.delay_ms is not None else None
-        return EngineAckItem(Bookmark(wire.topic, wire.partition, wire.offset), item.lease,
-                             EngineAckType(int(item.type)), delay, item.reason)
+        return EntryAck(Bookmark(wire.topic, wire.partition, wire.offset), item.lease,
+                             item.type, delay, item.reason)
 
-    def _apply_run(self, run: dict[str, list[tuple[int, EngineAckItem]]],
-                   outcomes: list[AckOutcome | None], now: float) -> None:
+    def _apply_run(self, run: dict[str, list[tuple[int, EntryAck]]],
+                   outcomes: list[ItemOutcome | None], now: float) -> None:
         for queue, pairs in run.items():
             engine = self.core.engines[queue]
             at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
             results = engine.ack([item for _, item in pairs], now)
             for (i, item), result in zip(pairs, results, strict=True):
-                if result is EngineAckResult.UNKNOWN_BOOKMARK and engine.restoring(
+                if result is AckOutcome.UNKNOWN_BOOKMARK and engine.restoring(
                         item.bookmark):
                     # A lease restored from PostgreSQL whose record the replay has not
                     # reached yet: nothing was applied; the item waits (see `_settle`).
                     outcomes[i] = None
                     continue
                 status = _ACK_STATUS[result]
-                if (at_most_once and result is EngineAckResult.ALREADY_DONE
-                        and item.type is not EngineAckType.RENEW):
+                if (at_most_once and result is AckOutcome.ALREADY_DONE
+                        and item.type is not AckType.RENEW):
                     # An at-most-once entry is done when it is delivered; the ack only frees
                     # a backlog slot, and after a restart (which frees them all) there is none
                     # left to free. Nothing failed that the consumer could act on.
                     status = AckStatus.OK
                 expires = None
-                if status is AckStatus.OK and item.type is EngineAckType.RENEW:
+                if status is AckStatus.OK and item.type is AckType.RENEW:
                     entry = engine.entry(item.bookmark)
                     if entry is not None and entry.deadline is not None:
                         expires = ms(entry.deadline)

@@ -21,6 +21,7 @@ from layer.protocol import (
     AckResult,
     Event,
     EventType,
+    GrantSemantics,
     Heartbeat,
     ProtocolError,
     QueueGrant,
@@ -38,7 +39,6 @@ from layer.protocol import (
     topic_name_problem,
 )
 from layer.protocol import Bookmark as WireBookmark
-from layer.protocol import Semantics as WireSemantics
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
 
@@ -243,9 +243,9 @@ class Control:
             grants.append(QueueGrant(
                 queue=name, max_backlog=event.max_backlog,
                 lease_period_ms=int(definition.lease_period * 1000),
-                semantics=(WireSemantics.AT_MOST_ONCE
+                semantics=(GrantSemantics.AT_MOST_ONCE
                            if definition.semantics is Semantics.AT_MOST_ONCE
-                           else WireSemantics.AT_LEAST_ONCE)))
+                           else GrantSemantics.AT_LEAST_ONCE)))
         session.queues = names
         self.core.sessions[m.consumer_id] = session
         batch.put_consumer(ConsumerRow(

@@ -28,7 +28,7 @@ from layer.coordinator.translate import add_outbox, lost_to_retention
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
 from layer.domain.engine import QueueEngine
-from layer.domain.entries import JournalRecord as EngineRecord
+from layer.domain.entries import OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, parse_document, project
 from layer.domain.states import Bookmark
@@ -255,7 +255,7 @@ class ShardCore:
                         fields = frozenset().union(*(e.fields_needed() for e in engines))
                     doc = project(parse_document(r.value), fields)
                     self.counters["documents_projected"] += 1
-                offered.append(EngineRecord(
+                offered.append(OfferedRecord(
                     r.topic, r.partition, r.offset, r.key,
                     doc,
                     r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,

@@ -41,8 +41,8 @@ from layer.domain.entries import (
     EntryRecord,
     EntryTable,
     FifoOrder,
-    JournalRecord,
     Location,
+    OfferedRecord,
     PriorityOrder,
     Source,
     Touched,
@@ -71,7 +71,7 @@ from layer.domain.events import (
 )
 from layer.domain.expressions import Expression, compile_expression, document_of
 from layer.domain.states import (
-    AckResult,
+    AckOutcome,
     AckSource,
     AckType,
     Bookmark,
@@ -81,8 +81,8 @@ from layer.domain.states import (
 )
 
 __all__ = [
-    "AckItem",
     "ConsumerInfo",
+    "EntryAck",
     "QueueEngine",
     "QueueStats",
     "TokenSource",
@@ -118,7 +118,7 @@ def random_tokens(rng: random.Random) -> TokenSource:
     return token
 
 
-class AckItem(NamedTuple):
+class EntryAck(NamedTuple):
     """One acknowledgement item: which entry, with which lease token, and what to do.
 
     ``delay`` (seconds) applies to RELEASE only: None uses the queue's redelivery back-off,
@@ -545,7 +545,7 @@ class QueueEngine:
         return count
 
     # ------------------------------------------------------------------ enqueue
-    def enqueue(self, records: Iterable[JournalRecord], now: float) -> int:
+    def enqueue(self, records: Iterable[OfferedRecord], now: float) -> int:
         """Offer journal records to the queue; returns how many became entries.
 
         Records must come in offset order per partition. A record at an offset already
@@ -890,7 +890,7 @@ class QueueEngine:
         )
 
     # ------------------------------------------------------------------ acknowledgements
-    def ack(self, items: Iterable[AckItem], now: float) -> list[AckResult]:
+    def ack(self, items: Iterable[EntryAck], now: float) -> list[AckOutcome]:
         """Apply acknowledgement items in order; one result per item.
 
         A wrong token, an unknown bookmark or a duplicate changes nothing and says so.
@@ -899,7 +899,7 @@ class QueueEngine:
         RELEASE and RENEW still need the holder's token. At-most-once: every type but RENEW
         just frees the consumer's backlog slot (the entry left the queue on delivery).
         """
-        results: list[AckResult] = []
+        results: list[AckOutcome] = []
         append = results.append
         leased = self._leased
         strict = self._policy.strict
@@ -912,37 +912,37 @@ class QueueEngine:
             holder = token is not None and token == touched.token
             if touched.slot_only:
                 if strict and not holder:
-                    append(AckResult.WRONG_TOKEN)
+                    append(AckOutcome.WRONG_TOKEN)
                 elif kind == _RENEW:
                     self._renew(touched, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
                 else:
                     self._free_slot(touched, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
             elif kind == _ACCEPT:
                 if holder or not strict:
                     self._accept(touched, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
                 else:
-                    append(AckResult.WRONG_TOKEN)
+                    append(AckOutcome.WRONG_TOKEN)
             elif kind == _RELEASE:
                 if holder:
                     self._release(touched, delay, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
                 else:
-                    append(AckResult.WRONG_TOKEN)
+                    append(AckOutcome.WRONG_TOKEN)
             elif kind == _REJECT:
                 if holder or not strict:
                     self._reject(touched, reason, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
                 else:
-                    append(AckResult.WRONG_TOKEN)
+                    append(AckOutcome.WRONG_TOKEN)
             elif kind == _RENEW:
                 if holder:
                     self._renew(touched, now)
-                    append(AckResult.APPLIED)
+                    append(AckOutcome.APPLIED)
                 else:
-                    append(AckResult.WRONG_TOKEN)
+                    append(AckOutcome.WRONG_TOKEN)
             else:
                 raise ValueError(f"unknown ack type {kind!r}")
         return results
@@ -954,11 +954,11 @@ class QueueEngine:
         kind: int,
         reason: str | None,
         now: float,
-    ) -> AckResult:
+    ) -> AckOutcome:
         policy = self._policy
         location, seq = self._table.locate(bookmark)
         if location is Location.DONE:
-            return AckResult.ALREADY_DONE
+            return AckOutcome.ALREADY_DONE
         if location is Location.UNKNOWN:
             if (
                 policy.target_queue_depth is not None
@@ -969,21 +969,21 @@ class QueueEngine:
                 # AMPS keeps "a list of acknowledgments ... for messages that are not in the
                 # queue" so an entry beyond the active depth, acked early, never enters it.
                 self._early_acks.add(bookmark)
-                return AckResult.REMEMBERED
-            return AckResult.UNKNOWN_BOOKMARK
+                return AckOutcome.REMEMBERED
+            return AckOutcome.UNKNOWN_BOOKMARK
         state = self._table.state_of(seq)
         if state >= ACKED:
-            return AckResult.ALREADY_DONE
+            return AckOutcome.ALREADY_DONE
         if policy.strict:
-            return AckResult.NOT_LEASED
+            return AckOutcome.NOT_LEASED
         if kind == _ACCEPT:
             source = AckSource.EARLY if state == INACTIVE else AckSource.CONSUMER
             self._accept_unleased(seq, source, now)
-            return AckResult.APPLIED
+            return AckOutcome.APPLIED
         if kind == _REJECT:
             self._expire(seq, ExpiryReason.REJECTED, reason, None, now)
-            return AckResult.APPLIED
-        return AckResult.NOT_LEASED
+            return AckOutcome.APPLIED
+        return AckOutcome.NOT_LEASED
 
     def _not_read_yet(self, bookmark: Bookmark) -> bool:
         source = self._table.sources_by_name.get((bookmark[0], bookmark[1]))

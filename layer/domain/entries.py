@@ -27,8 +27,8 @@ __all__ = [
     "EntryRecord",
     "EntryTable",
     "FifoOrder",
-    "JournalRecord",
     "Location",
+    "OfferedRecord",
     "PriorityOrder",
     "Source",
     "Touched",
@@ -50,7 +50,7 @@ _LIVE_BYTE: Final = re.compile(bytes([ord("["), ord("^"), ACKED, EXPIRED, ord("]
 _TRIM_AT_LEAST: Final = 4096
 
 
-class JournalRecord(NamedTuple):
+class OfferedRecord(NamedTuple):
     """One journal record offered to a queue by the coordinator.
 
     ``doc`` is whatever the queue's expressions should see (the decoded JSON document or a

@@ -13,7 +13,7 @@ from typing import Final, NamedTuple
 __all__ = [
     "DONE_STATES",
     "LIVE_STATES",
-    "AckResult",
+    "AckOutcome",
     "AckSource",
     "AckType",
     "Bookmark",
@@ -52,10 +52,12 @@ LIVE_STATES: Final = frozenset(
 
 
 class AckType(IntEnum):
-    """What a consumer says about a leased entry.
+    """What a consumer says about a leased entry: one enum for the engine and the wire.
 
-    Names and numbers follow Kafka share groups (KIP-932), which AMPS calls ack (no option),
-    ``cancel`` and ``expire``; ``RENEW`` extends the lease instead of ending it.
+    Names and numbers are Kafka's share-group ``AcknowledgeType`` ids (ACCEPT/RELEASE/REJECT
+    from KIP-932, RENEW from KIP-1222); AMPS calls the first three ack (no option), ``cancel``
+    and ``expire``; ``RENEW`` extends the lease instead of ending it. On the wire it is an
+    Avro enum, encoded by symbol position (``id - 1``).
     """
 
     ACCEPT = 1
@@ -64,7 +66,7 @@ class AckType(IntEnum):
     RENEW = 4
 
 
-class AckResult(StrEnum):
+class AckOutcome(StrEnum):
     """The engine's answer to one ack item; anything but APPLIED/REMEMBERED changed nothing."""
 
     APPLIED = "applied"

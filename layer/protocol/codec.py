@@ -42,12 +42,12 @@ from layer.protocol.records import (
     ControlMessage,
     Event,
     EventType,
+    GrantSemantics,
     Heartbeat,
     QueueGrant,
     Replace,
     ReplyMessage,
     RequestKind,
-    Semantics,
     SessionEnded,
     SessionEndReason,
     Subscribe,
@@ -407,7 +407,7 @@ class Codec:
                             queue=grant["queue"],
                             max_backlog=grant["max_backlog"],
                             lease_period_ms=grant["lease_period_ms"],
-                            semantics=Semantics(grant["semantics"]),
+                            semantics=GrantSemantics(grant["semantics"]),
                         )
                         for grant in body["queues"]
                     ),

@@ -10,9 +10,10 @@ make the whole batch undecodable. Events are written by the coordinator and alwa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 from typing import NamedTuple
 
+from layer.domain.states import AckType
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 
@@ -27,13 +28,13 @@ __all__ = [
     "Event",
     "EventType",
     "ExpiryReason",
+    "GrantSemantics",
     "Heartbeat",
     "LeaseEndReason",
     "QueueGrant",
     "Replace",
     "ReplyMessage",
     "RequestKind",
-    "Semantics",
     "SessionEndReason",
     "SessionEnded",
     "Subscribe",
@@ -48,20 +49,6 @@ __all__ = [
 # --- enums -----------------------------------------------------------------------------------
 
 
-class AckType(IntEnum):
-    """How a consumer settles a lease. Names and numbers are Kafka's share-group
-    ``AcknowledgeType`` ids (ACCEPT/RELEASE/REJECT from KIP-932, RENEW from KIP-1222).
-
-    On the wire this is an Avro enum, encoded by symbol position (``id - 1``).
-    AMPS equivalents: ACCEPT = ack, RELEASE = cancel, REJECT = expire.
-    """
-
-    ACCEPT = 1
-    RELEASE = 2
-    REJECT = 3
-    RENEW = 4
-
-
 class RequestKind(StrEnum):
     SUBSCRIBE = "SUBSCRIBE"
     REPLACE = "REPLACE"
@@ -74,7 +61,7 @@ class SubscribeStatus(StrEnum):
     INVALID_REQUEST = "INVALID_REQUEST"
 
 
-class Semantics(StrEnum):
+class GrantSemantics(StrEnum):
     AT_LEAST_ONCE = "AT_LEAST_ONCE"
     AT_MOST_ONCE = "AT_MOST_ONCE"
 
@@ -255,7 +242,7 @@ class QueueGrant:
     queue: str
     max_backlog: int
     lease_period_ms: int
-    semantics: Semantics
+    semantics: GrantSemantics
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

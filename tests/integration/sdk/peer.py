@@ -29,11 +29,11 @@ from layer.protocol import (
     Codec,
     ControlMessage,
     DeliveryInfo,
+    GrantSemantics,
     QueueGrant,
     Replace,
     ReplyMessage,
     RequestKind,
-    Semantics,
     SessionEnded,
     SessionEndReason,
     Subscribe,
@@ -157,7 +157,7 @@ class CoordinatorPeer:
     ) -> SubscribeResult:
         grants = () if status is not SubscribeStatus.OK else tuple(
             QueueGrant(queue=q, max_backlog=request.max_backlog or 1,
-                       lease_period_ms=lease_period_ms, semantics=Semantics.AT_LEAST_ONCE)
+                       lease_period_ms=lease_period_ms, semantics=GrantSemantics.AT_LEAST_ONCE)
             for q in (queues if queues is not None else [request.queue])
         )
         result = SubscribeResult(

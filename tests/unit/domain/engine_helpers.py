@@ -6,10 +6,10 @@ import random
 from collections.abc import Iterable, Sequence
 
 from layer.domain.definitions import QueueDefinition
-from layer.domain.engine import AckItem, QueueEngine, random_tokens
-from layer.domain.entries import JournalRecord
+from layer.domain.engine import EntryAck, QueueEngine, random_tokens
+from layer.domain.entries import OfferedRecord
 from layer.domain.events import EntryLeased, Event
-from layer.domain.states import AckResult, AckType, Bookmark
+from layer.domain.states import AckOutcome, AckType, Bookmark
 
 TOPIC = "Work"
 
@@ -35,8 +35,8 @@ def record(
     timestamp: float | None = 0.0,
     deliver_at: float | None = None,
     topic: str = TOPIC,
-) -> JournalRecord:
-    return JournalRecord(topic, partition, offset, key, doc, timestamp, deliver_at)
+) -> OfferedRecord:
+    return OfferedRecord(topic, partition, offset, key, doc, timestamp, deliver_at)
 
 
 def offer(queue: QueueEngine, docs: Iterable[object], *, start: int = 0, now: float = 0.0) -> int:
@@ -91,8 +91,8 @@ def settle(
     delay: float | None = None,
     reason: str | None = None,
     token: str | None = None,
-) -> AckResult:
-    item = AckItem(lease.bookmark, lease.token if token is None else token, kind, delay, reason)
+) -> AckOutcome:
+    item = EntryAck(lease.bookmark, lease.token if token is None else token, kind, delay, reason)
     return queue.ack([item], now)[0]
 
 

@@ -7,7 +7,7 @@ import pytest
 from layer.domain.engine import QueueEngine
 from layer.domain.errors import ExpressionError, UnknownConsumerError
 from layer.domain.events import ConsumerLeft, EntryLeased, LeaseBroken
-from layer.domain.states import AckResult, EntryState, LeaveReason
+from layer.domain.states import AckOutcome, EntryState, LeaveReason
 
 from .engine_helpers import bm, by_consumer, engine, leases, of_type, offer, settle, subscribe
 
@@ -140,8 +140,8 @@ def test_a_new_session_of_the_same_consumer_breaks_the_old_sessions_leases() -> 
     assert queue.entry(bm(0)).state is EntryState.AVAILABLE
     assert not queue.heartbeat("a", 2.0, session_id="s1")
     [new] = leases(queue.dispatch(1.0))
-    assert settle(queue, old, now=2.0) is AckResult.WRONG_TOKEN
-    assert settle(queue, new, now=2.0) is AckResult.APPLIED
+    assert settle(queue, old, now=2.0) is AckOutcome.WRONG_TOKEN
+    assert settle(queue, new, now=2.0) is AckOutcome.APPLIED
 
 
 def hold(queue: QueueEngine, consumer_id: str, max_backlog: int, leased: int, start: int) -> int:

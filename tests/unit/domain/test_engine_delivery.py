@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layer.domain.engine import AckItem
+from layer.domain.engine import EntryAck
 from layer.domain.events import (
     BacklogFreed,
     EntriesEnqueued,
@@ -16,7 +16,7 @@ from layer.domain.events import (
     LeaseExpired,
     LeaseRenewed,
 )
-from layer.domain.states import AckResult, AckSource, AckType, EntryState, ExpiryReason
+from layer.domain.states import AckOutcome, AckSource, AckType, EntryState, ExpiryReason
 
 from .engine_helpers import (
     bm,
@@ -78,7 +78,7 @@ def test_accept_acknowledges_the_entry_and_frees_the_backlog() -> None:
     [first] = leases(queue.dispatch(0.0))
     assert queue.dispatch(0.0) == []  # the backlog of one is full
 
-    assert settle(queue, first) is AckResult.APPLIED
+    assert settle(queue, first) is AckOutcome.APPLIED
     assert queue.entry(bm(0)).state is EntryState.ACKED
     assert offsets_of(queue.dispatch(0.0)) == [1]
     acked = of_type(queue.drain().events, EntryAcked)
@@ -108,7 +108,7 @@ def test_an_expired_lease_returns_the_entry_to_the_queue() -> None:
     expired = of_type(queue.drain().events, LeaseExpired)
     assert [(e.consumer_id, e.available_at) for e in expired] == [("a", 10.0)]
     # The old holder's token no longer acknowledges anything.
-    assert settle(queue, lease, now=11.0) is AckResult.WRONG_TOKEN
+    assert settle(queue, lease, now=11.0) is AckOutcome.WRONG_TOKEN
 
 
 def test_a_returned_entry_keeps_its_place_in_the_queue() -> None:
@@ -156,7 +156,7 @@ def test_jobs_max_cancels_expires_on_the_third_cancel() -> None:
         [lease] = leases(queue.dispatch(0.0))
         results.append(settle(queue, lease, AckType.RELEASE))
 
-    assert results == [AckResult.APPLIED] * 3
+    assert results == [AckOutcome.APPLIED] * 3
     assert queue.dispatch(0.0) == []
     events = queue.drain().events
     assert [e.cancel_count for e in of_type(events, EntryReleased)] == [1, 2, 3]
@@ -174,7 +174,7 @@ def test_reject_expires_the_entry_for_the_dead_letter_topic() -> None:
     subscribe(queue, "a")
     [lease] = leases(queue.dispatch(0.0))
 
-    assert settle(queue, lease, AckType.REJECT, reason="unparseable") is AckResult.APPLIED
+    assert settle(queue, lease, AckType.REJECT, reason="unparseable") is AckOutcome.APPLIED
     [expired] = of_type(queue.drain().events, EntryExpired)
     assert (expired.reason, expired.detail, expired.dead_letter, expired.consumer_id) == (
         ExpiryReason.REJECTED,
@@ -191,14 +191,14 @@ def test_renew_extends_the_lease() -> None:
     subscribe(queue, "a", session=None)
     [lease] = leases(queue.dispatch(0.0))
 
-    assert settle(queue, lease, AckType.RENEW, now=8.0) is AckResult.APPLIED
+    assert settle(queue, lease, AckType.RENEW, now=8.0) is AckOutcome.APPLIED
     queue.heartbeat("a", 12.0)
     queue.tick(12.0)
     assert queue.entry(bm(0)).state is EntryState.LEASED
     assert queue.entry(bm(0)).deadline == 18.0
     renewed = of_type(queue.drain().events, LeaseRenewed)
     assert [(e.deadline, e.at) for e in renewed] == [(18.0, 8.0)]
-    assert settle(queue, lease, now=13.0) is AckResult.APPLIED
+    assert settle(queue, lease, now=13.0) is AckOutcome.APPLIED
 
 
 def test_acks_that_cannot_apply_change_nothing_and_say_why() -> None:
@@ -209,25 +209,25 @@ def test_acks_that_cannot_apply_change_nothing_and_say_why() -> None:
 
     results = queue.ack(
         [
-            AckItem(lease.bookmark, "not-the-token"),
-            AckItem(bm(1), None),  # AVAILABLE, not leased
-            AckItem(bm(99), "x"),  # beyond what was read
-            AckItem(lease.bookmark._replace(topic="Other"), lease.token),
-            AckItem(lease.bookmark, lease.token, AckType.RENEW),
-            AckItem(lease.bookmark, lease.token),
-            AckItem(lease.bookmark, lease.token),  # duplicate
+            EntryAck(lease.bookmark, "not-the-token"),
+            EntryAck(bm(1), None),  # AVAILABLE, not leased
+            EntryAck(bm(99), "x"),  # beyond what was read
+            EntryAck(lease.bookmark._replace(topic="Other"), lease.token),
+            EntryAck(lease.bookmark, lease.token, AckType.RENEW),
+            EntryAck(lease.bookmark, lease.token),
+            EntryAck(lease.bookmark, lease.token),  # duplicate
         ],
         1.0,
     )
 
     assert results == [
-        AckResult.WRONG_TOKEN,
-        AckResult.NOT_LEASED,
-        AckResult.UNKNOWN_BOOKMARK,
-        AckResult.UNKNOWN_BOOKMARK,
-        AckResult.APPLIED,
-        AckResult.APPLIED,
-        AckResult.ALREADY_DONE,
+        AckOutcome.WRONG_TOKEN,
+        AckOutcome.NOT_LEASED,
+        AckOutcome.UNKNOWN_BOOKMARK,
+        AckOutcome.UNKNOWN_BOOKMARK,
+        AckOutcome.APPLIED,
+        AckOutcome.APPLIED,
+        AckOutcome.ALREADY_DONE,
     ]
     assert queue.entry(bm(1)).state is EntryState.AVAILABLE
 
@@ -238,7 +238,7 @@ def test_strict_leasing_only_the_holder_may_release_reject_or_renew() -> None:
     subscribe(queue, "a")
     [lease] = leases(queue.dispatch(0.0))
     for kind in AckType:
-        assert settle(queue, lease, kind, token="stolen") is AckResult.WRONG_TOKEN
+        assert settle(queue, lease, kind, token="stolen") is AckOutcome.WRONG_TOKEN
     assert queue.entry(bm(0)).state is EntryState.LEASED
 
 
@@ -248,13 +248,13 @@ def test_permissive_leasing_lets_anyone_accept_or_reject_but_not_release() -> No
     subscribe(queue, "a")
     [lease] = leases(queue.dispatch(0.0))
 
-    assert settle(queue, lease, AckType.RELEASE, token="other") is AckResult.WRONG_TOKEN
-    assert settle(queue, lease, AckType.RENEW, token="other") is AckResult.WRONG_TOKEN
-    assert settle(queue, lease, token="other") is AckResult.APPLIED
+    assert settle(queue, lease, AckType.RELEASE, token="other") is AckOutcome.WRONG_TOKEN
+    assert settle(queue, lease, AckType.RENEW, token="other") is AckOutcome.WRONG_TOKEN
+    assert settle(queue, lease, token="other") is AckOutcome.APPLIED
     # Entries nobody leased can be acknowledged or rejected too.
-    assert queue.ack([AckItem(bm(1), None)], 0.0) == [AckResult.APPLIED]
-    assert queue.ack([AckItem(bm(2), None, AckType.REJECT)], 0.0) == [AckResult.APPLIED]
-    assert queue.ack([AckItem(bm(2), None, AckType.RELEASE)], 0.0) == [AckResult.ALREADY_DONE]
+    assert queue.ack([EntryAck(bm(1), None)], 0.0) == [AckOutcome.APPLIED]
+    assert queue.ack([EntryAck(bm(2), None, AckType.REJECT)], 0.0) == [AckOutcome.APPLIED]
+    assert queue.ack([EntryAck(bm(2), None, AckType.RELEASE)], 0.0) == [AckOutcome.ALREADY_DONE]
     assert [queue.entry(bm(i)).state for i in range(3)] == [
         EntryState.ACKED,
         EntryState.ACKED,
@@ -277,7 +277,7 @@ def test_at_most_once_removes_the_entry_on_delivery_and_never_redelivers() -> No
     assert queue.recovery_points() == {("Work", 0): 2}
     # The backlog stays taken until the consumer acknowledges; ack types have no effect.
     assert queue.dispatch(0.0) == []
-    assert settle(queue, first, AckType.RELEASE) is AckResult.APPLIED
+    assert settle(queue, first, AckType.RELEASE) is AckOutcome.APPLIED
     assert offsets_of(queue.dispatch(0.0)) == [2]
     # A lapsed lease only frees the backlog slot; leaving breaks nothing.
     queue.heartbeat("a", 5.0)
@@ -417,7 +417,7 @@ def test_admin_ack_by_filter_acknowledges_leased_and_available_entries() -> None
         EntryState.ACKED,
         EntryState.AVAILABLE,
     ]
-    assert settle(queue, lease, now=2.0) is AckResult.ALREADY_DONE
+    assert settle(queue, lease, now=2.0) is AckOutcome.ALREADY_DONE
     assert offsets_of(queue.dispatch(2.0)) == [1]  # the backlog was freed
     sources = {e.source for e in of_type(queue.drain().events, EntryAcked)}
     assert sources == {AckSource.ADMIN}
@@ -446,4 +446,4 @@ def test_acks_of_a_consumer_that_left_are_refused(kind: AckType) -> None:
     subscribe(queue, "b", now=1.0)
     assert by_consumer(queue.dispatch(1.0)) == {"b": [0]}
 
-    assert settle(queue, lease, kind, now=2.0) is AckResult.WRONG_TOKEN
+    assert settle(queue, lease, kind, now=2.0) is AckOutcome.WRONG_TOKEN

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from layer.domain.engine import AckItem
+from layer.domain.engine import EntryAck
 from layer.domain.entries import priority_rank
 from layer.domain.events import BarrierDelivered, EntryAcked, EntryLeased, Recipient
 from layer.domain.expressions import RawDocument
-from layer.domain.states import AckResult, AckSource, AckType, EntryState
+from layer.domain.states import AckOutcome, AckSource, AckType, EntryState
 
 from .engine_helpers import (
     bm,
@@ -233,9 +233,9 @@ def test_target_queue_depth_remembers_acks_for_inactive_entries() -> None:
     offer(queue, ["0", "1", "2"])
 
     # 2 is inactive: the ack is remembered, and 2 never enters the deliverable part.
-    assert queue.ack([AckItem(bm(2), None)], 0.0) == [AckResult.APPLIED]
+    assert queue.ack([EntryAck(bm(2), None)], 0.0) == [AckOutcome.APPLIED]
     # 7 has not even been read: remembered until it arrives.
-    assert queue.ack([AckItem(bm(7), None)], 0.0) == [AckResult.REMEMBERED]
+    assert queue.ack([EntryAck(bm(7), None)], 0.0) == [AckOutcome.REMEMBERED]
     assert queue.stats().remembered_acks == 1
     offer(queue, ["3", "4", "5", "6", "7"], start=3)
     assert queue.entry(bm(7)) is None and queue.stats().remembered_acks == 0
@@ -270,9 +270,9 @@ def test_admin_ack_by_filter_applies_only_to_the_active_part() -> None:
 def test_strict_queues_do_not_remember_acks_without_a_lease() -> None:
     queue = engine(target_queue_depth=1)
     offer(queue, ["0", "1"])
-    assert queue.ack([AckItem(bm(1), None), AckItem(bm(5), None)], 0.0) == [
-        AckResult.NOT_LEASED,
-        AckResult.UNKNOWN_BOOKMARK,
+    assert queue.ack([EntryAck(bm(1), None), EntryAck(bm(5), None)], 0.0) == [
+        AckOutcome.NOT_LEASED,
+        AckOutcome.UNKNOWN_BOOKMARK,
     ]
     assert of_type(queue.drain().events, EntryLeased) == []
 

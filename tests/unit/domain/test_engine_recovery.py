@@ -5,7 +5,7 @@ from __future__ import annotations
 from layer.domain.engine import QueueEngine
 from layer.domain.entries import EntryRecord
 from layer.domain.events import EntryLeased, LeaseBroken
-from layer.domain.states import AckResult, AckType, EntryState
+from layer.domain.states import AckOutcome, AckType, EntryState
 
 from .engine_helpers import bm, engine, leases, of_type, offer, record, settle, subscribe
 
@@ -69,7 +69,7 @@ def test_done_entries_are_reclaimed_without_changing_any_answer() -> None:
 
     assert queue.recovery_points() == {("Work", 0): total}
     assert settle(queue, EntryLeased("Q", bm(5), "a", "", "t", 0.0, 1, 0.0)) is (
-        AckResult.ALREADY_DONE
+        AckOutcome.ALREADY_DONE
     )
     assert queue.entry(bm(total - 1)) is None  # done and forgotten: below the recovery point
     offer(queue, ["late"], start=total)
@@ -101,7 +101,7 @@ def test_restart_skips_done_entries_and_keeps_leases_until_their_deadline() -> N
     assert (redelivered.bookmark.offset, redelivered.delivery_count) == (1, 2)
     assert after.entry(bm(1)).cancel_count == 1 and three.bookmark.offset == 3
     # The old token still acknowledges the restored lease ...
-    assert settle(after, two, now=11.0) is AckResult.APPLIED
+    assert settle(after, two, now=11.0) is AckOutcome.APPLIED
 
 
 def test_a_restored_lease_expires_at_its_deadline() -> None:
@@ -169,7 +169,7 @@ def test_restored_leases_are_sent_again_unchanged_once_their_records_are_replaye
     assert after.resends(10.0) == []  # once
     # They are the same leases, not new ones: no event, and the old tokens settle them.
     assert of_type(after.drain().events, EntryLeased) == []
-    assert all(settle(after, d, now=11.0) is AckResult.APPLIED for d in held)
+    assert all(settle(after, d, now=11.0) is AckOutcome.APPLIED for d in held)
 
 
 def test_settled_expired_and_broken_leases_are_not_sent_again() -> None:

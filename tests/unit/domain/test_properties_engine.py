@@ -39,8 +39,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from layer.domain.engine import AckItem, QueueEngine
-from layer.domain.entries import EntryRecord, JournalRecord
+from layer.domain.engine import EntryAck, QueueEngine
+from layer.domain.entries import EntryRecord, OfferedRecord
 from layer.domain.events import (
     BacklogFreed,
     BarrierDelivered,
@@ -58,7 +58,7 @@ from layer.domain.events import (
     LeaseRenewed,
 )
 from layer.domain.expressions import Expression, compile_expression
-from layer.domain.states import AckResult, AckSource, AckType, Bookmark, EntryState
+from layer.domain.states import AckOutcome, AckSource, AckType, Bookmark, EntryState
 
 from .engine_helpers import TOPIC, engine, record
 
@@ -107,7 +107,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.filters: dict[str, Expression | None] = {}
         self.backlog: Counter[str] = Counter()
         self.sessions = 0
-        self.records: dict[Bookmark, JournalRecord] = {}
+        self.records: dict[Bookmark, OfferedRecord] = {}
         self.store: dict[Bookmark, EntryRecord] = {}  # what the coordinator persisted
         self.subscriptions: dict[str, ConsumerSubscribed | ConsumerReplaced] = {}
         self.restarted = False
@@ -383,14 +383,14 @@ class EngineMachine(RuleBasedStateMachine):
         bookmark = data.draw(st.sampled_from(sorted(self.holder)))
         _consumer, token = self.holder[bookmark]
         result = self.queue.ack(
-            [AckItem(bookmark, token if right_token else "forged", kind, delay, "bad data")],
+            [EntryAck(bookmark, token if right_token else "forged", kind, delay, "bad data")],
             self.now,
         )[0]
         strict = self.fields.get("leasing", "strict") == "strict"
         if right_token:
-            assert result is AckResult.APPLIED
+            assert result is AckOutcome.APPLIED
         elif strict:
-            assert result is AckResult.WRONG_TOKEN
+            assert result is AckOutcome.WRONG_TOKEN
         self.drain()
         self.then(dispatch)
 
@@ -399,9 +399,9 @@ class EngineMachine(RuleBasedStateMachine):
         """Acks for entries that are not leased (available, done or unknown) never break it."""
         bookmark = Bookmark(TOPIC, 0, bookmark_index)
         before = self.queue.entry(bookmark)
-        result = self.queue.ack([AckItem(bookmark, None, kind)], self.now)[0]
+        result = self.queue.ack([EntryAck(bookmark, None, kind)], self.now)[0]
         if before is None and bookmark_index < self.next_offset[0]:
-            assert result in (AckResult.ALREADY_DONE, AckResult.UNKNOWN_BOOKMARK)
+            assert result in (AckOutcome.ALREADY_DONE, AckOutcome.UNKNOWN_BOOKMARK)
         self.drain()
 
     @rule(filter=st.sampled_from(["/k = 1", "/p = 3"]), roll=st.integers(0, 5))

@@ -14,11 +14,11 @@ from layer.protocol import (
     Bookmark,
     Event,
     EventType,
+    GrantSemantics,
     Heartbeat,
     QueueGrant,
     Replace,
     RequestKind,
-    Semantics,
     SessionEnded,
     SessionEndReason,
     Subscribe,
@@ -100,7 +100,7 @@ queue_grants = st.builds(
     queue=TEXT,
     max_backlog=INT32,
     lease_period_ms=INT64,
-    semantics=st.sampled_from(Semantics),
+    semantics=st.sampled_from(GrantSemantics),
 )
 subscribe_results = st.builds(
     SubscribeResult,
