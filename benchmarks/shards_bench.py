@@ -2,7 +2,7 @@
 the coordinator's CPU µs per message before and after the split, in one run.
 
     .venv/bin/python benchmarks/shards_bench.py [--messages 40000] [--size 1024]
-        [--failovers 5] [--queued 100000] [--before-tree /path/to/an/older/checkout]
+        [--failovers 5] [--queued 100000] [--before-tree /path/to/an/older/checkout ...]
 
 Runs against the local stack (`qlayer dev up`), in scratch databases under fresh topic
 prefixes. Coordinators are real `qlayer coordinator run` processes (their CPU time is read
@@ -12,8 +12,9 @@ from /proc); consumers are SDK processes (one per queue, acking every message).
   the given size produced as fast as possible (N/4 per queue); the figure is N / (first produce
   -> every queue's recovery points at its journal's end). CPU µs/msg: the coordinator
   processes' user+system CPU over that window, divided by N.
-- before/after: with --before-tree, the 1-process cell is also run with the coordinator (and its
-  migrations) of that checkout, e.g. a `git worktree` of the commit before the split. The
+- before/after: with --before-tree (repeatable), the 1-process cell is also run with the
+  coordinator (and its migrations) of that checkout, e.g. a `git worktree` of the commit before
+  the split. The
   consumers are this tree's SDK in both cells (a protocol-2 consumer works against a protocol-1
   coordinator).
 - failover: 2 processes, one queue with `--queued` messages and a consumer holding 100 leases;
@@ -302,7 +303,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--failovers", type=int, default=5)
     parser.add_argument("--queued", type=int, default=100_000)
-    parser.add_argument("--before-tree", type=Path, default=None)
+    parser.add_argument("--before-tree", type=Path, action="append", default=[],
+                        help="an older checkout whose coordinator runs the 1-process cell "
+                        "too (repeatable)")
     parser.add_argument("--bootstrap-servers", default=os.environ.get(
         "QLAYER_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
     parser.add_argument("--database-url", default=os.environ.get(
@@ -310,8 +313,8 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     cells = []
-    if args.before_tree is not None:
-        cells.append(throughput(args, args.before_tree.resolve(), 1))
+    for tree in args.before_tree:
+        cells.append(throughput(args, tree.resolve(), 1))
         print(json.dumps(cells[-1]), flush=True)
     for processes in (1, 2):
         cells.append(throughput(args, HERE, processes))
