@@ -296,6 +296,7 @@ class CoordinatorProcess:
         return stats
 
     def _failed(self, slot: _Slot, now: float, why: str) -> None:
+        self._process_counters["shard_failures"] += 1
         slot.backoff = min(max(slot.backoff * 2, 0.5), 10.0)
         slot.next_try = now + slot.backoff
         log.error("%s; rebuilding from stored state in %.1fs", why, slot.backoff)
