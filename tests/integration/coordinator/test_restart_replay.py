@@ -72,7 +72,10 @@ def test_acks_read_before_the_replay_reaches_their_entries_wait_and_apply(
     # consumer would lose its ack and get the message again when the lease ran out).
     topic = journal("Work", partitions=1)
     put_queues(settings, {"name": "Work", "underlying_topic": topic, "lease_period": "10m"})
-    total = 30_000
+    # Long enough that the replay takes several polls of 20,000: a shard's ack partition is
+    # fetched with its journals, and one poll may hold the first 20,000 journal records before
+    # the acks (the acks then come while the replay is still far from their entries).
+    total = 120_000
     produce(settings.bootstrap_servers, topic,
             [json.dumps({"n": i}).encode() for i in range(total)], partition=0)
     # The consumer's filter takes the journal's last five records, so a replay from the
