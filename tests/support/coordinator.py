@@ -315,7 +315,12 @@ def produce(bootstrap_servers: str, topic: str, values: Iterable[bytes | None], 
             kwargs["headers"] = headers
         if partition is not None:
             kwargs["partition"] = partition
-        producer.produce(topic, value, **kwargs)  # type: ignore[arg-type]
+        while True:
+            try:
+                producer.produce(topic, value, **kwargs)  # type: ignore[arg-type]
+                break
+            except BufferError:  # the local queue is full: let it drain
+                producer.poll(0.05)
     remaining = producer.flush(30)
     assert remaining == 0, f"{remaining} records not written to {topic}"
 
