@@ -111,7 +111,11 @@ class ShardLoop:
     # ------------------------------------------------------------------ ownership
     def take(self, now: float) -> None:
         """Take the shard (a new epoch, which fences any earlier holder) and start serving it:
-        restore its queues from PostgreSQL and read on. The group assigned it to us."""
+        restore its queues from PostgreSQL and read on. The group assigned it to us.
+
+        The core starts empty: a shard this process ran before (revoked, then assigned
+        again) is restored from what is stored, never from what this process remembers."""
+        self.core.reset()
         self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
         self.core.epoch = self.epoch
         log.info("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
@@ -148,6 +152,7 @@ class ShardLoop:
                 log.warning("releasing ownership failed: %s", exc)
         self._close_clients()
         self.epoch = None
+        self.core.reset()
 
     def abandon(self, why: str) -> None:
         """Stop at once without writing anything (the shard was lost: another process may

@@ -248,19 +248,46 @@ def test_moving_a_queue_keeps_its_leases_and_loses_nothing(
     assert coordinator.counters["forwarded"] >= 1
 
 
-def test_two_processes_in_one_installation_split_the_shards(settings: Settings) -> None:
+def test_two_processes_in_one_installation_split_the_shards(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
     """Two processes in one interpreter (as the benchmarks run them): each runs some shards,
-    together all of them, and the first takes everything back when the second stops."""
+    together all of them; the first takes everything back when the second stops, and the
+    consumers of shards that went there and back keep receiving."""
     with Store(settings.database_url) as store:
         count = store.shard_count()
+        topics = {f"Q{i}": journal(f"q{i}") for i in range(count)}
+        put_queues(settings, *({"name": q, "underlying_topic": t, "shard": i}
+                               for i, (q, t) in enumerate(topics.items())))
         with running_coordinator(settings, owner_id="one") as one:
-            with running_coordinator(settings, owner_id="two", wait_for_shards=False) as two:
-                _wait(lambda: bool(one.shards) and bool(two.shards)
-                      and len(one.shards) + len(two.shards) == count, 60,
-                      "the shards split between two processes")
-                assert not set(one.shards) & set(two.shards)
-            _wait(lambda: len(one.shards) == count, 60, "one running every shard again")
-            assert {o.owner_id for o in store.owners()} == {"one"}
+            consumers = {q: RawConsumer(settings.bootstrap_servers, settings.topic_prefix, q,
+                                        session_timeout_ms=60_000) for q in topics}
+            try:
+                for consumer in consumers.values():
+                    assert consumer.subscribe().status is SubscribeStatus.OK
+                with running_coordinator(settings, owner_id="two",
+                                         wait_for_shards=False) as two:
+                    _wait(lambda: bool(one.shards) and bool(two.shards)
+                          and len(one.shards) + len(two.shards) == count, 60,
+                          "the shards split between two processes")
+                    assert not set(one.shards) & set(two.shards)
+                    moved = set(two.shards)
+                _wait(lambda: len(one.shards) == count, 60, "one running every shard again")
+                assert {o.owner_id for o in store.owners()} == {"one"}
+                for topic in topics.values():
+                    produce_numbers(settings.bootstrap_servers, topic, 1)
+                for queue, consumer in consumers.items():
+                    got: list[object] = []
+                    deadline = time.monotonic() + 30
+                    while not got and time.monotonic() < deadline:
+                        got.extend(consumer.poll(0.2))
+                    shard = list(topics).index(queue)
+                    assert got, (f"{queue} (shard {shard}, "
+                                 f"{'moved there and back' if shard in moved else 'stayed'}) "
+                                 "delivered nothing after the handover")
+            finally:
+                for consumer in consumers.values():
+                    consumer.close()
 
 
 def test_a_clean_stop_leaves_no_owner_and_no_process_behind(settings: Settings) -> None:
