@@ -108,6 +108,8 @@ class ConsumerRow:
     client_info: Mapping[str, Any] | None = None
     # Set when an operator asked to evict the consumer (read only; upserts leave it alone).
     evict_requested_at: float | None = None
+    #: ``batch`` (delivery batches, protocol 3) or ``record`` (one record per message).
+    delivery_format: str = "record"
 
 
 @dataclass(frozen=True, slots=True)

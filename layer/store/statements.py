@@ -38,10 +38,10 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from layer.store.tables import (
     COUNTER_NAMES,
-    DONE_STATES,
     consumers,
     coordinator_processes,
     entries,
+    entry_runs,
     input_positions,
     installation,
     ownership,
@@ -203,6 +203,7 @@ SELECT_OWNERS: Final = (
 # --- batched writes (WriteBatch) ---------------------------------------------------------------
 
 FORGET_ENTRIES: Final = delete(entries).where(entries.c.queue == any_(_names_param("queues")))
+FORGET_RUNS: Final = delete(entry_runs).where(entry_runs.c.queue == any_(_names_param("queues")))
 FORGET_RECOVERY_POINTS: Final = delete(recovery_points).where(
     recovery_points.c.queue == any_(_names_param("queues"))
 )
@@ -246,7 +247,31 @@ UPSERT_ENTRIES: Final = _entries_insert.on_conflict_do_update(
         name: _entries_insert.excluded[name]
         for name in ENTRY_COLUMNS
         if name not in _ENTRY_KEY_COLUMNS
-    },
+    } | {"seq": func.nextval("entry_writes")},
+)
+
+# Runs: `offsets` comes as one array literal per run (``{4,5,9}``), a text column of the batch
+# (unnest would flatten an array of arrays), cast back to bigint[] here.
+RUN_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    "topic": Text(),
+    "partition": Integer(),
+    "first_offset": BigInteger(),
+    "last_offset": BigInteger(),
+    "offsets": Text(),
+    "state": Text(),
+    "delivery_count": Integer(),
+    "cancel_count": Integer(),
+    "lease_consumer": Text(),
+    "lease_tokens": Text(),
+    "lease_deadline": _TIMESTAMP,
+    "updated_at": _TIMESTAMP,
+}
+_run_rows = _unnest("batch", RUN_COLUMNS)
+INSERT_RUNS: Final = pg_insert(entry_runs).from_select(
+    list(RUN_COLUMNS),
+    select(*(cast(_run_rows.c[name], ARRAY(BigInteger())) if name == "offsets"
+             else _run_rows.c[name] for name in RUN_COLUMNS)),
 )
 
 RECOVERY_POINT_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
@@ -272,16 +297,24 @@ UPSERT_RECOVERY_POINTS: Final = _rp_insert.on_conflict_do_update(
     },
 )
 
-# Done entries a recovery point has passed are never consulted again (restart reads the journal
-# from the recovery point), so they go. Entries below it that are *not* done would be a bug; they
-# stay, so the inconsistency remains visible instead of being erased.
+# Everything below a recovery point is done (the engine moves it past done entries only) and
+# never consulted again (restart reads the journal from the recovery point), so every row about
+# an entry there goes, whatever state it names: with runs, an entry's latest write may be a run
+# while an older row about it (a lease, a release) is superseded but still LEASED or AVAILABLE.
+# A run goes once the point passes its last offset.
 _passed = _unnest("passed", _ENTRY_KEY_COLUMNS)
 PRUNE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
     entries.c.queue == _passed.c.queue,
     entries.c.topic == _passed.c.topic,
     entries.c.partition == _passed.c.partition,
     entries.c.offset < _passed.c.offset,
-    entries.c.state.in_(DONE_STATES),
+)
+_passed_runs = _unnest("passed", _ENTRY_KEY_COLUMNS)
+PRUNE_RUNS_BELOW_RECOVERY_POINTS: Final = delete(entry_runs).where(
+    entry_runs.c.queue == _passed_runs.c.queue,
+    entry_runs.c.topic == _passed_runs.c.topic,
+    entry_runs.c.partition == _passed_runs.c.partition,
+    entry_runs.c.last_offset < _passed_runs.c.offset,
 )
 
 DELETE_CONSUMERS: Final = delete(consumers).where(
@@ -304,6 +337,7 @@ CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "subscribed_at": _TIMESTAMP,
     "last_heartbeat_at": _TIMESTAMP,
     "client_info": _JSON,
+    "delivery_format": Text(),
 }
 _consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
 _consumers_insert = pg_insert(consumers).from_select(
@@ -372,6 +406,7 @@ SELECT_ENTRIES_TO_RECOVER: Final = (
         entries.c.lease_deadline,
         entries.c.available_at,
         entries.c.reason,
+        entries.c.seq,
     )
     .select_from(
         entries.outerjoin(
@@ -383,13 +418,40 @@ SELECT_ENTRIES_TO_RECOVER: Final = (
     )
     .where(
         entries.c.queue == bindparam("queue"),
-        or_(
-            _rp_of_entry.offset.is_(None),
-            entries.c.offset >= _rp_of_entry.offset,
-            entries.c.state.not_in(DONE_STATES),
-        ),
+        or_(_rp_of_entry.offset.is_(None), entries.c.offset >= _rp_of_entry.offset),
     )
     .order_by(entries.c.topic, entries.c.partition, entries.c.offset)
+)
+
+# The runs a restart needs: those with an offset at or above their recovery point, with the
+# point (the offsets below it are done and left out).
+SELECT_RUNS_TO_RECOVER: Final = (
+    select(
+        entry_runs.c.topic,
+        entry_runs.c.partition,
+        entry_runs.c.offsets,
+        entry_runs.c.state,
+        entry_runs.c.delivery_count,
+        entry_runs.c.cancel_count,
+        entry_runs.c.lease_consumer,
+        entry_runs.c.lease_tokens,
+        entry_runs.c.lease_deadline,
+        entry_runs.c.seq,
+        func.coalesce(_rp_of_entry.offset, 0),
+    )
+    .select_from(
+        entry_runs.outerjoin(
+            recovery_points,
+            (_rp_of_entry.queue == entry_runs.c.queue)
+            & (_rp_of_entry.topic == entry_runs.c.topic)
+            & (_rp_of_entry.partition == entry_runs.c.partition),
+        )
+    )
+    .where(
+        entry_runs.c.queue == bindparam("queue"),
+        or_(_rp_of_entry.offset.is_(None), entry_runs.c.last_offset >= _rp_of_entry.offset),
+    )
+    .order_by(entry_runs.c.seq)
 )
 
 SELECT_RECOVERY_POINTS: Final = select(
@@ -431,13 +493,18 @@ REQUEST_EVICTION: Final = (
 
 SELECT_COUNTERS: Final = select(queue_counters).order_by(queue_counters.c.queue)
 
-# The maintenance form of PRUNE_BELOW_RECOVERY_POINTS, against the stored recovery points.
+# The maintenance form of the prunes, against the stored recovery points.
 DELETE_DONE_BELOW_RECOVERY_POINTS: Final = delete(entries).where(
     entries.c.queue == recovery_points.c.queue,
     entries.c.topic == recovery_points.c.topic,
     entries.c.partition == recovery_points.c.partition,
     entries.c.offset < recovery_points.c.offset,
-    entries.c.state.in_(DONE_STATES),
+)
+DELETE_RUNS_BELOW_RECOVERY_POINTS: Final = delete(entry_runs).where(
+    entry_runs.c.queue == recovery_points.c.queue,
+    entry_runs.c.topic == recovery_points.c.topic,
+    entry_runs.c.partition == recovery_points.c.partition,
+    entry_runs.c.last_offset < recovery_points.c.offset,
 )
 
 # --- queue definitions (CLI) -------------------------------------------------------------------

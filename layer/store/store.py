@@ -44,6 +44,7 @@ from layer.store.tables import (
     COUNTER_NAMES,
     DONE_STATES,
     entries,
+    entry_runs,
     queue_counters,
     queues,
     recovery_points,
@@ -58,9 +59,12 @@ class CommitResult:
 
     epoch: int
     statements: int
+    #: Entries whose state the batch wrote (each is in a run or has a row of its own).
     entries_written: int
     entries_deleted: int
     entries_pruned: int
+    #: Rows written for those entries: runs plus rows of their own (DESIGN §3 version 2).
+    rows_written: int = 0
 
 
 def _to_datetime(seconds: float) -> datetime:
@@ -222,11 +226,13 @@ class Store:
             statements += self._forget(conn, batch.forgotten_queues)
             upserts, deletes = _split_passed_entries(batch)
             statements += _delete_entries(conn, deletes)
-            statements += _upsert_entries(conn, upserts.values(), moment)
+            runs, singles = runs_of(upserts.values())
+            statements += _insert_runs(conn, runs, moment)
+            statements += _upsert_entries(conn, singles, moment)
             statements += _upsert_recovery_points(conn, batch.recovery_points, batch.admitted,
                                                   moment)
             pruned = _prune_below(conn, batch.recovery_points)
-            statements += 1 if batch.recovery_points else 0  # the prune
+            statements += 2 if batch.recovery_points else 0  # the prunes
             statements += _write_consumers(conn, batch)
             statements += _increment_counters(conn, batch.counters, moment)
             statements += _mark_purged(conn, batch.purges_done)
@@ -237,6 +243,7 @@ class Store:
             entries_written=len(upserts),
             entries_deleted=len(deletes),
             entries_pruned=pruned,
+            rows_written=len(runs) + len(singles),
         )
 
     @staticmethod
@@ -244,9 +251,10 @@ class Store:
         if not queue_names:
             return 0
         names = sorted(queue_names)
-        for statement in (sql.FORGET_ENTRIES, sql.FORGET_RECOVERY_POINTS, sql.FORGET_COUNTERS):
+        for statement in (sql.FORGET_ENTRIES, sql.FORGET_RUNS, sql.FORGET_RECOVERY_POINTS,
+                          sql.FORGET_COUNTERS):
             conn.execute(statement, {"queues": names})
-        return 3
+        return 4
 
     # --- restart recovery ----------------------------------------------------------------------
 
@@ -255,11 +263,11 @@ class Store:
         return self.list_queues()
 
     def load_entries(self, queue: str) -> list[EntryRow]:
-        """The touched entries restart needs, in bookmark order.
+        """The touched entries restart needs, in bookmark order, one row per entry.
 
-        Everything at or above the partition's recovery point (so ACKED entries there are
-        skipped when the journal is re-read), plus any entry below it that is not done, which
-        should not exist but is returned rather than lost.
+        Every entry at or above its partition's recovery point that has a row of its own or is
+        in a run; where several writes speak of one entry, the latest (highest ``seq``) wins.
+        Below the recovery point everything is done and pruned.
         """
         with (
             translate_errors(f"loading entries of queue {queue!r}"),
@@ -267,23 +275,42 @@ class Store:
         ):
             # fetchall, then build: iterating the result would fetch row by row (~2x slower).
             result = conn.execute(sql.SELECT_ENTRIES_TO_RECOVER, {"queue": queue}).all()
-            return [
-                EntryRow(
-                    queue=row[0],
-                    topic=row[1],
-                    partition=row[2],
-                    offset=row[3],
-                    state=row[4],
-                    delivery_count=row[5],
-                    cancel_count=row[6],
-                    lease_consumer=row[7],
-                    lease_token=row[8],
-                    lease_deadline=_to_seconds_or_none(row[9]),
-                    available_at=_to_seconds_or_none(row[10]),
-                    reason=row[11],
-                )
-                for row in result
-            ]
+            runs = conn.execute(sql.SELECT_RUNS_TO_RECOVER, {"queue": queue}).all()
+        latest: dict[tuple[str, int, int], tuple[int, EntryRow]] = {
+            (row[1], row[2], row[3]): (row[12], EntryRow(
+                queue=row[0],
+                topic=row[1],
+                partition=row[2],
+                offset=row[3],
+                state=row[4],
+                delivery_count=row[5],
+                cancel_count=row[6],
+                lease_consumer=row[7],
+                lease_token=row[8],
+                lease_deadline=_to_seconds_or_none(row[9]),
+                available_at=_to_seconds_or_none(row[10]),
+                reason=row[11],
+            ))
+            for row in result
+        }
+        for (topic, partition, offsets, state, delivery_count, cancel_count, consumer, tokens,
+             deadline, seq, point) in runs:
+            token_of = tokens.split(",") if tokens is not None else None
+            seconds = _to_seconds_or_none(deadline)
+            for i, offset in enumerate(offsets):
+                if offset < point:
+                    continue
+                key = (topic, partition, offset)
+                known = latest.get(key)
+                if known is not None and known[0] > seq:
+                    continue
+                latest[key] = (seq, EntryRow(
+                    queue=queue, topic=topic, partition=partition, offset=offset, state=state,
+                    delivery_count=delivery_count, cancel_count=cancel_count,
+                    lease_consumer=consumer,
+                    lease_token=token_of[i] if token_of is not None else None,
+                    lease_deadline=seconds, available_at=None, reason=None))
+        return [latest[key][1] for key in sorted(latest)]
 
     def load_recovery_points(self, queue: str | None = None) -> dict[PartitionKey, int]:
         """Recovery points of one queue, or of every queue."""
@@ -329,6 +356,7 @@ class Store:
                     filter=row.filter,
                     client_info=row.client_info,
                     evict_requested_at=_to_seconds_or_none(row.evict_requested_at),
+                    delivery_format=row.delivery_format,
                 )
                 for row in conn.execute(sql.SELECT_CONSUMERS)
             ]
@@ -372,9 +400,12 @@ class Store:
         form (e.g. after a crash between two batches, or for `qlayer` housekeeping).
         """
         statement = sql.DELETE_DONE_BELOW_RECOVERY_POINTS
+        runs = sql.DELETE_RUNS_BELOW_RECOVERY_POINTS
         if queue is not None:
             statement = statement.where(entries.c.queue == queue)
+            runs = runs.where(entry_runs.c.queue == queue)
         with translate_errors("deleting done entries"), self._engine.begin() as conn:
+            conn.execute(runs)
             return conn.execute(statement).rowcount
 
     # --- queue definitions (CLI) ---------------------------------------------------------------
@@ -526,22 +557,97 @@ class Store:
 
 
 def _split_passed_entries(batch: WriteBatch) -> tuple[dict[EntryKey, EntryRow], set[EntryKey]]:
-    """Turn writes of done entries that this batch's recovery points pass into deletes.
+    """Leave out writes of done entries that this batch's recovery points pass.
 
-    Such a row would be written only for the prune below to remove it again; deleting it
-    directly also removes a row an earlier batch wrote (e.g. as LEASED).
+    Such a row would be written only for the prune below to remove it again, along with every
+    earlier row about the entry (e.g. its lease): on the happy path an acked entry costs no row.
     """
     if not batch.recovery_points:
         return batch.entries, batch.entry_deletes
     upserts: dict[EntryKey, EntryRow] = {}
-    deletes = set(batch.entry_deletes)
     for key, row in batch.entries.items():
         passed_at = batch.recovery_points.get(row.partition_key)
-        if passed_at is not None and key.offset < passed_at and row.state in DONE_STATES:
-            deletes.add(key)
-        else:
+        if passed_at is None or key.offset >= passed_at or row.state not in DONE_STATES:
             upserts[key] = row
-    return upserts, deletes
+    return upserts, batch.entry_deletes
+
+
+#: What entries of one run share: (queue, topic, partition, state, delivery count, cancel count,
+#: lease holder, lease deadline).
+RunKey = tuple[str, str, int, str, int, int, str | None, float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRun:
+    """Entries one write leaves in the same state with the same lease fields, as one row."""
+
+    key: RunKey
+    offsets: list[int]
+    tokens: list[str] | None
+
+    @property
+    def queue(self) -> str:
+        return self.key[0]
+
+
+def runs_of(rows: Iterable[EntryRow], smallest: int = 2
+            ) -> tuple[list[EntryRun], list[EntryRow]]:
+    """Split a batch's entry rows into runs (LEASED or ACKED entries of one partition sharing
+    every field but their offset and token) and the rows that stay rows of their own: other
+    states, delayed or expired entries, and groups smaller than ``smallest``.
+
+    A token that holds a comma cannot be joined with others; its entry keeps its own row.
+    """
+    groups: dict[RunKey, list[EntryRow]] = {}
+    singles: list[EntryRow] = []
+    for row in rows:
+        state = row.state
+        if (state == "LEASED" or state == "ACKED") and row.available_at is None \
+                and row.reason is None and (row.lease_token is None or "," not in row.lease_token):
+            key: RunKey = (row.queue, row.topic, row.partition, state, row.delivery_count,
+                           row.cancel_count, row.lease_consumer, row.lease_deadline)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [row]
+            else:
+                group.append(row)
+        else:
+            singles.append(row)
+    runs: list[EntryRun] = []
+    for run_key, group in groups.items():
+        if len(group) < smallest:
+            singles.extend(group)
+            continue
+        group.sort(key=lambda row: row.offset)
+        tokens = ([row.lease_token or "" for row in group] if run_key[3] == "LEASED" else None)
+        runs.append(EntryRun(run_key, [row.offset for row in group], tokens))
+    return runs, singles
+
+
+def _insert_runs(conn: Connection, runs: list[EntryRun], moment: datetime) -> int:
+    if not runs:
+        return 0
+    runs = sorted(runs, key=lambda run: (run.key[:3], run.offsets[0]))
+    conn.execute(
+        sql.INSERT_RUNS,
+        {
+            "queue": [run.key[0] for run in runs],
+            "topic": [run.key[1] for run in runs],
+            "partition": [run.key[2] for run in runs],
+            "first_offset": [run.offsets[0] for run in runs],
+            "last_offset": [run.offsets[-1] for run in runs],
+            "offsets": ["{" + ",".join(map(str, run.offsets)) + "}" for run in runs],
+            "state": [run.key[3] for run in runs],
+            "delivery_count": [run.key[4] for run in runs],
+            "cancel_count": [run.key[5] for run in runs],
+            "lease_consumer": [run.key[6] for run in runs],
+            "lease_tokens": [",".join(run.tokens) if run.tokens is not None else None
+                             for run in runs],
+            "lease_deadline": [_to_datetime_or_none(run.key[7]) for run in runs],
+            "updated_at": [moment] * len(runs),
+        },
+    )
+    return 1
 
 
 def _delete_entries(conn: Connection, keys: Iterable[EntryKey]) -> int:
@@ -615,6 +721,7 @@ def _prune_below(conn: Connection, points: Mapping[PartitionKey, int]) -> int:
     ordered = sorted(points.items())
     params = _columns([key for key, _ in ordered], ("queue", "topic", "partition"))
     params["offset"] = [offset for _, offset in ordered]
+    conn.execute(sql.PRUNE_RUNS_BELOW_RECOVERY_POINTS, params)
     return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params).rowcount
 
 
@@ -646,6 +753,7 @@ def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
                 "client_info": [
                     None if row.client_info is None else dict(row.client_info) for row in ordered
                 ],
+                "delivery_format": [row.delivery_format for row in ordered],
             },
         )
         statements += 1

@@ -19,8 +19,10 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Index,
     Integer,
     MetaData,
+    Sequence,
     Table,
     Text,
     text,
@@ -34,6 +36,8 @@ __all__ = [
     "consumers",
     "coordinator_processes",
     "entries",
+    "entry_runs",
+    "entry_writes",
     "input_positions",
     "installation",
     "metadata",
@@ -143,10 +147,17 @@ consumers = Table(
     # `qlayer consumers evict`: set by the CLI; the owning coordinator breaks the consumer's
     # leases, tells it so (SessionEnded EVICTED) and deletes the row.
     _ts("evict_requested_at", nullable=True),
+    # How the consumer's deliveries are written (0005): `batch` (protocol 3) or `record`.
+    Column("delivery_format", Text, nullable=False, server_default=text("'record'")),
     # 0 is a session that takes only barrier messages (AMPS; docs/protocol.md §4.1).
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
+    CheckConstraint("delivery_format IN ('batch', 'record')", name="delivery_format_known"),
 )
+
+#: Every write of an entry's state takes the next value, whether it is an `entries` row or an
+#: `entry_runs` row: on restart the latest write of each entry wins (0005).
+entry_writes = Sequence("entry_writes", metadata=metadata)
 
 entries = Table(
     "entries",
@@ -167,6 +178,7 @@ entries = Table(
     # Why an EXPIRED entry left the queue (max_deliveries, reject, expiration, retention...).
     Column("reason", Text, nullable=True),
     _ts("updated_at", nullable=False),
+    Column("seq", BigInteger, nullable=False, server_default=text("nextval('entry_writes')")),
     CheckConstraint(f"state IN ({_states_sql(ENTRY_STATES)})", name="state_known"),
     CheckConstraint('partition >= 0 AND "offset" >= 0', name="bookmark_valid"),
     CheckConstraint("delivery_count >= 0", name="delivery_count_non_negative"),
@@ -180,6 +192,45 @@ entries = Table(
         name="lease_iff_leased",
     ),
     CheckConstraint("reason IS NULL OR state = 'EXPIRED'", name="reason_only_when_expired"),
+)
+
+# Runs (DESIGN §3 version 2): the entries of one (queue, partition) that one write left in the
+# same state with the same lease fields -- typically those leased to one consumer in one
+# iteration, or acked together -- in one row. `entries` keeps the exceptions (released,
+# delayed, expired, a lease alone). The offsets need not be contiguous: fairness interleaves
+# consumers entry by entry.
+entry_runs = Table(
+    "entry_runs",
+    metadata,
+    Column("seq", BigInteger, primary_key=True,
+           server_default=text("nextval('entry_writes')")),
+    Column("queue", Text, nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("partition", Integer, nullable=False),
+    # The smallest and largest of `offsets`: a run is pruned when its recovery point passes
+    # `last_offset`, and read on restart while it does not.
+    Column("first_offset", BigInteger, nullable=False),
+    Column("last_offset", BigInteger, nullable=False),
+    Column("offsets", ARRAY(BigInteger), nullable=False),
+    Column("state", Text, nullable=False),
+    Column("delivery_count", Integer, nullable=False),
+    Column("cancel_count", Integer, nullable=False),
+    Column("lease_consumer", Text, nullable=True),
+    # The lease tokens of `offsets`, in order, joined by ",".
+    Column("lease_tokens", Text, nullable=True),
+    _ts("lease_deadline", nullable=True),
+    _ts("updated_at", nullable=False),
+    CheckConstraint("state IN ('LEASED', 'ACKED')", name="run_state_known"),
+    CheckConstraint("partition >= 0 AND first_offset >= 0 AND last_offset >= first_offset",
+                    name="run_bookmarks_valid"),
+    CheckConstraint(
+        "(state = 'LEASED' AND lease_consumer IS NOT NULL AND lease_tokens IS NOT NULL "
+        "AND lease_deadline IS NOT NULL) "
+        "OR (state <> 'LEASED' AND lease_consumer IS NULL AND lease_tokens IS NULL "
+        "AND lease_deadline IS NULL)",
+        name="run_lease_iff_leased",
+    ),
+    Index("entry_runs_by_partition", "queue", "topic", "partition", "last_offset"),
 )
 
 recovery_points = Table(

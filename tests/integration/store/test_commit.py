@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey
 from layer.store.store import Store, recording_statements
-from layer.store.tables import entries
+from layer.store.tables import entries, entry_runs
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +61,11 @@ def _count_entries(engine: Engine) -> int:
         return conn.execute(sa.select(sa.func.count()).select_from(entries)).scalar_one()
 
 
+def _count_runs(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(entry_runs)).scalar_one()
+
+
 def test_a_thousand_leases_and_a_thousand_acks_are_a_handful_of_statements(
     store: Store, engine: Engine, epoch: int
 ) -> None:
@@ -75,12 +80,15 @@ def test_a_thousand_leases_and_a_thousand_acks_are_a_handful_of_statements(
     first.count("Work", "delivered", 1000)
     with recording_statements(engine) as sent:
         result = store.commit(first, SHARD, OWNER, epoch, T0 + 1)
-    # guard, entry upsert, recovery point upsert, prune, consumer upsert, counters
-    assert len(sent) == result.statements == 6
-    assert _count_entries(engine) == 1000
+    # guard, run insert, recovery point upsert, the two prunes, consumer upsert, counters
+    assert len(sent) == result.statements == 7
+    # One run per partition (each partition's leases share a consumer and a deadline here):
+    # three rows for a thousand leases.
+    assert result.entries_written == 1000 and result.rows_written == PARTITIONS
+    assert _count_entries(engine) == 0 and _count_runs(engine) == PARTITIONS
 
     # Iteration 2: acks for all 1,000 leases and 1,000 new leases; the recovery points move past
-    # part of the acked range (those acks become deletes instead of row writes).
+    # part of the acked range (those acks write nothing: the prune takes what is below).
     second = WriteBatch()
     for offset in range(1000):
         second.put_entry(_acked(offset % PARTITIONS, offset))
@@ -94,14 +102,16 @@ def test_a_thousand_leases_and_a_thousand_acks_are_a_handful_of_statements(
         second.heartbeat(consumer_id, T0 + 2)
     with recording_statements(engine) as sent:
         result = store.commit(second, SHARD, OWNER, epoch, T0 + 2)
-    # guard, delete of passed acks, upsert, recovery points, prune, heartbeats, counters
+    # guard, run insert, recovery points, the two prunes, heartbeats, counters
     assert len(sent) == result.statements == 7
     below = sum(1 for offset in range(1000) if offset < 600)
-    assert result.entries_deleted == below
+    assert result.entries_deleted == 0
     assert result.entries_written == 2000 - below
+    assert result.rows_written == 2 * PARTITIONS  # acked runs and leased runs
 
     stored = store.load_entries("Work")
-    assert len(stored) == 2000 - below == _count_entries(engine)
+    assert len(stored) == 2000 - below
+    assert _count_entries(engine) == 0
     assert {row.offset for row in stored if row.state == "ACKED"} == set(range(600, 1000))
     assert {row.offset for row in stored if row.state == "LEASED"} == set(range(1000, 2000))
     assert store.load_counters("Work")["Work"].acked == 1000
@@ -120,8 +130,8 @@ def test_statement_count_does_not_grow_with_the_batch(
         with recording_statements(engine) as sent:
             store.commit(batch, SHARD, OWNER, epoch, T0 + 1)
         counts.append(len(sent))
-    assert counts[0] == counts[1] == 4  # guard, upsert, recovery point, prune
-    assert _count_entries(engine) == 5010
+    assert counts[0] == counts[1] == 5  # guard, run insert, recovery point, two prunes
+    assert len(store.load_entries("Work")) == 5010
 
 
 def test_the_recovery_point_prunes_done_entries_and_keeps_the_rest(
@@ -143,7 +153,9 @@ def test_the_recovery_point_prunes_done_entries_and_keeps_the_rest(
     )
     acks.set_recovery_point("Work", "orders", 0, 4)
     result = store.commit(acks, SHARD, OWNER, epoch, T0 + 2)
-    assert result.entries_deleted == 4 and result.entries_pruned == 0
+    # 0-3 are passed: nothing written for them. 6 and 7 are one run, 5 a row of its own.
+    assert result.entries_deleted == 0 and result.entries_pruned == 0
+    assert result.entries_written == 3 and result.rows_written == 2
     assert [(row.offset, row.state) for row in store.load_entries("Work")] == [
         (4, "LEASED"), (5, "EXPIRED"), (6, "ACKED"), (7, "ACKED"), (8, "LEASED"), (9, "LEASED"),
     ]
@@ -153,15 +165,16 @@ def test_the_recovery_point_prunes_done_entries_and_keeps_the_rest(
     finish.put_entry(_acked(0, 4))
     finish.set_recovery_point("Work", "orders", 0, 8)
     result = store.commit(finish, SHARD, OWNER, epoch, T0 + 3)
-    assert result.entries_deleted == 1
-    assert result.entries_pruned == 3  # 5 (EXPIRED), 6, 7 (ACKED)
+    assert result.entries_deleted == 0 and result.rows_written == 0
+    assert result.entries_pruned == 1  # 5 (EXPIRED); the runs ending below 8 went too
     assert [(row.offset, row.state) for row in store.load_entries("Work")] == [
         (8, "LEASED"), (9, "LEASED"),
     ]
-    assert _count_entries(engine) == 2
+    # Left: the two lease runs holding 8 and 9 (their offsets below 8 are not read).
+    assert _count_entries(engine) == 0 and _count_runs(engine) == 2
 
 
-def test_maintenance_deletes_only_done_entries_below_recovery_points(
+def test_maintenance_deletes_every_row_below_recovery_points(
     store: Store, epoch: int
 ) -> None:
     # Recovery points first; then, in a later batch that moves none, entries below them.
@@ -172,16 +185,16 @@ def test_maintenance_deletes_only_done_entries_below_recovery_points(
     rows = WriteBatch()
     for offset in range(5):
         rows.put_entry(_acked(0, offset))
-    rows.put_entry(_leased(0, 7))  # not done below the recovery point: a bug, kept visible
-    rows.put_entry(_acked(0, 12))
+    # Below the recovery point everything is done: a LEASED row there is an older write that a
+    # run (or the point itself) superseded, and goes too.
+    rows.put_entry(_leased(0, 7))
+    rows.put_entry(_acked(0, 12))  # with 0-4: one run, kept while it reaches the point
     other = EntryRow(queue="Other", topic="orders", partition=0, offset=3, state="ACKED")
     rows.put_entry(other)
     store.commit(rows, SHARD, OWNER, epoch, T0 + 2)
 
-    assert store.delete_done_below_recovery_points("Work") == 5
-    assert [(row.offset, row.state) for row in store.load_entries("Work")] == [
-        (7, "LEASED"), (12, "ACKED"),
-    ]
+    assert store.delete_done_below_recovery_points("Work") == 1  # the row of 7
+    assert [(row.offset, row.state) for row in store.load_entries("Work")] == [(12, "ACKED")]
     # Another queue over the same journal keeps its own rows until asked.
     assert store.load_entries("Other") == []  # below its recovery point: not needed on restart
     assert store.delete_done_below_recovery_points() == 1
