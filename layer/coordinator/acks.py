@@ -78,7 +78,7 @@ class Acks:
 
     def on_record(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
         try:
-            record = self.core.codec.decode_ack(r.value)
+            record = self.core.codec.decode_ack_topic(r.value)
         except ProtocolError as exc:
             self.core.counters["malformed_ack_records"] += 1
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)

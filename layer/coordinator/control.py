@@ -19,6 +19,7 @@ from layer.domain.states import LeaveReason
 from layer.kafka import JournalRecord, KafkaAdapterError, OutgoingRecord, TopicSpec
 from layer.protocol import (
     AckResult,
+    DeliveryFormat,
     Event,
     EventType,
     GrantSemantics,
@@ -33,12 +34,14 @@ from layer.protocol import (
     SubscribeResult,
     SubscribeStatus,
     Unsubscribe,
+    delivery_format,
     forwarded_headers,
     forwarded_hops,
     reply_headers,
     topic_name_problem,
 )
 from layer.protocol import Bookmark as WireBookmark
+from layer.protocol.headers import FORWARDED
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
 
@@ -63,8 +66,13 @@ class Control:
                               self._headers, partition=0)
 
     def forward(self, r: JournalRecord, value: bytes | None, shard: int, hops: int) -> None:
-        self.core.forwards.append(OutgoingRecord(r.topic, value, r.key, forwarded_headers(hops + 1),
-                                             partition=shard))
+        """Pass a record on to the shard that serves it, with its own headers (a Subscribe's
+        delivery format) but for the hop count, which goes up by one."""
+        kept: list[tuple[str, bytes | None]] = [
+            (k, v) for k, v in r.headers or () if k != FORWARDED]
+        kept.extend(forwarded_headers(hops + 1))
+        self.core.forwards.append(OutgoingRecord(r.topic, value, r.key, kept,
+                                                 partition=shard))
 
     def refused(self, kind: EventType, now: float, reason: str, consumer_id: str,
                  session_id: str, queue: str | None, bookmark: WireBookmark | None = None
@@ -89,7 +97,7 @@ class Control:
             self.forward(r, r.value, target, hops)
             return
         if isinstance(message, Subscribe | Replace):
-            self._on_subscribe(message, now, batch, replies)
+            self._on_subscribe(message, now, batch, replies, delivery_format(r.headers))
         elif isinstance(message, Heartbeat):
             session = self.core.sessions.get(message.consumer_id)
             if session is None or session.session_id != message.session_id:
@@ -145,7 +153,8 @@ class Control:
                                                sent_at_ms=ms(now)), consumer_id)
 
     def _on_subscribe(self, m: Subscribe | Replace, now: float, batch: WriteBatch,
-                      replies: list[OutgoingRecord]) -> None:
+                      replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD
+                      ) -> None:
         kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
         existing = self.core.sessions.get(m.consumer_id)
         timeout = (m.session_timeout_ms / 1000.0 if isinstance(m, Subscribe)
@@ -192,7 +201,7 @@ class Control:
         session = Session(m.consumer_id, m.session_id, m.queue, m.queue_is_regex,
                            m.max_backlog, m.filter or None, m.delivery_topic, timeout,
                            existing.subscribed_at if existing and kind is RequestKind.REPLACE
-                           else now, [])
+                           else now, [], delivery_format=formats)
         try:
             names = [n for n in self.core.engines if session.matches(n)]
             shards = self.core.catalog().shards_matching(m.queue, m.queue_is_regex)
@@ -252,7 +261,8 @@ class Control:
             consumer_id=m.consumer_id, session_id=m.session_id, queue=m.queue,
             is_regex=m.queue_is_regex, delivery_topic=m.delivery_topic,
             session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
-            last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None))
+            last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None,
+            delivery_format=formats))
         self.core.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
         replies.append(self.reply(m.delivery_topic, SubscribeResult(
             consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,

@@ -14,14 +14,20 @@ from layer.domain import events as ev
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord, KafkaAdapterError, OutgoingRecord, TopicSpec
 from layer.protocol import (
+    BATCH,
     DeadLetterInfo,
+    DeliveryFormat,
     DeliveryInfo,
     dead_letter_headers,
+    encode_delivery_batch,
+    encode_entry,
     encoded_delivery_headers,
     topic_name_problem,
     with_delivery_headers,
     without_delivery_headers,
 )
+from layer.protocol.batch import DEFAULT_MAX_BATCH_BYTES
+from layer.protocol.headers import SESSION
 
 if TYPE_CHECKING:
     from layer.coordinator.core import ShardCore
@@ -50,11 +56,45 @@ class _Encoded(dict[str, bytes]):
         return found
 
 
+class _Batch:
+    """The delivery batch of one session being filled this iteration."""
+
+    __slots__ = ("consumer", "entries", "headers", "packed", "records", "size", "topic")
+
+    def __init__(self, topic: str, consumer: bytes, session: bytes) -> None:
+        self.topic = topic
+        self.consumer = consumer
+        self.headers = [(BATCH, b"1"), (SESSION, session)]
+        self.entries: list[bytes] = []
+        self.size = 0
+        self.packed = 0
+        self.records = 0
+
+    def add(self, entry: bytes, out: list[OutgoingRecord], max_bytes: int) -> None:
+        if self.entries and self.size + len(entry) > max_bytes:
+            self.close(out)
+        self.entries.append(entry)
+        self.size += len(entry)
+        self.packed += 1
+
+    def close(self, out: list[OutgoingRecord]) -> None:
+        if self.entries:
+            out.append(OutgoingRecord(self.topic, encode_delivery_batch(self.entries),
+                                      self.consumer, list(self.headers)))
+            self.records += 1
+            self.entries = []
+            self.size = 0
+
+
 class Output:
     """Turns a shard's plans into records. Its ``unwritten`` events outlive a rebuild."""
 
     def __init__(self, core: ShardCore) -> None:
         self.core = core
+        #: A delivery batch record stops growing past this many bytes.
+        self.max_batch_bytes = DEFAULT_MAX_BATCH_BYTES
+        #: Messages the last `deliveries` call delivered (batches hold many per record).
+        self.delivered = 0
         self._encoded = _Encoded()
         self._queue_keys: dict[str | None, bytes] = {}
         # Events of decisions PostgreSQL holds whose Kafka write failed: kept across the
@@ -106,8 +146,12 @@ class Output:
 
     def deliveries(self, deliveries: list[ev.Delivery],
                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
+        """One record per delivery for sessions that read records (protocol 1), one delivery
+        batch per session and iteration for those that read batches (protocol 3)."""
         out: list[OutgoingRecord] = []
+        batches: dict[str, _Batch] = {}
         encoded = self._encoded
+        sessions = self.core.sessions
         for d in deliveries:
             record = self.core.payloads.get(d.bookmark) or reread.get(d.bookmark)
             if record is None:
@@ -117,8 +161,21 @@ class Output:
                 log.error("no payload for %s in queue %s", d.bookmark, d.queue)
                 continue
             if type(d) is ev.EntryLeased:
-                session = self.core.sessions.get(d.consumer_id)
+                session = sessions.get(d.consumer_id)
                 b = d.bookmark
+                if session is not None and session.delivery_format == DeliveryFormat.BATCH:
+                    batch = batches.get(d.consumer_id)
+                    if batch is None:
+                        batch = batches[d.consumer_id] = _Batch(
+                            d.delivery_topic, encoded(d.consumer_id),
+                            encoded(session.session_id))
+                    batch.add(encode_entry(
+                        encoded(d.queue), encoded(b.topic), b.partition, b.offset,
+                        d.token.encode(), int(d.deadline * 1000), d.delivery_count, False,
+                        _timestamp_ms(record), record.key, record.value,
+                        without_delivery_headers(record.headers) if record.headers else None),
+                        out, self.max_batch_bytes)
+                    continue
                 headers = without_delivery_headers(record.headers) if record.headers else []
                 headers.extend(encoded_delivery_headers(
                     encoded(d.queue), f"{b.topic}/{b.partition}/{b.offset}".encode(),
@@ -130,7 +187,20 @@ class Output:
             else:
                 assert isinstance(d, ev.BarrierDelivered)
                 for recipient in d.recipients:
-                    session = self.core.sessions.get(recipient.consumer_id)
+                    session = sessions.get(recipient.consumer_id)
+                    if session is not None and session.delivery_format == DeliveryFormat.BATCH:
+                        batch = batches.get(recipient.consumer_id)
+                        if batch is None:
+                            batch = batches[recipient.consumer_id] = _Batch(
+                                recipient.delivery_topic, encoded(recipient.consumer_id),
+                                encoded(session.session_id))
+                        b = d.bookmark
+                        batch.add(encode_entry(
+                            encoded(d.queue), encoded(b.topic), b.partition, b.offset, b"", 0, 1,
+                            True, _timestamp_ms(record), record.key, record.value,
+                            without_delivery_headers(record.headers) if record.headers
+                            else None), out, self.max_batch_bytes)
+                        continue
                     # A barrier needs no ack: no lease token, no deadline.
                     info = DeliveryInfo(queue=d.queue, bookmark=wire_bookmark(d.bookmark),
                                         lease="", lease_expires_ms=0, delivery_count=1,
@@ -140,6 +210,11 @@ class Output:
                                               record.key,
                                               with_delivery_headers(record.headers or [], info),
                                               record.timestamp_ms))
+        for batch in batches.values():
+            batch.close(out)
+        # Messages delivered, whatever records carried them.
+        self.delivered = len(out) + sum(b.packed for b in batches.values()) - sum(
+            b.records for b in batches.values())
         return out
 
     def dead_letter(self, e: ev.EntryExpired, now: float,

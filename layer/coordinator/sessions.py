@@ -27,6 +27,8 @@ class Session:
     queues: list[str]
     #: One backlog across the queues of a regex subscription (AMPS; `BacklogShare`).
     share: BacklogShare | None = None
+    #: How its deliveries are written: ``batch`` (protocol 3) or ``record`` (one per message).
+    delivery_format: str = "record"
 
     def matches(self, queue: str) -> bool:
         if self.is_regex:
@@ -38,4 +40,5 @@ class Session:
         """The session a stored consumer row describes (before it is subscribed anywhere)."""
         return cls(row.consumer_id, row.session_id, row.queue, row.is_regex, row.max_backlog,
                    row.filter, row.delivery_topic, row.session_timeout_ms / 1000.0,
-                   row.subscribed_at, [], BacklogShare() if row.is_regex else None)
+                   row.subscribed_at, [], BacklogShare() if row.is_regex else None,
+                   row.delivery_format)

@@ -313,7 +313,8 @@ class ShardLoop:
         started = time.perf_counter()
         stats, output = plan.stats, self.output
         out = output.deliveries(plan.deliveries, reread)
-        stats.deliveries = len(out)
+        stats.deliveries = output.delivered
+        self.counters["delivery_records"] += len(out)
         stats.replies = len(plan.replies)
         out.extend(output.answerable(plan.replies))
         stats.events = output.events(plan.events, plan.fresh, out)

@@ -4,6 +4,16 @@ Everything a Kafka client needs to talk to the coordinator, described for other 
 ``docs/protocol.md``. Pure: no Kafka calls, no clock.
 """
 
+from layer.protocol.batch import (
+    BATCH,
+    DELIVERY_FORMAT,
+    BatchEntry,
+    DeliveryFormat,
+    decode_delivery_batch,
+    delivery_format,
+    encode_delivery_batch,
+    encode_entry,
+)
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.codec import (
     HEADER_LENGTH,
@@ -73,7 +83,9 @@ from layer.protocol.topics import (
 )
 
 __all__ = [
+    "BATCH",
     "DEFAULT_TOPIC_PREFIX",
+    "DELIVERY_FORMAT",
     "HEADER_LENGTH",
     "MAX_TOPIC_NAME_LENGTH",
     "SINGLE_OBJECT_MAGIC",
@@ -83,10 +95,12 @@ __all__ = [
     "AckResult",
     "AckStatus",
     "AckType",
+    "BatchEntry",
     "Bookmark",
     "Codec",
     "ControlMessage",
     "DeadLetterInfo",
+    "DeliveryFormat",
     "DeliveryInfo",
     "Event",
     "EventType",
@@ -115,8 +129,12 @@ __all__ = [
     "ack_item_problem",
     "ack_item_shape_problem",
     "dead_letter_headers",
+    "decode_delivery_batch",
     "deliver_at_header",
+    "delivery_format",
     "delivery_headers",
+    "encode_delivery_batch",
+    "encode_entry",
     "encoded_delivery_headers",
     "forwarded_headers",
     "forwarded_hops",

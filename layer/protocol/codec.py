@@ -33,6 +33,8 @@ from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
 from layer.protocol.eventwire import EventEncoder, encode_ack_record
 from layer.protocol.records import (
+    AcceptGroup,
+    AcceptRecord,
     AckItem,
     AckItemResult,
     AckRecord,
@@ -72,12 +74,14 @@ _NAMESPACE = "io.qlayer.v1."
 
 
 class SchemaKind(StrEnum):
-    """The four schemas; the value is the file name under ``layer/protocol/schemas/``."""
+    """The schemas; the value is the file name under ``layer/protocol/schemas/``."""
 
     CONTROL = "control"
     ACK = "ack"
     REPLY = "reply"
     EVENT = "event"
+    #: ACCEPT of many batch-delivered messages at once (protocol 3), on the ack topic.
+    ACCEPT = "accept"
 
 
 def schema_text(kind: SchemaKind) -> str:
@@ -157,15 +161,17 @@ class Codec:
     only ever hold what a value encodes to (safe to share between threads under the GIL).
     """
 
-    __slots__ = ("_ack", "_by_fingerprint", "_control", "_event", "_event_encoder", "_reply",
-                 "_schemas")
+    __slots__ = ("_accept", "_ack", "_by_fingerprint", "_control", "_event", "_event_encoder",
+                 "_reply", "_schemas")
 
     def __init__(self) -> None:
         self._control = ProtocolSchema.load(SchemaKind.CONTROL)
         self._ack = ProtocolSchema.load(SchemaKind.ACK)
         self._reply = ProtocolSchema.load(SchemaKind.REPLY)
         self._event = ProtocolSchema.load(SchemaKind.EVENT)
-        self._schemas = {s.kind: s for s in (self._control, self._ack, self._reply, self._event)}
+        self._accept = ProtocolSchema.load(SchemaKind.ACCEPT)
+        self._schemas = {s.kind: s for s in (self._control, self._ack, self._reply, self._event,
+                                             self._accept)}
         self._by_fingerprint = {s.fingerprint: s for s in self._schemas.values()}
         self._event_encoder = EventEncoder(self._event.header,
                                            self._event.parsed["fields"][0]["type"]["symbols"])
@@ -337,6 +343,50 @@ class Codec:
             ),
         )
 
+    def encode_accept(self, record: AcceptRecord) -> bytes:
+        """An AcceptRecord: per (queue, topic, partition), the offsets and their tokens."""
+        for group in record.groups:
+            if len(group.offsets) != len(group.leases):
+                raise ProtocolError(
+                    f"accept group {group.queue} {group.topic}/{group.partition}: "
+                    f"{len(group.offsets)} offsets but {len(group.leases)} leases",
+                    kind=ProtocolErrorKind.ENCODE)
+            if any("," in lease for lease in group.leases):
+                raise ProtocolError("a lease token holds ',': send it as an AckRecord item",
+                                    kind=ProtocolErrorKind.ENCODE)
+        return self._encode(self._accept, {
+            "consumer_id": record.consumer_id,
+            "session_id": record.session_id,
+            "sent_at_ms": record.sent_at_ms,
+            "groups": [{"queue": g.queue, "topic": g.topic, "partition": g.partition,
+                        "offsets": list(g.offsets), "leases": ",".join(g.leases)}
+                       for g in record.groups],
+        })
+
+    def decode_accept(self, data: bytes | None) -> AcceptRecord:
+        datum = self._decode(self._accept, data, unions=False)
+        groups = []
+        for g in datum["groups"]:
+            offsets = g["offsets"]
+            leases = g["leases"].split(",") if offsets else []
+            if len(leases) != len(offsets):
+                raise ProtocolError(
+                    f"accept group {g['queue']} {g['topic']}/{g['partition']}: "
+                    f"{len(offsets)} offsets but {len(leases)} leases",
+                    kind=ProtocolErrorKind.MALFORMED)
+            groups.append(AcceptGroup(queue=g["queue"], topic=g["topic"],
+                                      partition=g["partition"], offsets=tuple(offsets),
+                                      leases=tuple(leases)))
+        return AcceptRecord(consumer_id=datum["consumer_id"], session_id=datum["session_id"],
+                            sent_at_ms=datum["sent_at_ms"], groups=tuple(groups))
+
+    def decode_ack_topic(self, data: bytes | None) -> AckRecord:
+        """A record of the ack topic, either schema, as an AckRecord: the groups of an
+        AcceptRecord become ACCEPT items in their order."""
+        if data is not None and data[2:HEADER_LENGTH] == self._accept.fingerprint:
+            return self.decode_accept(data).as_ack_record()
+        return self.decode_ack(data)
+
     # --- replies ---------------------------------------------------------------------------
 
     def encode_reply(self, message: ReplyMessage) -> bytes:
@@ -506,7 +556,8 @@ class Codec:
 
     # --- any -------------------------------------------------------------------------------
 
-    def decode(self, data: bytes | None) -> ControlMessage | AckRecord | ReplyMessage | Event:
+    def decode(self, data: bytes | None
+               ) -> ControlMessage | AckRecord | AcceptRecord | ReplyMessage | Event:
         """Decode a record of any qlayer schema, chosen by its fingerprint (for tools)."""
         fingerprint = read_fingerprint(data)
         schema = self._by_fingerprint.get(fingerprint)
@@ -525,3 +576,5 @@ class Codec:
                 return self.decode_reply(data)
             case SchemaKind.EVENT:
                 return self.decode_event(data)
+            case SchemaKind.ACCEPT:
+                return self.decode_accept(data)

@@ -18,6 +18,8 @@ from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 
 __all__ = [
+    "AcceptGroup",
+    "AcceptRecord",
     "AckItem",
     "AckItemResult",
     "AckRecord",
@@ -205,6 +207,37 @@ class AckRecord:
     session_id: str
     sent_at_ms: int
     items: tuple[AckItem, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceptGroup:
+    """Accepted entries of one queue on one journal partition, each with its lease token."""
+
+    queue: str
+    topic: str
+    partition: int
+    offsets: tuple[int, ...]
+    leases: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceptRecord:
+    """ACCEPT of many batch-delivered messages of one session (protocol 3)."""
+
+    consumer_id: str
+    session_id: str
+    sent_at_ms: int
+    groups: tuple[AcceptGroup, ...]
+
+    def as_ack_record(self) -> AckRecord:
+        """The same acknowledgements as AckRecord items, in order."""
+        accept = AckType.ACCEPT
+        return AckRecord(
+            consumer_id=self.consumer_id, session_id=self.session_id,
+            sent_at_ms=self.sent_at_ms,
+            items=tuple(AckItem(g.queue, f"{g.topic}/{g.partition}/{offset}", lease, accept)
+                        for g in self.groups
+                        for offset, lease in zip(g.offsets, g.leases, strict=True)))
 
 
 def ack_item_problem(item: AckItem) -> str | None:

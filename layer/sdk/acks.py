@@ -32,6 +32,9 @@ class AckBatcher:
     max_items: int = DEFAULT_ACK_BATCH_SIZE
     max_delay: float = DEFAULT_ACK_INTERVAL
     _items: list[AckItem] = field(default_factory=list)
+    #: Per item: whether it may travel in an AcceptRecord (an ACCEPT of a message that came in
+    #: a delivery batch, whose coordinator reads them).
+    _acceptable: list[bool] = field(default_factory=list)
     _oldest_at: float | None = None
 
     def __post_init__(self) -> None:
@@ -43,11 +46,13 @@ class AckBatcher:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item: AckItem, now: float) -> bool:
-        """Buffer ``item``; True when the batch should be sent now."""
+    def add(self, item: AckItem, now: float, acceptable: bool = False) -> bool:
+        """Buffer ``item``; True when the batch should be sent now. ``acceptable``: the item
+        may go in an AcceptRecord (see `split`)."""
         if not self._items:
             self._oldest_at = now
         self._items.append(item)
+        self._acceptable.append(acceptable)
         return self.is_due(now)
 
     def is_due(self, now: float) -> bool:
@@ -68,8 +73,22 @@ class AckBatcher:
     def drain(self) -> list[AckItem]:
         """Take every buffered item, oldest first, leaving the batcher empty."""
         items, self._items = self._items, []
+        self._acceptable = []
         self._oldest_at = None
         return items
+
+    def split(self) -> tuple[list[list[AckItem]], list[AckItem]]:
+        """Take every buffered item: AckRecord batches (of at most ``max_items``) and the
+        ACCEPTs that may go as one AcceptRecord. The AckRecords go first; an entry is settled
+        once, so the order between the two matters only for a RENEW, which is never in the
+        second list."""
+        acceptable = self._acceptable
+        items = self.drain()
+        if not any(acceptable):
+            return [items[i : i + self.max_items] for i in range(0, len(items), self.max_items)], []
+        rest = [item for item, ok in zip(items, acceptable, strict=True) if not ok]
+        accepts = [item for item, ok in zip(items, acceptable, strict=True) if ok]
+        return [rest[i : i + self.max_items] for i in range(0, len(rest), self.max_items)], accepts
 
     def batches(self) -> list[list[AckItem]]:
         """Take every buffered item split into batches of at most ``max_items``."""

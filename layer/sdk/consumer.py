@@ -29,10 +29,13 @@ from typing import Any, Literal, Self
 from layer import __version__
 from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
+from layer.protocol.batch import BATCH, DELIVERY_FORMAT, DeliveryFormat, decode_delivery_batch
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import SESSION, header_value, is_reply, reply_shard
 from layer.protocol.records import (
+    AcceptGroup,
+    AcceptRecord,
     AckItem,
     AckItemResult,
     AckRecord,
@@ -195,6 +198,7 @@ class QueueConsumer:
         on_ack_error: Callable[[LeaseLostError], None] | None = None,
         resubscribe: bool = True,
         client_name: str = "qlayer-python",
+        delivery_format: Literal["batch", "record"] = "batch",
     ) -> None:
         if isinstance(queue, re.Pattern):
             queue, regex = queue.pattern, True
@@ -202,6 +206,12 @@ class QueueConsumer:
         self._regex = regex
         self._filter = _check_filter(filter)
         self._max_backlog = _check_backlog(max_backlog)
+        if delivery_format not in DeliveryFormat.ALL:
+            raise ValueError(f"delivery_format must be 'batch' or 'record', "
+                             f"got {delivery_format!r}")
+        # Asked of the coordinator on every Subscribe and Replace; a coordinator older than
+        # protocol 3 ignores it and delivers records, which this consumer reads as well.
+        self._format_header = [(DELIVERY_FORMAT, delivery_format.encode())]
         self._seen = SeenLeases(self._max_backlog)
         if session_timeout <= 0 or subscribe_timeout <= 0:
             raise ValueError("session_timeout and subscribe_timeout must be positive seconds")
@@ -709,6 +719,35 @@ class QueueConsumer:
         session = (self._session_id or "").encode()
         for record in records:
             headers = record.headers()
+            if headers and headers[0][0] == BATCH:
+                # A delivery batch (protocol 3): its first header says so.
+                if header_value(headers, SESSION) != session:
+                    ignored += 1
+                    continue
+                try:
+                    entries = decode_delivery_batch(record.value())
+                except ProtocolError as exc:
+                    malformed += 1
+                    log.warning("unreadable delivery batch on %s at offset %s: %s",
+                                self._delivery_topic, record.offset(), exc)
+                    continue
+                session_id = self._session_id or ""
+                for entry in entries:
+                    try:
+                        message = Message.from_batch(entry, consumer_id=self._consumer_id,
+                                                     session_id=session_id, settler=self)
+                    except ProtocolError as exc:
+                        malformed += 1
+                        log.warning("unreadable message in a delivery batch on %s at offset "
+                                    "%s: %s", self._delivery_topic, record.offset(), exc)
+                        continue
+                    token = message.lease
+                    if token and not first_time(token):
+                        repeated += 1
+                        continue
+                    delivered += 1
+                    self._buffer.append(message)
+                continue
             if is_reply(headers):
                 try:
                     reply = self._codec.decode_reply(record.value())
@@ -799,7 +838,9 @@ class QueueConsumer:
                                lease=message.lease, type=ack_type, delay_ms=delay_ms,
                                reason=reason)
                 first = len(self._batcher) == 0
-                if self._batcher.add(item, time.monotonic()):
+                acceptable = (message._batched and ack_type is AckType.ACCEPT
+                              and "," not in message.lease)
+                if self._batcher.add(item, time.monotonic(), acceptable):
                     self._send_acks_locked()
                 elif first:
                     self._cond.notify_all()  # the background thread now has a deadline
@@ -848,8 +889,9 @@ class QueueConsumer:
     # --- sending ----------------------------------------------------------------------------
 
     def _send_control(self, message: ControlMessage) -> None:
+        headers = self._format_header if isinstance(message, Subscribe | Replace) else None
         self._producer.send(self._topics.control, self._key, self._codec.encode_control(message),
-                            self._shard)
+                            self._shard, headers)
 
     def _flush_acks(self) -> None:
         with self._cond:
@@ -862,13 +904,33 @@ class QueueConsumer:
             return
         session_id = self._session_id
         assert session_id is not None
-        for batch in self._batcher.batches():
+        batches, accepts = self._batcher.split()
+        for batch in batches:
             record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
                                sent_at_ms=_now_ms(), items=tuple(batch))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record),
                                 self._shard)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(batch)
+        if accepts:
+            # One AcceptRecord for every ACCEPT of batch-delivered messages: per queue and
+            # journal partition, the offsets and their tokens (protocol 3).
+            groups: dict[tuple[str, str, int], tuple[list[int], list[str]]] = {}
+            for item in accepts:
+                topic, partition, offset = item.bookmark.rsplit("/", 2)
+                offsets, leases = groups.setdefault((item.queue, topic, int(partition)),
+                                                    ([], []))
+                offsets.append(int(offset))
+                leases.append(item.lease)
+            accept = AcceptRecord(
+                consumer_id=self._consumer_id, session_id=session_id, sent_at_ms=_now_ms(),
+                groups=tuple(AcceptGroup(queue=q, topic=t, partition=p, offsets=tuple(o),
+                                         leases=tuple(ls))
+                             for (q, t, p), (o, ls) in groups.items()))
+            self._producer.send(self._topics.ack, self._key, self._codec.encode_accept(accept),
+                                self._shard)
+            self._stats.ack_records_sent += 1
+            self._stats.ack_items_sent += len(accepts)
 
     def _tick_locked(self, now: float) -> float:
         """The background thread's work (lock held): heartbeat and aged acks when due.

@@ -11,6 +11,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from layer.protocol.batch import BatchEntry
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.headers import (
     DELIVERY_HEADER_KEYS,
@@ -60,6 +61,7 @@ class Message:
     """
 
     __slots__ = (
+        "_batched",
         "_info",
         "_lease_expires_at",
         "_settled",
@@ -91,6 +93,8 @@ class Message:
         self._lease_expires_at: datetime | None = None
         self._settler = settler
         self._settled: AckType | None = None
+        #: Came in a delivery batch (protocol 3): its ACCEPT may travel in an AcceptRecord.
+        self._batched = False
 
     @classmethod
     def from_record(
@@ -110,6 +114,21 @@ class Message:
                       settler=settler)
         if timestamp_ms is not None and timestamp_ms >= 0:
             message._timestamp_ms = timestamp_ms
+        return message
+
+    @classmethod
+    def from_batch(cls, entry: BatchEntry, *, consumer_id: str, session_id: str,
+                   settler: Settler) -> Message:
+        """Build a message from one entry of a delivery batch (protocol 3)."""
+        info = DeliveryInfo(queue=entry.queue,
+                            bookmark=Bookmark(entry.topic, entry.partition, entry.offset),
+                            lease=entry.lease, lease_expires_ms=entry.lease_expires_ms,
+                            delivery_count=entry.delivery_count, barrier=entry.barrier,
+                            consumer_id=consumer_id, session_id=session_id)
+        message = cls(key=entry.key, value=entry.value, headers=entry.headers, timestamp=None,
+                      info=info, settler=settler)
+        message._timestamp_ms = entry.timestamp_ms
+        message._batched = True
         return message
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -217,17 +218,17 @@ class SdkProducer:
         return self._reports.count
 
     def send(self, topic: str, key: bytes | None, value: bytes | None,
-             partition: int | None = None) -> None:
+             partition: int | None = None,
+             headers: list[tuple[str, bytes]] | None = None) -> None:
         """Queue one record (a None value is a tombstone); written by ``wait`` at the latest.
         Without ``partition`` the key picks one (Kafka's default partitioner)."""
+        extra: dict[str, Any] = {} if headers is None else {"headers": headers}
+        if partition is not None:
+            extra["partition"] = partition
         while True:
             try:
-                if partition is None:
-                    self._producer.produce(topic, key=key, value=value,
-                                           on_delivery=self._reports)
-                else:
-                    self._producer.produce(topic, key=key, value=value, partition=partition,
-                                           on_delivery=self._reports)
+                self._producer.produce(topic, key=key, value=value,
+                                       on_delivery=self._reports, **extra)
                 break
             except BufferError:
                 # librdkafka's local queue is full: let it drain, then try again.

@@ -21,6 +21,7 @@ from layer.coordinator.shard import ShardLoop
 from layer.kafka import OutgoingRecord
 from layer.kafka.errors import DeliveryFailed
 from layer.protocol import Event, EventType
+from layer.protocol.batch import BATCH, decode_delivery_batch
 from layer.protocol.headers import LEASE
 from layer.sdk import QueueConsumer
 from layer.settings import Settings
@@ -58,8 +59,11 @@ class LosesADeliveryWrite(ShardLoop):
 
         def send(records: Iterable[OutgoingRecord]) -> int:
             records = list(records)
+            # Record-form deliveries carry a lease header; a delivery batch many leases.
             deliveries = sum(1 for r in records
                              if r.headers and any(k == LEASE and v for k, v in r.headers))
+            deliveries += sum(len(decode_delivery_batch(r.value or b"")) for r in records
+                              if r.headers and r.headers[0][0] == BATCH)
             if self.armed and not self.failed and deliveries:
                 self.failed = True
                 self.lost_deliveries = deliveries

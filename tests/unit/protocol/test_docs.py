@@ -129,3 +129,21 @@ def test_every_header_is_documented() -> None:
     names = [k for k in keys if isinstance(k, str)]
     assert len(names) == 20  # 8 delivery, reply, shard, deliver-at, 8 dead-letter, forwarded
     assert [n for n in names if f"`{n}`" not in DOC] == []
+
+
+def test_worked_batch_hex_is_what_the_encoder_writes_and_reads_back() -> None:
+    from layer.protocol.batch import decode_delivery_batch, encode_delivery_batch, encode_entry
+
+    first = encode_entry(b"WorkToDo", b"orders", 1, 41, b"9f1c2e7a", 1_767_225_660_000, 1,
+                         False, 1_767_225_600_000, b"k1", b'{"id":1}', [("trace", b"t1")])
+    barrier = encode_entry(b"WorkToDo", b"orders", 1, 42, b"", 0, 1, True, None, None,
+                           b'{"id":2}', None)
+    value = encode_delivery_batch([first, barrier])
+    documented = block_after("worked-example:batch-hex").split()
+    assert value.hex(" ").split() == documented
+    one, two = decode_delivery_batch(bytes.fromhex("".join(documented)))
+    assert (one.queue, one.topic, one.partition, one.offset, one.lease, one.key, one.value,
+            one.headers, one.timestamp_ms, one.barrier) == (
+        "WorkToDo", "orders", 1, 41, "9f1c2e7a", b"k1", b'{"id":1}', [("trace", b"t1")],
+        1_767_225_600_000, False)
+    assert (two.barrier, two.lease, two.key, two.timestamp_ms) == (True, "", None, None)

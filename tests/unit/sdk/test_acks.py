@@ -53,3 +53,27 @@ def test_a_zero_interval_sends_every_item_at_once() -> None:
 def test_nonsense_settings_are_refused(size: int, delay: float) -> None:
     with pytest.raises(ValueError):
         AckBatcher(max_items=size, max_delay=delay)
+
+
+def test_split_sends_accepts_of_batched_messages_apart_and_the_rest_in_order() -> None:
+    batcher = AckBatcher(max_items=2, max_delay=1.0)
+    accept = [AckItem("Q", f"t/0/{n}", f"tok{n}", AckType.ACCEPT) for n in range(3)]
+    release = AckItem("Q", "t/0/9", "tok9", AckType.RELEASE, delay_ms=5)
+    renew = AckItem("Q", "t/0/8", "tok8", AckType.RENEW)
+    batcher.add(accept[0], 0.0, acceptable=True)
+    batcher.add(release, 0.0)
+    batcher.add(accept[1], 0.0, acceptable=True)
+    batcher.add(renew, 0.0)
+    batcher.add(accept[2], 0.0)  # an ACCEPT of a record-form delivery stays an item
+    items, accepts = batcher.split()
+    assert items == [[release, renew], [accept[2]]]
+    assert accepts == [accept[0], accept[1]]
+    assert len(batcher) == 0 and batcher.split() == ([], [])
+
+
+def test_without_batched_messages_split_is_batches() -> None:
+    batcher = AckBatcher(max_items=2, max_delay=1.0)
+    items = [AckItem("Q", f"t/0/{n}", "x", AckType.ACCEPT) for n in range(3)]
+    for item in items:
+        batcher.add(item, 0.0)
+    assert batcher.split() == ([items[:2], items[2:]], [])
