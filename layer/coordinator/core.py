@@ -78,6 +78,15 @@ class QueueState:
     log_starts: dict[tuple[str, int], int]
 
 
+def _newly_admitted(e: ev.EntriesEnqueued, counted_from: dict[tuple[str, int], int]
+                    ) -> ev.EntriesEnqueued:
+    """The event without the offsets below where the queue had been admitted to before."""
+    start = counted_from.get((e.topic, e.partition))
+    if start is None or not e.offsets or e.offsets[0] >= start:
+        return e
+    return e._replace(offsets=tuple(o for o in e.offsets if o >= start))
+
+
 class ShardCore:
     """The engines and sessions of one shard, and every decision about them."""
 
@@ -195,12 +204,22 @@ class ShardCore:
             outboxes.append((name, outbox))
         done, expired, events, fresh = plan.done, plan.expired, plan.events, plan.fresh
         for name, outbox in outboxes:
-            add_outbox(batch, name, outbox, self._counted_from.get(name))
-            events.extend(outbox.events)
+            counted_from = self._counted_from.get(name)
+            add_outbox(batch, name, outbox, counted_from)
             for e in outbox.events:
                 kind = type(e)
                 if kind is ev.EntriesEnqueued:
                     self._hold(e, fresh)  # type: ignore[arg-type]
+                    if counted_from:
+                        # Entries a restart re-admits were announced by the incarnation that
+                        # first admitted them (their events went through its outbox): each
+                        # state change has one event, so they are not announced again.
+                        e = _newly_admitted(e, counted_from)  # type: ignore[arg-type]
+                        if not e.offsets:
+                            continue
+                events.append(e)
+                if kind is ev.EntriesEnqueued:
+                    pass
                 elif kind is ev.EntryAcked:
                     done.append(e.bookmark)  # type: ignore[union-attr]
                 elif kind is ev.EntryExpired:

@@ -44,9 +44,6 @@ class CoordinatorOptions:
     #: Allocations between cyclic garbage collections, set for the process by `run()`
     #: (Python's default is 700); 0 leaves the process's setting alone.
     gc_threshold: int = 100_000
-    #: Events of committed decisions kept while Kafka refuses writes (about 200 bytes each);
-    #: past it the oldest are dropped, counted in `events_dropped`.
-    max_unwritten_events: int = 200_000
 
 
 @dataclass

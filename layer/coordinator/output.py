@@ -87,7 +87,7 @@ class _Batch:
 
 
 class Output:
-    """Turns a shard's plans into records. Its ``unwritten`` events outlive a rebuild."""
+    """Turns a shard's plans into records."""
 
     def __init__(self, core: ShardCore) -> None:
         self.core = core
@@ -96,53 +96,20 @@ class Output:
         #: Messages the last `deliveries` call delivered (batches hold many per record).
         self.delivered = 0
         self._encoded = _Encoded()
-        self._queue_keys: dict[str | None, bytes] = {}
-        # Events of decisions PostgreSQL holds whose Kafka write failed: kept across the
-        # rebuild that follows and written first by the next write that succeeds. The failed
-        # write's transaction was aborted, so its read_committed readers never saw them:
-        # written again, they count once.
-        self.unwritten: list[OutgoingRecord] = []
 
-    def events(self, events: list[ev.Event], fresh: dict[Bookmark, JournalRecord],
-               out: list[OutgoingRecord]) -> int:
-        """This iteration's events-topic records, keyed by queue name, appended to ``out``."""
-        topic, owner, epoch = self.core.topics.events, self.core.owner_id, self.core.epoch
+    def event_records(self, events: list[ev.Event],
+                      fresh: dict[Bookmark, JournalRecord]) -> list[bytes]:
+        """This iteration's events, each an `Event` record (single-object encoding), with the
+        core's pending ones (refusals, ownership); they go into one EventBatch."""
+        owner, epoch = self.core.owner_id, self.core.epoch
         encode = self.core.codec.event_encoder.encode_fields
-        keys = self._queue_keys
-        before = len(out)
-        for f in event_fields(events, session_of=self.core.session_id_of,
-                              record_time_of=lambda b: _timestamp_ms(fresh.get(b))):
-            key = keys.get(f.queue)
-            if key is None:
-                key = keys[f.queue] = (f.queue or "").encode()
-            out.append(OutgoingRecord(topic, encode(owner, epoch, *f), key))
+        out = [encode(owner, epoch, *f)
+               for f in event_fields(events, session_of=self.core.session_id_of,
+                                     record_time_of=lambda b: _timestamp_ms(fresh.get(b)))]
         encode_event = self.core.codec.encode_event
-        out.extend(OutgoingRecord(topic, encode_event(w), (w.queue or "").encode())
-                   for w in self.core.pending_events)
+        out.extend(encode_event(w) for w in self.core.pending_events)
         self.core.pending_events = []
-        return len(out) - before
-
-    def keep_unwritten_events(self, out: list[OutgoingRecord], earlier: int,
-                              committed: bool) -> None:
-        """After a failed write: keep the events of decisions PostgreSQL holds.
-
-        ``out`` starts with the ``earlier`` events kept before. The write's deliveries need no
-        keeping (the rebuild sends the restored leases' deliveries again) and its replies are
-        answers a consumer asks again for; its events are the pipeline's only record of those
-        decisions. An iteration that committed nothing adds none: the rebuild decides those
-        things again, with their events."""
-        topic = self.core.topics.events
-        kept = out[:earlier]
-        if committed:
-            kept += [r for r in out[earlier:] if r.topic == topic]
-        over = len(kept) - self.core.options.max_unwritten_events
-        if over > 0:
-            # Kafka has refused writes for long: memory is bounded, the oldest are dropped.
-            log.error("dropping %d events never written to %s (Kafka refuses writes)",
-                      over, topic)
-            self.core.counters["events_dropped"] += over
-            kept = kept[over:]
-        self.unwritten = kept
+        return out
 
     def deliveries(self, deliveries: list[ev.Delivery],
                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:

@@ -94,6 +94,10 @@ class StateStore(Protocol):
 
     def load_input_positions(self, shard: str) -> dict[tuple[str, int], int]: ...
 
+    def load_outbox(self, shard: str) -> list[tuple[int, bytes]]: ...
+
+    def forget_published(self, shard: str, published: int) -> None: ...
+
 
 # --- fakes ------------------------------------------------------------------------------------
 

@@ -94,6 +94,11 @@ class ShardLoop:
                               tokens=tokens or LeaseTokens(), owner_id=options.owner_id,
                               memory=memory, counters=self.counters)
         self.output = Output(self.core)
+        # Events go to the shard's key's partition of the events topic: in commit order.
+        self._event_key = self.key.encode()
+        # The newest outbox batch known to be on the events topic (deleted from the outbox by
+        # the next transaction).
+        self._published: int | None = None
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
@@ -130,21 +135,25 @@ class ShardLoop:
         """Hand the shard over at once (revocation, clean stop): its OWNERSHIP_LOST events
         written, best effort, and its row released."""
         if self.epoch is not None and self._writer is not None and self.core.engines:
-            # A clean stop says so on the events topic; a crash cannot. Events a failed write
-            # left go first, or they are lost with this process.
+            # A clean stop says so on the events topic; a crash cannot. These change nothing
+            # stored, so they go as plain Event records, not through the outbox.
             self._ownership_events(EventType.OWNERSHIP_LOST, now)
-            records = self.output.unwritten + [
-                OutgoingRecord(self.topics.events, self.core.codec.encode_event(e),
-                               (e.queue or "").encode()) for e in self.core.pending_events]
+            records = [OutgoingRecord(self.topics.events, self.core.codec.encode_event(e),
+                                      self._event_key) for e in self.core.pending_events]
             try:
                 self._writer.send(records)
                 self._writer.flush(5.0)
-                if self.output.unwritten:
-                    self.counters["events_written_late"] += len(self.output.unwritten)
-                    self.output.unwritten = []
             except QlayerError as exc:
                 log.warning("could not write OWNERSHIP_LOST events: %s", exc)
             self.core.pending_events = []
+        if self._published is not None:
+            # The next owner would publish these batches again; readers would drop the
+            # copies, but there is no need for them.
+            try:
+                self.store.forget_published(self.key, self._published)
+            except QlayerError as exc:
+                log.warning("could not trim the events outbox: %s", exc)
+            self._published = None
         if self.epoch is not None:
             try:
                 self.store.release(self.key, self.options.owner_id, self.epoch, now)
@@ -204,6 +213,7 @@ class ShardLoop:
         tid = (f"{self.topics.prefix}coordinator-{self.shard}"
                if self.options.transactional else None)
         self._writer = RecordWriter(kafka, transactional_id=tid)
+        self._publish_outbox(self._writer)
         self._reader = reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
         # Acks and control records are assigned before the journals, so the first fetches
         # carry them: after a restart, consumers' acks and heartbeats are read at once rather
@@ -235,6 +245,23 @@ class ShardLoop:
         self._maintenance = (refresh, PartitionCheck(core, loader,
                                                      self.options.topic_check_interval),
                              GroupOffsets(core, self.admin, self.options.group_commit_interval))
+
+    def _publish_outbox(self, writer: RecordWriter) -> None:
+        """Publish the event batches the shard's outbox still holds: the previous owner
+        committed them and stopped before it knew they were published (DESIGN §2). One that
+        was published after all appears twice; readers keep the first copy of a batch_id."""
+        batches = self.store.load_outbox(self.key)
+        if not batches:
+            return
+        codec = self.core.codec
+        writer.send([OutgoingRecord(self.topics.events,
+                                    codec.encode_event_batch(batch_id, self.shard, events),
+                                    self._event_key) for batch_id, events in batches])
+        writer.flush()
+        self._published = batches[-1][0]
+        self.counters["outbox_republished"] += len(batches)
+        log.info("shard %d: published %d event batches its outbox held", self.shard,
+                 len(batches))
 
     # ------------------------------------------------------------------ the loop
     def run_once(self, now: float, poll_timeout: float | None = None) -> LoopStats:
@@ -268,10 +295,20 @@ class ShardLoop:
             writer.flush()
             stats.dead_letters = len(dead_letters)
             self.counters["forwarded"] += len(plan.forwards)
+        # The events, into the outbox of the transaction that commits what they describe.
+        events = self.output.event_records(plan.events, plan.fresh)
+        if events:
+            plan.batch.put_events(self.core.codec.event_arrays(events))
+        stats.events = len(events)
+        published = self._published
+        if published is not None and not plan.batch.is_empty():
+            plan.batch.published(published)
         decided = clock()
-        self._commit(plan, now)
+        batch_ids = self._commit(plan, now)
+        if plan.batch.outbox_published is not None:
+            self._published = None  # deleted from the outbox by that transaction
         committed = clock()
-        out = self._write(plan, reread, writer)
+        out = self._write(plan, reread, writer, batch_ids)
         written = clock()
         self.core.settled(plan)
         # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
@@ -291,10 +328,10 @@ class ShardLoop:
         group_offsets.run_once(now)
         return stats
 
-    def _commit(self, plan: Plan, now: float) -> None:
-        """One guarded transaction for everything decided."""
+    def _commit(self, plan: Plan, now: float) -> tuple[int, ...]:
+        """One guarded transaction for everything decided; returns its outbox batches' ids."""
         if plan.batch.is_empty():
-            return
+            return ()
         assert self.epoch is not None
         try:
             result = self.store.commit(plan.batch, self.key, self.options.owner_id,
@@ -305,11 +342,13 @@ class ShardLoop:
         plan.stats.statements = result.statements
         self.counters["statements"] += result.statements
         self.counters["transactions"] += 1
+        return result.outbox_batch_ids
 
     def _write(self, plan: Plan, reread: dict[Bookmark, JournalRecord],
-               writer: RecordWriter) -> int:
-        """Deliveries, replies and events, with events an earlier write failed to write;
-        returns the µs spent encoding them."""
+               writer: RecordWriter, batch_ids: tuple[int, ...]) -> int:
+        """Deliveries, replies and the iteration's event batch; returns the µs spent encoding
+        them. A failure raises: the rebuild that follows publishes the event batch from the
+        outbox and sends the deliveries of the restored leases again."""
         started = time.perf_counter()
         stats, output = plan.stats, self.output
         out = output.deliveries(plan.deliveries, reread)
@@ -317,21 +356,16 @@ class ShardLoop:
         self.counters["delivery_records"] += len(out)
         stats.replies = len(plan.replies)
         out.extend(output.answerable(plan.replies))
-        stats.events = output.events(plan.events, plan.fresh, out)
+        encode = self.core.codec.encode_event_batch
+        out.extend(OutgoingRecord(self.topics.events, encode(batch_id, self.shard, events),
+                                  self._event_key)
+                   for batch_id, events in zip(batch_ids, plan.batch.outbox, strict=True))
         encoding = int((time.perf_counter() - started) * 1e6)
-        earlier = len(output.unwritten)
-        if earlier:
-            out[:0] = output.unwritten
         if out:
-            try:
-                writer.send(out)
-                writer.flush()
-            except QlayerError:
-                output.keep_unwritten_events(out, earlier, committed=not plan.batch.is_empty())
-                raise
-            if output.unwritten:
-                self.counters["events_written_late"] += len(output.unwritten)
-                output.unwritten = []
+            writer.send(out)
+            writer.flush()
+        if batch_ids:
+            self._published = batch_ids[-1]
         return encoding
 
     def _reread(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:

@@ -25,9 +25,11 @@ from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
 
 __all__ = [
+    "BATCH_ID_COLUMNS",
     "OutputError",
     "Sink",
     "decode_events",
+    "drop_batch_copies",
     "event_header_hex",
     "jdbc_ready",
     "kafka_options",
@@ -121,20 +123,53 @@ def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, 
               .option("failOnDataLoss", "false"))
     if max_offsets_per_trigger is not None:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
-    return decode_events(reader.load())
+    return decode_events(reader.load(), keep_batch_ids=True)
 
 
-def decode_events(raw: DataFrame) -> DataFrame:
+#: Columns `decode_events(keep_batch_ids=True)` adds: which EventBatch an event came in (null
+#: for a single Event record) and its place in it.
+BATCH_ID_COLUMNS = ("batch_id", "event_index")
+
+
+def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     """Kafka source rows of the events topic as `Event` columns. The events' wire format is
-    known here only: every reader (batch, stream) goes through this function."""
-    avsc = ProtocolSchema.load(SchemaKind.EVENT).text
-    header = F.unhex(F.lit(event_header_hex()))
+    known here only: every reader (batch, stream) goes through this function.
+
+    The topic holds EventBatch records (protocol 3: one per coordinator iteration, from the
+    outbox) and single Event records (earlier coordinators; a clean stop's OWNERSHIP_LOST). A
+    batch published twice (a crash between publishing and forgetting it) counts once: copies
+    are dropped by ``batch_id``. A stream cannot drop them within one micro-batch's rows only,
+    so it keeps ``batch_id`` and ``event_index`` (`BATCH_ID_COLUMNS`) for `drop_batch_copies`.
+    """
+    header = F.substring("value", 1, HEADER_LENGTH)
     body = F.expr(f"substring(value, {HEADER_LENGTH + 1})")
-    return (
-        raw.where(F.substring("value", 1, HEADER_LENGTH) == header)
-        .select(from_avro(body, avsc, {"mode": "FAILFAST"}).alias("e"))
-        .select("e.*")
-    )
+    single_avsc = ProtocolSchema.load(SchemaKind.EVENT).text
+    batch_avsc = ProtocolSchema.load(SchemaKind.EVENT_BATCH).text
+    singles = (raw.where(header == F.unhex(F.lit(event_header_hex())))
+               .select(from_avro(body, single_avsc, {"mode": "FAILFAST"}).alias("e"))
+               .select("e.*", F.lit(None).cast("long").alias("batch_id"),
+                       F.lit(None).cast("int").alias("event_index")))
+    batch_header = ProtocolSchema.load(SchemaKind.EVENT_BATCH).header.hex().upper()
+    batches = (raw.where(header == F.unhex(F.lit(batch_header)))
+               .select(from_avro(body, batch_avsc, {"mode": "FAILFAST"}).alias("b"))
+               .select(F.col("b.batch_id").alias("batch_id"), F.col("b.events").alias("events")))
+    if not keep_batch_ids:
+        batches = batches.dropDuplicates(["batch_id"])
+    batched = (batches.select("batch_id", F.posexplode("events").alias("event_index", "e"))
+               .select("e.*", "batch_id", "event_index"))
+    events = singles.unionByName(batched)
+    if keep_batch_ids:
+        return events
+    return events.drop(*BATCH_ID_COLUMNS)
+
+
+def drop_batch_copies(events: DataFrame) -> DataFrame:
+    """Events of `decode_events(keep_batch_ids=True)` without the copies of a batch published
+    twice, and without the batch columns."""
+    batched = events.where(F.col("batch_id").isNotNull()).dropDuplicates(
+        list(BATCH_ID_COLUMNS))
+    return (events.where(F.col("batch_id").isNull()).unionByName(batched)
+            .drop(*BATCH_ID_COLUMNS))
 
 
 def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],

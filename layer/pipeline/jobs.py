@@ -27,6 +27,7 @@ from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
     Sink,
+    drop_batch_copies,
     kafka_options,
     local_session,
     parse_sink,
@@ -270,7 +271,7 @@ def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFr
         counted["batches"] += 1
         counted["events"] += batch.sparkSession.read.parquet(
             f"{landed_dir}/batch={batch_id}").count()
-        landed = batch.sparkSession.read.parquet(landed_dir).drop("batch")
+        landed = drop_batch_copies(batch.sparkSession.read.parquet(landed_dir).drop("batch"))
         write_table(build(landed), sink)
 
     writer = (stream_events(spark, source.events_topic, source.options(),

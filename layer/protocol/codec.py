@@ -31,7 +31,13 @@ from fastavro.schema import to_parsing_canonical_form
 
 from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
-from layer.protocol.eventwire import EventEncoder, encode_ack_record
+from layer.protocol.eventwire import (
+    EventEncoder,
+    encode_ack_record,
+    encode_event_array,
+    encode_event_arrays,
+    encode_event_batch,
+)
 from layer.protocol.records import (
     AcceptGroup,
     AcceptRecord,
@@ -43,6 +49,7 @@ from layer.protocol.records import (
     AckType,
     ControlMessage,
     Event,
+    EventBatch,
     EventType,
     GrantSemantics,
     Heartbeat,
@@ -70,6 +77,8 @@ __all__ = [
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 HEADER_LENGTH = 10  # magic (2) + fingerprint (8)
+#: An EventBatch record stops growing at about this many bytes of events.
+MAX_EVENT_BATCH_BYTES = 256 * 1024
 _NAMESPACE = "io.qlayer.v1."
 
 
@@ -82,6 +91,8 @@ class SchemaKind(StrEnum):
     EVENT = "event"
     #: ACCEPT of many batch-delivered messages at once (protocol 3), on the ack topic.
     ACCEPT = "accept"
+    #: The events of one coordinator iteration (protocol 3), on the events topic.
+    EVENT_BATCH = "event-batch"
 
 
 def schema_text(kind: SchemaKind) -> str:
@@ -161,8 +172,8 @@ class Codec:
     only ever hold what a value encodes to (safe to share between threads under the GIL).
     """
 
-    __slots__ = ("_accept", "_ack", "_by_fingerprint", "_control", "_event", "_event_encoder",
-                 "_reply", "_schemas")
+    __slots__ = ("_accept", "_ack", "_by_fingerprint", "_control", "_event", "_event_batch",
+                 "_event_encoder", "_reply", "_schemas")
 
     def __init__(self) -> None:
         self._control = ProtocolSchema.load(SchemaKind.CONTROL)
@@ -170,8 +181,9 @@ class Codec:
         self._reply = ProtocolSchema.load(SchemaKind.REPLY)
         self._event = ProtocolSchema.load(SchemaKind.EVENT)
         self._accept = ProtocolSchema.load(SchemaKind.ACCEPT)
+        self._event_batch = ProtocolSchema.load(SchemaKind.EVENT_BATCH)
         self._schemas = {s.kind: s for s in (self._control, self._ack, self._reply, self._event,
-                                             self._accept)}
+                                             self._accept, self._event_batch)}
         self._by_fingerprint = {s.fingerprint: s for s in self._schemas.values()}
         self._event_encoder = EventEncoder(self._event.header,
                                            self._event.parsed["fields"][0]["type"]["symbols"])
@@ -532,32 +544,38 @@ class Codec:
             "record_timestamp_ms": event.record_timestamp_ms,
         }
 
+    def encode_event_batch(self, batch_id: int, shard: int, events: bytes) -> bytes:
+        """An EventBatch record around events encoded by `event_array`."""
+        return encode_event_batch(self._event_batch.header, batch_id, shard, events)
+
+    def event_array(self, records: list[bytes]) -> bytes:
+        """The ``events`` array of an EventBatch, from `Event` records this codec encoded."""
+        return encode_event_array(records, HEADER_LENGTH)
+
+    def event_arrays(self, records: list[bytes], max_bytes: int = MAX_EVENT_BATCH_BYTES
+                     ) -> list[bytes]:
+        """`event_array` split into arrays of at most about ``max_bytes`` each: one
+        EventBatch record each (Kafka's default record limit is 1 MiB)."""
+        return encode_event_arrays(records, HEADER_LENGTH, max_bytes)
+
+    def decode_event_batch(self, data: bytes | None) -> EventBatch:
+        datum = self._decode(self._event_batch, data, unions=False)
+        return EventBatch(batch_id=datum["batch_id"], shard=datum["shard"],
+                          events=tuple(_event(e) for e in datum["events"]))
+
+    def decode_events(self, data: bytes | None) -> list[Event]:
+        """The events of a record of the events topic: an EventBatch's, or a single Event."""
+        if data is not None and data[2:HEADER_LENGTH] == self._event_batch.fingerprint:
+            return list(self.decode_event_batch(data).events)
+        return [self.decode_event(data)]
+
     def decode_event(self, data: bytes | None) -> Event:
-        datum = self._decode(self._event, data, unions=False)
-        bookmark: Bookmark | None = None
-        if datum["bookmark"] is not None:
-            # The string is the authority: it is what every other record carries.
-            bookmark = Bookmark.parse(datum["bookmark"])
-        return Event(
-            type=EventType(datum["type"]),
-            timestamp_ms=datum["timestamp_ms"],
-            coordinator_id=datum["coordinator_id"],
-            coordinator_epoch=datum["coordinator_epoch"],
-            queue=datum["queue"],
-            bookmark=bookmark,
-            consumer_id=datum["consumer_id"],
-            session_id=datum["session_id"],
-            delivery_count=datum["delivery_count"],
-            reason=datum["reason"],
-            lease_expires_ms=datum["lease_expires_ms"],
-            available_at_ms=datum["available_at_ms"],
-            record_timestamp_ms=datum["record_timestamp_ms"],
-        )
+        return _event(self._decode(self._event, data, unions=False))
 
     # --- any -------------------------------------------------------------------------------
 
     def decode(self, data: bytes | None
-               ) -> ControlMessage | AckRecord | AcceptRecord | ReplyMessage | Event:
+               ) -> ControlMessage | AckRecord | AcceptRecord | ReplyMessage | Event | EventBatch:
         """Decode a record of any qlayer schema, chosen by its fingerprint (for tools)."""
         fingerprint = read_fingerprint(data)
         schema = self._by_fingerprint.get(fingerprint)
@@ -578,3 +596,28 @@ class Codec:
                 return self.decode_event(data)
             case SchemaKind.ACCEPT:
                 return self.decode_accept(data)
+            case SchemaKind.EVENT_BATCH:
+                return self.decode_event_batch(data)
+
+
+def _event(datum: dict[str, Any]) -> Event:
+    """An `Event` from fastavro's datum of one."""
+    bookmark: Bookmark | None = None
+    if datum["bookmark"] is not None:
+        # The string is the authority: it is what every other record carries.
+        bookmark = Bookmark.parse(datum["bookmark"])
+    return Event(
+        type=EventType(datum["type"]),
+        timestamp_ms=datum["timestamp_ms"],
+        coordinator_id=datum["coordinator_id"],
+        coordinator_epoch=datum["coordinator_epoch"],
+        queue=datum["queue"],
+        bookmark=bookmark,
+        consumer_id=datum["consumer_id"],
+        session_id=datum["session_id"],
+        delivery_count=datum["delivery_count"],
+        reason=datum["reason"],
+        lease_expires_ms=datum["lease_expires_ms"],
+        available_at_ms=datum["available_at_ms"],
+        record_timestamp_ms=datum["record_timestamp_ms"],
+    )

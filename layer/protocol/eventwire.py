@@ -25,7 +25,8 @@ from typing import Protocol
 
 from layer.protocol.records import AckRecord, AckType, Event, EventType
 
-__all__ = ["EventEncoder", "Located", "encode_ack_record", "encode_long", "encode_string"]
+__all__ = ["EventEncoder", "Located", "encode_ack_record", "encode_event_array",
+           "encode_event_arrays", "encode_event_batch", "encode_long", "encode_string"]
 
 _NULL = b"\x00"
 _SOME = b"\x02"  # union branch 1: the non-null type
@@ -140,6 +141,36 @@ class EventEncoder:
             _NULL if available_at_ms is None else _SOME + encode_long(available_at_ms),
             _NULL if record_timestamp_ms is None else _SOME + encode_long(record_timestamp_ms),
         ))
+
+
+def encode_event_array(records: Sequence[bytes], header_length: int) -> bytes:
+    """The ``events`` array of an `EventBatch` from single-object `Event` records (each
+    record's body is what follows its ``header_length``-byte header)."""
+    if not records:
+        return _NULL
+    return b"".join((encode_long(len(records)),
+                     *(r[header_length:] for r in records), _NULL))
+
+
+def encode_event_arrays(records: Sequence[bytes], header_length: int,
+                        max_bytes: int) -> list[bytes]:
+    """`encode_event_array` in pieces of about ``max_bytes`` at most (an iteration that enqueues
+    tens of thousands of records has more events than one Kafka record may hold)."""
+    arrays: list[bytes] = []
+    start = size = 0
+    for i, record in enumerate(records):
+        size += len(record) - header_length
+        if size > max_bytes and i > start:
+            arrays.append(encode_event_array(records[start:i], header_length))
+            start, size = i, len(record) - header_length
+    if start < len(records):
+        arrays.append(encode_event_array(records[start:], header_length))
+    return arrays
+
+
+def encode_event_batch(header: bytes, batch_id: int, shard: int, events: bytes) -> bytes:
+    """An `EventBatch` record (single-object encoding) around an `encode_event_array`."""
+    return b"".join((header, encode_long(batch_id), encode_long(shard), events))
 
 
 _ACK_TYPES = {t: encode_long(i) for i, t in enumerate(

@@ -28,6 +28,7 @@ __all__ = [
     "AckType",
     "ControlMessage",
     "Event",
+    "EventBatch",
     "EventType",
     "ExpiryReason",
     "GrantSemantics",
@@ -344,3 +345,12 @@ class Event:
     lease_expires_ms: int | None = None
     available_at_ms: int | None = None
     record_timestamp_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventBatch:
+    """The events of one coordinator iteration of one shard (protocol 3)."""
+
+    batch_id: int
+    shard: int
+    events: tuple[Event, ...]

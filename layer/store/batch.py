@@ -48,6 +48,17 @@ class WriteBatch:
     purges_done: dict[str, float] = field(default_factory=dict)
     # (topic, partition) of the control and ack topics -> the next offset to read
     input_positions: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: This iteration's events (EventBatch ``events`` arrays, one per batch record): written to
+    #: the shard's outbox in the same transaction as the state changes they describe (DESIGN §2).
+    outbox: list[bytes] = field(default_factory=list)
+    #: Outbox batches up to this id were published: they go in this transaction.
+    outbox_published: int | None = None
+
+    def put_events(self, arrays: list[bytes]) -> None:
+        self.outbox.extend(arrays)
+
+    def published(self, batch_id: int) -> None:
+        self.outbox_published = max(batch_id, self.outbox_published or 0)
 
     def put_entry(self, row: EntryRow) -> None:
         key = row.key
@@ -136,6 +147,8 @@ class WriteBatch:
             + len(self.forgotten_queues)
             + len(self.purges_done)
             + len(self.input_positions)
+            + len(self.outbox)
+            + (self.outbox_published is not None)
         )
 
     def is_empty(self) -> bool:

@@ -42,6 +42,7 @@ from layer.store.tables import (
     coordinator_processes,
     entries,
     entry_runs,
+    event_outbox,
     input_positions,
     installation,
     ownership,
@@ -387,6 +388,24 @@ MARK_PURGED: Final = (
     update(queues)
     .where(queues.c.name == _purges.c.queue)
     .values(purged_at=func.greatest(queues.c.purged_at, _purges.c.requested_at))
+)
+
+# --- the events outbox -------------------------------------------------------------------------
+
+INSERT_OUTBOX: Final = (
+    pg_insert(event_outbox)
+    .values(shard=bindparam("the_shard"), events=bindparam("events"),
+            created_at=bindparam("now"))
+    .returning(event_outbox.c.batch_id)
+)
+DELETE_PUBLISHED: Final = delete(event_outbox).where(
+    event_outbox.c.shard == bindparam("the_shard"),
+    event_outbox.c.batch_id <= bindparam("published"),
+)
+SELECT_OUTBOX: Final = (
+    select(event_outbox.c.batch_id, event_outbox.c.events)
+    .where(event_outbox.c.shard == bindparam("the_shard"))
+    .order_by(event_outbox.c.batch_id)
 )
 
 # --- restart recovery --------------------------------------------------------------------------

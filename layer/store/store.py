@@ -65,6 +65,8 @@ class CommitResult:
     entries_pruned: int
     #: Rows written for those entries: runs plus rows of their own (DESIGN §3 version 2).
     rows_written: int = 0
+    #: The ids of the outbox batches this commit wrote, in the order of `WriteBatch.outbox`.
+    outbox_batch_ids: tuple[int, ...] = ()
 
 
 def _to_datetime(seconds: float) -> datetime:
@@ -237,6 +239,15 @@ class Store:
             statements += _increment_counters(conn, batch.counters, moment)
             statements += _mark_purged(conn, batch.purges_done)
             statements += _upsert_input_positions(conn, shard, batch.input_positions, moment)
+            outbox_batch_ids: list[int] = []
+            if batch.outbox_published is not None:
+                conn.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
+                                                    "published": batch.outbox_published})
+                statements += 1
+            for events in batch.outbox:  # one, but for iterations with very many events
+                outbox_batch_ids.append(conn.execute(sql.INSERT_OUTBOX, {
+                    "the_shard": shard, "events": events, "now": moment}).scalar_one())
+                statements += 1
         return CommitResult(
             epoch=epoch,
             statements=statements,
@@ -244,7 +255,22 @@ class Store:
             entries_deleted=len(deletes),
             entries_pruned=pruned,
             rows_written=len(runs) + len(singles),
+            outbox_batch_ids=tuple(outbox_batch_ids),
         )
+
+    def load_outbox(self, shard: str) -> list[tuple[int, bytes]]:
+        """The shard's event batches not known to be published, oldest first: (id, events)."""
+        with translate_errors(f"loading the outbox of shard {shard!r}"), \
+                self._engine.connect() as conn:
+            return [(int(row[0]), bytes(row[1]))
+                    for row in conn.execute(sql.SELECT_OUTBOX, {"the_shard": shard})]
+
+    def forget_published(self, shard: str, published: int) -> None:
+        """Delete the shard's outbox batches up to ``published`` (they are on the events
+        topic). Not guarded: deleting what was published is right whoever owns the shard."""
+        with translate_errors(f"trimming the outbox of shard {shard!r}"), \
+                self._engine.begin() as conn:
+            conn.execute(sql.DELETE_PUBLISHED, {"the_shard": shard, "published": published})
 
     @staticmethod
     def _forget(conn: Connection, queue_names: set[str]) -> int:

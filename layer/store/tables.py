@@ -21,6 +21,7 @@ from sqlalchemy import (
     DateTime,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     Sequence,
     Table,
@@ -38,6 +39,7 @@ __all__ = [
     "entries",
     "entry_runs",
     "entry_writes",
+    "event_outbox",
     "input_positions",
     "installation",
     "metadata",
@@ -231,6 +233,20 @@ entry_runs = Table(
         name="run_lease_iff_leased",
     ),
     Index("entry_runs_by_partition", "queue", "topic", "partition", "last_offset"),
+)
+
+# The transactional outbox of events (DESIGN §2): each iteration's events, written in the
+# transaction that commits what they describe, published to the events topic after it, and
+# deleted once published (by the shard's next transaction). A new owner publishes what it finds.
+event_outbox = Table(
+    "event_outbox",
+    metadata,
+    Column("batch_id", BigInteger, primary_key=True, autoincrement=True),
+    Column("shard", Text, nullable=False),
+    # The EventBatch's `events` array, Avro-encoded (docs/protocol.md §4.4b).
+    Column("events", LargeBinary, nullable=False),
+    _ts("created_at", nullable=False),
+    Index("event_outbox_by_shard", "shard", "batch_id"),
 )
 
 recovery_points = Table(

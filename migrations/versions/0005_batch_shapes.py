@@ -8,6 +8,8 @@ consumer's delivery format.
 - ``entry_runs``: one row per group of entries of one (queue, partition) that one write left
   in the same state with the same lease fields (LEASED to one consumer, or ACKED). The
   happy path writes these instead of a row per message.
+- ``event_outbox``: each iteration's events, written in the transaction that commits what
+  they describe and deleted once published (DESIGN §2), so every state change has one event.
 - ``consumers.delivery_format``: ``batch`` (delivery batches, protocol 3) or ``record`` (one
   record per message, as before; existing sessions keep it).
 
@@ -68,6 +70,15 @@ def upgrade() -> None:
     )
     op.create_index("entry_runs_by_partition", "entry_runs",
                     ["queue", "topic", "partition", "last_offset"])
+    op.create_table(
+        "event_outbox",
+        sa.Column("batch_id", sa.BigInteger(), autoincrement=True, nullable=False),
+        sa.Column("shard", sa.Text(), nullable=False),
+        sa.Column("events", sa.LargeBinary(), nullable=False),
+        sa.Column("created_at", _TIMESTAMPTZ, nullable=False),
+        sa.PrimaryKeyConstraint("batch_id"),
+    )
+    op.create_index("event_outbox_by_shard", "event_outbox", ["shard", "batch_id"])
     op.add_column("consumers", sa.Column("delivery_format", sa.Text(), nullable=False,
                                          server_default=sa.text("'record'")))
     op.create_check_constraint("delivery_format_known", "consumers",
@@ -104,6 +115,10 @@ def downgrade() -> None:
             available_at = NULL, reason = NULL, updated_at = excluded.updated_at
         WHERE entries.seq < excluded.seq
     """)
+    # Events not published yet are published by a version-2 coordinator... which cannot read
+    # them once this is undone: downgrade with every coordinator stopped after a clean stop.
+    op.drop_index("event_outbox_by_shard", table_name="event_outbox")
+    op.drop_table("event_outbox")
     op.drop_constraint("delivery_format_known", "consumers", type_="check")
     op.drop_column("consumers", "delivery_format")
     op.drop_index("entry_runs_by_partition", table_name="entry_runs")

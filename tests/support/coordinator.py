@@ -403,7 +403,8 @@ class EventReader:
             if time.monotonic() >= deadline:
                 kinds = [e.type.value for e in self.events]
                 raise TimeoutError(f"events: condition not met within {timeout}s; saw {kinds}")
-            self.events.extend(self._codec.decode_event(r.value) for r in self._reader.read())
+            for r in self._reader.read():
+                self.events.extend(self._codec.decode_events(r.value))
         return self.events
 
     def close(self) -> None:

@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from layer.protocol import Codec, Event, EventType, TopicNames
+from layer.protocol import Codec, Event, EventType, SchemaKind, TopicNames
 from layer.settings import Settings
 
 
@@ -84,9 +85,11 @@ def produce_numbers(bootstrap: str, topic: str, n: int, start: int = 0) -> None:
 
 
 def read_events(settings: Settings, queues: set[str] | None = None) -> list[Event]:
-    """Every committed event of these queues (all with None), in order per partition."""
+    """Every committed event of these queues (all with None), in order per partition; an
+    event batch published twice (docs/protocol.md §4.4b) counts once, as readers must."""
     topics = TopicNames(settings.topic_prefix)
     codec = Codec()
+    batch_fingerprint = codec.schema(SchemaKind.EVENT_BATCH).fingerprint
     consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers,
                          "group.id": f"audit-{time.time_ns()}", "enable.auto.commit": False,
                          "isolation.level": "read_committed"})
@@ -95,15 +98,23 @@ def read_events(settings: Settings, queues: set[str] | None = None) -> list[Even
     ends = {p: consumer.get_watermark_offsets(TopicPartition(topics.events, p))[1] for p in parts}
     consumer.assign([TopicPartition(topics.events, p, 0) for p in parts])
     events: list[Event] = []
+    batches: set[int] = set()
     done = {p for p, end in ends.items() if end == 0}
     deadline = time.monotonic() + 60
     while len(done) < len(parts) and time.monotonic() < deadline:
         for m in consumer.consume(10_000, 0.5):
             if m.error() is not None:
                 continue
-            event = codec.decode_event(m.value())
-            if queues is None or event.queue in queues:
-                events.append(event)
+            value = m.value()
+            if value is not None and value[2:10] == batch_fingerprint:
+                batch = codec.decode_event_batch(value)
+                if batch.batch_id in batches:
+                    continue
+                batches.add(batch.batch_id)
+                found: Iterable[Event] = batch.events
+            else:
+                found = [codec.decode_event(value)]
+            events.extend(e for e in found if queues is None or e.queue in queues)
             if m.offset() >= ends[m.partition()] - 1:
                 done.add(m.partition())
     consumer.close()

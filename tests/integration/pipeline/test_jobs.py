@@ -22,7 +22,7 @@ from layer.pipeline import transforms
 from layer.pipeline.io import read_events
 from layer.pipeline.jobs import EventSource, run_lifecycle, run_reconcile
 from layer.pipeline.transforms import Outcome, Violation
-from layer.protocol import AckType, Codec, EventType, TopicNames
+from layer.protocol import AckType, Codec, Event, EventType, TopicNames
 from layer.settings import Settings
 from tests.support.coordinator import (
     Consumers,
@@ -93,18 +93,30 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
     assert (report.done, report.pending, report.violations) == (8, 2, [])
     table.unpersist()
 
-    # A duplicated ACKED event, byte for byte, as a coordinator writing twice would leave it.
+    # An event batch published twice (the coordinator stopped between publishing it and
+    # forgetting it, and the shard's next owner published it again): counted once.
     reader = TopicReader(settings.bootstrap_servers, source.events_topic)
     codec = Codec()
     records = reader.read_until(lambda rs: len(rs) > 0)
     while reader.read():
         pass
     reader.close()
-    ack = next(r for r in records
-               if codec.decode_event(r.value).type is EventType.ACKED
-               and codec.decode_event(r.value).queue == "Work")
-    produce(settings.bootstrap_servers, TopicNames(settings.topic_prefix).events, [ack.value])
-    bookmark = str(codec.decode_event(ack.value).bookmark)
+
+    def acked_of_work(value: bytes | None) -> list[Event]:
+        return [e for e in codec.decode_events(value)
+                if e.type is EventType.ACKED and e.queue == "Work"]
+
+    copy = next(r for r in records if acked_of_work(r.value))
+    events_topic = TopicNames(settings.topic_prefix).events
+    produce(settings.bootstrap_servers, events_topic, [copy.value])
+    same = run_reconcile(spark, source, "Work", work, start_ms=start_ms)
+    assert (same.done, same.pending, same.violations) == (8, 2, [])
+
+    # The same ACKED event in another batch is a second acknowledgement: a violation.
+    ack = acked_of_work(copy.value)[0]
+    forged = codec.encode_event_batch(10**12, 0, codec.event_array([codec.encode_event(ack)]))
+    produce(settings.bootstrap_servers, events_topic, [forged])
+    bookmark = str(ack.bookmark)
 
     # The job as a process, on two executor JVMs: nothing may depend on one JVM's memory.
     job = subprocess.run(

@@ -105,3 +105,51 @@ def test_an_accept_record_whose_tokens_do_not_match_its_offsets_is_refused() -> 
     forged = good.replace(b"a,b", b"a;b")  # one token for two offsets
     with pytest.raises(ProtocolError, match="2 offsets but 1 leases"):
         codec.decode_ack_topic(forged)
+
+
+def test_an_event_batch_is_byte_for_byte_what_fastavro_writes_and_reads_back() -> None:
+    import io
+
+    import fastavro
+
+    from layer.protocol import Bookmark, Event, EventType, SchemaKind
+
+    codec = Codec()
+    events = [
+        Event(type=EventType.LEASED, timestamp_ms=5, coordinator_id="c", coordinator_epoch=3,
+              queue="Q", bookmark=Bookmark("orders", 1, 41), consumer_id="w",
+              session_id="s", delivery_count=1, lease_expires_ms=99),
+        Event(type=EventType.OWNERSHIP_ACQUIRED, timestamp_ms=6, coordinator_id="c",
+              coordinator_epoch=3, queue="Q"),
+    ]
+    array = codec.event_array([codec.encode_event(e) for e in events])
+    data = codec.encode_event_batch(12, 3, array)
+    schema = codec.schema(SchemaKind.EVENT_BATCH)
+    out = io.BytesIO()
+    out.write(schema.header)
+    fastavro.schemaless_writer(out, schema.parsed, {
+        "batch_id": 12, "shard": 3, "events": [codec.event_datum(e) for e in events]})
+    assert data == out.getvalue()
+    batch = codec.decode_event_batch(data)
+    assert (batch.batch_id, batch.shard, batch.events) == (12, 3, tuple(events))
+    assert codec.decode_events(data) == events
+    assert codec.decode_events(codec.encode_event(events[0])) == events[:1]
+    assert codec.decode_event_batch(codec.encode_event_batch(1, 0, codec.event_array([]))
+                                    ).events == ()
+
+
+def test_many_events_are_split_into_batches_that_read_back_in_order() -> None:
+    from layer.protocol import Event, EventType
+
+    codec = Codec()
+    events = [Event(type=EventType.ENQUEUED, timestamp_ms=n, coordinator_id="c",
+                    coordinator_epoch=1, queue="Q") for n in range(1000)]
+    records = [codec.encode_event(e) for e in events]
+    arrays = codec.event_arrays(records, max_bytes=2000)
+    assert len(arrays) > 5
+    assert all(len(a) <= 2000 + 64 for a in arrays)
+    read = [e for i, a in enumerate(arrays)
+            for e in codec.decode_event_batch(codec.encode_event_batch(i, 0, a)).events]
+    assert read == events
+    assert codec.event_arrays([]) == []
+    assert len(codec.event_arrays(records)) == 1  # the default: 256 KiB per batch

@@ -203,7 +203,7 @@ def test_ack_type_symbol_order_follows_kafka_ids() -> None:
 
 def test_every_avsc_file_stands_alone_and_has_the_v1_namespace() -> None:
     files = sorted(SCHEMA_DIR.glob("*.avsc"))
-    assert [f.stem for f in files] == sorted(kind.value for kind in SchemaKind)
+    assert sorted(f.stem for f in files) == sorted(kind.value for kind in SchemaKind)
     for file in files:
         schema = fastavro.parse_schema(json.loads(file.read_text()), named_schemas={})
         assert schema["name"].startswith("io.qlayer.v1.")
