@@ -48,6 +48,8 @@ from layer.protocol.headers import (
     without_delivery_headers,
 )
 from layer.protocol.records import (
+    AcceptGroup,
+    AcceptRecord,
     AckItem,
     AckItemResult,
     AckRecord,
@@ -56,6 +58,7 @@ from layer.protocol.records import (
     AckType,
     ControlMessage,
     Event,
+    EventBatch,
     EventType,
     ExpiryReason,
     GrantSemantics,
@@ -89,6 +92,8 @@ __all__ = [
     "HEADER_LENGTH",
     "MAX_TOPIC_NAME_LENGTH",
     "SINGLE_OBJECT_MAGIC",
+    "AcceptGroup",
+    "AcceptRecord",
     "AckItem",
     "AckItemResult",
     "AckRecord",
@@ -103,6 +108,7 @@ __all__ = [
     "DeliveryFormat",
     "DeliveryInfo",
     "Event",
+    "EventBatch",
     "EventType",
     "ExpiryReason",
     "GrantSemantics",

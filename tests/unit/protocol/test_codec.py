@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from layer.protocol import (
     HEADER_LENGTH,
     SINGLE_OBJECT_MAGIC,
+    AcceptRecord,
     AckItem,
     AckItemResult,
     AckRecord,
@@ -19,6 +20,7 @@ from layer.protocol import (
     Codec,
     ControlMessage,
     Event,
+    EventBatch,
     EventType,
     ExpiryReason,
     GrantSemantics,
@@ -350,7 +352,7 @@ def test_event_with_an_invalid_bookmark_string_is_refused(codec: Codec) -> None:
 
 
 RECORD_TYPES = (Subscribe, Replace, Heartbeat, Unsubscribe, AckRecord, Event)
-RECORD_TYPES += (SubscribeResult, AckResult, SessionEnded)
+RECORD_TYPES += (SubscribeResult, AckResult, SessionEnded, AcceptRecord, EventBatch)
 
 
 @given(st.binary(max_size=64))
