@@ -16,6 +16,7 @@ from layer.domain.engine import EntryAck
 from layer.domain.states import AckOutcome, AckType, Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
+    AcceptRecord,
     AckItem,
     AckItemResult,
     AckRecord,
@@ -25,6 +26,7 @@ from layer.protocol import (
     ProtocolError,
     ack_item_shape_problem,
     forwarded_hops,
+    topic_name_problem,
 )
 from layer.protocol import Bookmark as WireBookmark
 
@@ -47,6 +49,10 @@ _ACK_STATUS = {
 #: What applying one ack item came to: its status, the lease's new expiry (RENEW) and why it
 #: was refused.
 ItemOutcome = tuple[AckStatus, int | None, str | None]
+_OK: ItemOutcome = (AckStatus.OK, None, None)
+# Kafka partitions are int32 and offsets int64 (as `layer.protocol.Bookmark` checks).
+_MAX_PARTITION = 2**31 - 1
+_MAX_OFFSET = 2**63 - 1
 
 #: A control or ack record passes through at most this many coordinators: catalogs that
 #: disagree for a moment (a queue just moved) must not bounce a record for ever; past it, the
@@ -75,15 +81,23 @@ class Acks:
         # Per ack partition, the offset of the first record with deferred items: its input
         # position is not stored past it until they are applied (a restart reads them again).
         self.deferred_from: dict[tuple[str, int], int] = {}
+        # Topic names of AcceptRecords already checked against Kafka's rules.
+        self._topics_ok: dict[str, bool] = {}
 
     def on_record(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
         try:
-            record = self.core.codec.decode_ack_topic(r.value)
+            decoded = self.core.codec.decode_ack_topic_any(r.value)
         except ProtocolError as exc:
             self.core.counters["malformed_ack_records"] += 1
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
             return 0
-        assert isinstance(record, AckRecord)
+        if isinstance(decoded, AcceptRecord):
+            applied = self._accept(r, decoded, now, replies)
+            if applied is not None:
+                return applied
+            record = decoded.as_ack_record()
+        else:
+            record = decoded
         items = record.items
         engines = self.core.engines
         if not all(item.queue in engines for item in items):
@@ -122,6 +136,56 @@ class Acks:
             self.core.control.forward(r, value, shard, hops)
         return tuple(mine)
 
+    def _accept(self, r: JournalRecord, record: AcceptRecord, now: float,
+                replies: list[OutgoingRecord]) -> int | None:
+        """An AcceptRecord applied straight to its queues' engines, without an item and a
+        parsed bookmark per message; items are made only for the few that are refused or wait.
+        None when the record needs the general path: a queue this shard does not serve
+        (passed on), a bookmark or token the protocol rules out (answered INVALID), acks
+        waiting for the replay ahead of it (their order is kept), or a passed-on record."""
+        engines = self.core.engines
+        if self.deferred or (r.headers is not None and forwarded_hops(r.headers) > 0):
+            return None
+        run: dict[str, list[tuple[int, EntryAck]]] = {}
+        shapes: list[tuple[str, str, int, int, str]] = []
+        accept = AckType.ACCEPT
+        for g in record.groups:
+            if g.queue not in engines or not self._topic_ok(g.topic) \
+                    or not 0 <= g.partition <= _MAX_PARTITION:
+                return None
+            offsets, leases = g.offsets, g.leases
+            if (offsets and (min(offsets) < 0 or max(offsets) > _MAX_OFFSET)) \
+                    or not all(leases):
+                return None
+            pairs = run.setdefault(g.queue, [])
+            topic, partition, queue = g.topic, g.partition, g.queue
+            for offset, lease in zip(offsets, leases, strict=True):
+                pairs.append((len(shapes), EntryAck(Bookmark(topic, partition, offset), lease,
+                                                    accept, None, None)))
+                shapes.append((queue, topic, partition, offset, lease))
+        outcomes: list[ItemOutcome | None] = [None] * len(shapes)
+        self._apply_run(run, outcomes, now)
+        ok = _OK
+        odd = [i for i, outcome in enumerate(outcomes) if outcome is not ok]
+        if len(odd) < len(outcomes):
+            self.core.counters["ack_ok"] += len(outcomes) - len(odd)
+        if odd:
+            waiting = len(self.deferred)
+            items = [AckItem(shapes[i][0], f"{shapes[i][1]}/{shapes[i][2]}/{shapes[i][3]}",
+                             shapes[i][4], accept) for i in odd]
+            self._answer(record.consumer_id, record.session_id, items,
+                         [outcomes[i] for i in odd], now, replies)
+            if len(self.deferred) > waiting:
+                self.core.counters["acks_deferred_for_replay"] += len(self.deferred) - waiting
+                self.deferred_from.setdefault((r.topic, r.partition), r.offset)
+        return len(shapes)
+
+    def _topic_ok(self, topic: str) -> bool:
+        known = self._topics_ok.get(topic)
+        if known is None:
+            known = self._topics_ok[topic] = topic_name_problem(topic) is None
+        return known
+
     def _settle(self, consumer_id: str, session_id: str, items: Sequence[AckItem], now: float,
                 replies: list[OutgoingRecord], quiet_duplicates: bool = False) -> None:
         """Apply one consumer's ack items and answer the refused ones (and every RENEW).
@@ -130,7 +194,14 @@ class Acks:
         (`_retry_deferred_acks`): refused now, the consumer would lose its ack and the
         message come back when its restored lease ran out.
         """
-        outcomes = self._apply_acks(items, now)
+        self._answer(consumer_id, session_id, items, self._apply_acks(items, now), now, replies,
+                     quiet_duplicates)
+
+    def _answer(self, consumer_id: str, session_id: str, items: Sequence[AckItem],
+                outcomes: Sequence[ItemOutcome | None], now: float,
+                replies: list[OutgoingRecord], quiet_duplicates: bool = False) -> None:
+        """Count applied items, keep those waiting for the replay, answer the refused ones
+        (and every RENEW)."""
         answers: list[AckItemResult] = []
         statuses: Counter[AckStatus] = Counter()
         for item, outcome in zip(items, outcomes, strict=True):
@@ -228,6 +299,8 @@ class Acks:
                     entry = engine.entry(item.bookmark)
                     if entry is not None and entry.deadline is not None:
                         expires = ms(entry.deadline)
-                outcomes[i] = (status, expires, None if status is AckStatus.OK
-                               else result.value)
+                if status is AckStatus.OK:
+                    outcomes[i] = _OK if expires is None else (status, expires, None)
+                else:
+                    outcomes[i] = (status, expires, result.value)
         run.clear()

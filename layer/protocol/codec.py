@@ -392,6 +392,12 @@ class Codec:
         return AcceptRecord(consumer_id=datum["consumer_id"], session_id=datum["session_id"],
                             sent_at_ms=datum["sent_at_ms"], groups=tuple(groups))
 
+    def decode_ack_topic_any(self, data: bytes | None) -> AckRecord | AcceptRecord:
+        """A record of the ack topic as it was written: an AckRecord or an AcceptRecord."""
+        if data is not None and data[2:HEADER_LENGTH] == self._accept.fingerprint:
+            return self.decode_accept(data)
+        return self.decode_ack(data)
+
     def decode_ack_topic(self, data: bytes | None) -> AckRecord:
         """A record of the ack topic, either schema, as an AckRecord: the groups of an
         AcceptRecord become ACCEPT items in their order."""

@@ -25,8 +25,9 @@ from typing import Protocol
 
 from layer.protocol.records import AckRecord, AckType, Event, EventType
 
-__all__ = ["EventEncoder", "Located", "encode_ack_record", "encode_event_array",
-           "encode_event_arrays", "encode_event_batch", "encode_long", "encode_string"]
+__all__ = ["EntryEventEncoder", "EventEncoder", "Located", "encode_ack_record",
+           "encode_event_array", "encode_event_arrays", "encode_event_batch", "encode_long",
+           "encode_string"]
 
 _NULL = b"\x00"
 _SOME = b"\x02"  # union branch 1: the non-null type
@@ -171,6 +172,65 @@ def encode_event_arrays(records: Sequence[bytes], header_length: int,
 def encode_event_batch(header: bytes, batch_id: int, shard: int, events: bytes) -> bytes:
     """An `EventBatch` record (single-object encoding) around an `encode_event_array`."""
     return b"".join((header, encode_long(batch_id), encode_long(shard), events))
+
+
+class EntryEventEncoder:
+    """The three events every message has (ENQUEUED, LEASED, ACKED), encoded straight from
+    their values: `EventEncoder.encode_fields` with the branches and the intermediate tuple
+    of fields taken out (a fifth of the coordinator's time went to events). Byte for byte the
+    same records; `tests/unit/protocol/test_eventwire.py` compares them."""
+
+    def __init__(self, base: EventEncoder, coordinator_id: str, epoch: int) -> None:
+        self._base = base
+        self._fixed = encode_string(coordinator_id) + encode_long(epoch)
+        self._where: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+        types = base._types
+        self._enqueued = types[EventType.ENQUEUED]
+        self._leased = types[EventType.LEASED]
+        self._acked = types[EventType.ACKED]
+
+    def _bookmark(self, topic: str, partition: int, offset: int) -> bytes:
+        """The bookmark string, topic, partition and offset fields (all non-null)."""
+        known = self._where.get((topic, partition))
+        if known is None:
+            if len(self._where) >= _CACHE_LIMIT:
+                self._where.clear()
+            known = self._where[(topic, partition)] = (
+                f"{topic}/{partition}/".encode(),
+                self._base._string(topic) + _SOME + encode_long(partition) + _SOME)
+        prefix, fields = known
+        text = prefix + str(offset).encode()
+        return b"".join((_SOME, encode_long(len(text)), text, fields, encode_long(offset)))
+
+    def enqueued(self, at_ms: int, queue: str, topic: str, partition: int, offset: int,
+                 record_timestamp_ms: int | None) -> bytes:
+        base = self._base
+        return b"".join((
+            self._enqueued, base._long(at_ms), self._fixed, base._string(queue),
+            self._bookmark(topic, partition, offset),
+            _NULL * 6,  # consumer, session, delivery count, reason, lease expiry, available
+            _NULL if record_timestamp_ms is None else _SOME + encode_long(record_timestamp_ms),
+        ))
+
+    def leased(self, at_ms: int, queue: str, topic: str, partition: int, offset: int,
+               consumer_id: str, session_id: str | None, delivery_count: int,
+               lease_expires_ms: int) -> bytes:
+        base = self._base
+        return b"".join((
+            self._leased, base._long(at_ms), self._fixed, base._string(queue),
+            self._bookmark(topic, partition, offset), base._string(consumer_id),
+            base._string(session_id), _SOME, encode_long(delivery_count), _NULL,
+            _SOME, base._long(lease_expires_ms), _NULL * 2,
+        ))
+
+    def acked(self, at_ms: int, queue: str, topic: str, partition: int, offset: int,
+              consumer_id: str | None, reason: str) -> bytes:
+        base = self._base
+        return b"".join((
+            self._acked, base._long(at_ms), self._fixed, base._string(queue),
+            self._bookmark(topic, partition, offset), base._string(consumer_id), _NULL, _NULL,
+            base._string(reason), _NULL * 3,
+        ))
 
 
 _ACK_TYPES = {t: encode_long(i) for i, t in enumerate(

@@ -27,6 +27,8 @@ from layer.domain.definitions import QueueDefinition
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord
 from layer.protocol import (
+    AcceptGroup,
+    AcceptRecord,
     AckItem,
     AckRecord,
     AckResult,
@@ -100,6 +102,19 @@ class Harness:
         return self._record(TOPICS.ack, CODEC.encode_ack(AckRecord(
             consumer_id=consumer, session_id=f"s-{consumer}", sent_at_ms=0, items=items)),
             consumer.encode(), forwarded_headers(hops) if hops else None)
+
+    def accept(self, consumer: str, leases: list[ev.EntryLeased], queue: str = "Work",
+               topic: str = JOURNAL, token: str | None = None) -> JournalRecord:
+        """ACCEPT of these leases as one AcceptRecord (protocol 3), per partition."""
+        groups: dict[int, list[ev.EntryLeased]] = {}
+        for d in leases:
+            groups.setdefault(d.bookmark.partition, []).append(d)
+        return self._record(TOPICS.ack, CODEC.encode_accept(AcceptRecord(
+            consumer_id=consumer, session_id=f"s-{consumer}", sent_at_ms=0, groups=tuple(
+                AcceptGroup(queue=queue, topic=topic, partition=p,
+                            offsets=tuple(d.bookmark.offset for d in ds),
+                            leases=tuple(token or d.token for d in ds))
+                for p, ds in groups.items()))), consumer.encode())
 
     def step(self, records: list[JournalRecord], now: float) -> Plan:
         plan = self.core.step(records, now)
@@ -179,6 +194,40 @@ def test_a_regex_over_queues_of_two_shards_is_refused() -> None:
     assert "shard_group" in (reply.message or "")
 
 
+def test_an_accept_record_settles_many_leases_and_answers_only_the_refused() -> None:
+    h = Harness()
+    plan = h.step([h.subscribe("c1", backlog=4), *h.publish(6)], 1.0)
+    leased = _leases(plan)
+    assert len(leased) == 4
+    # Two accepted; one with a forged token (refused, still leased); one twice (DUPLICATE).
+    good = h.step([h.accept("c1", leased[:2])], 2.0)
+    assert sorted(b.offset for b in good.done) == [0, 1] and _replies(good) == []
+    assert good.stats.ack_items == 2
+    forged = h.step([h.accept("c1", [leased[2]], token="not-the-token"),
+                     h.accept("c1", [leased[0]])], 3.0)
+    statuses = [i.status for r in _replies(forged) if isinstance(r, AckResult) for i in r.items]
+    assert statuses == [AckStatus.WRONG_TOKEN, AckStatus.DUPLICATE]
+    assert forged.done == []
+    assert h.core.counters["ack_ok"] == 2
+
+
+def test_an_accept_record_the_fast_path_cannot_take_goes_the_general_way() -> None:
+    h = Harness(_queue("Elsewhere", 1))
+    plan = h.step([h.subscribe("c1", backlog=2), *h.publish(2)], 1.0)
+    leased = _leases(plan)
+    # A topic no Kafka topic could be named: each item INVALID, answered.
+    bad = h.step([h.accept("c1", leased, topic="no/slashes")], 2.0)
+    statuses = [i.status for r in _replies(bad) if isinstance(r, AckResult) for i in r.items]
+    assert statuses == [AckStatus.INVALID, AckStatus.INVALID]
+    # Another shard's queue: passed on, unchanged, to its partition.
+    away = h.step([h.accept("c2", [_lease("Elsewhere")], queue="Elsewhere")], 3.0)
+    assert [(r.topic, r.partition) for r in away.forwards] == [(TOPICS.ack, 1)]
+    assert CODEC.decode_ack_topic(away.forwards[0].value).items[0].queue == "Elsewhere"
+    # And the leases are still there to accept properly.
+    ok = h.step([h.accept("c1", leased)], 4.0)
+    assert sorted(b.offset for b in ok.done) == [0, 1]
+
+
 class CoreMachine(RuleBasedStateMachine):
     """Random interleavings through `step`; the model is built from the plans alone."""
 
@@ -226,6 +275,15 @@ class CoreMachine(RuleBasedStateMachine):
         offset = data.draw(st.sampled_from(sorted(self.held)))
         consumer, lease = self.held[offset]
         self._step([self.h.ack(consumer, [lease], kind)])
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def accept_many(self, data: st.DataObject) -> None:
+        """An AcceptRecord (protocol 3) for some of one consumer's leases."""
+        consumer = data.draw(st.sampled_from(sorted({c for c, _ in self.held.values()})))
+        mine = [lease for c, lease in self.held.values() if c == consumer]
+        chosen = data.draw(st.lists(st.sampled_from(mine), min_size=1, unique_by=id))
+        self._step([self.h.accept(consumer, chosen)])
 
     @precondition(lambda self: bool(self.subscribed))
     @rule(data=st.data())

@@ -65,3 +65,35 @@ def test_the_fast_path_writes_the_same_bytes_as_the_event_path() -> None:
     assert fast == expected
     assert [codec.decode_event(b).type for b in fast][:3] == [
         EventType.ENQUEUED, EventType.ENQUEUED, EventType.LEASED]
+
+
+def test_output_encodes_every_kind_of_event_as_the_field_encoder_does_in_order() -> None:
+    from layer.coordinator.catalog import Catalog
+    from layer.coordinator.core import ShardCore
+    from layer.coordinator.options import CoordinatorOptions
+    from layer.coordinator.output import Output
+    from layer.coordinator.ports import FakeTopicAdmin
+    from layer.coordinator.translate import event_fields
+    from layer.domain.states import AckSource, Bookmark, ExpiryReason
+    from layer.kafka import JournalRecord
+    from layer.protocol import TopicNames
+
+    core = ShardCore(0, CoordinatorOptions(owner_id="o"), topics=TopicNames("q."),
+                     catalog=lambda: Catalog.of(1, [], [], now=0.0), admin=FakeTopicAdmin({}),
+                     tokens=lambda: "t", owner_id="o")
+    core.epoch = 4
+    b = Bookmark("orders", 2, 41)
+    events: list[ev.Event] = [
+        ev.EntriesEnqueued("Q", "orders", 2, (40, 41), 1.0),
+        ev.EntryLeased("Q", b, "c1", "d", "tok", 31.5, 2, 1.5),
+        ev.EntryReleased("Q", b, "c1", 1, 9.0, 2.0),
+        ev.EntryAcked("Q", b, "c1", AckSource.CONSUMER, 3.0),
+        ev.EntryAcked("Q", b, None, AckSource.DELIVERY, 3.0),
+        ev.EntryExpired("Q", b, ExpiryReason.REJECTED, True, 2, 0, "c1", "bad", 4.0),
+    ]
+    fresh = {Bookmark("orders", 2, 41): JournalRecord("orders", 2, 41, None, b"v", 777, None)}
+    encoder = core.codec.event_encoder
+    expected = [encoder.encode_fields("o", 4, *f)
+                for f in event_fields(events, session_of=core.session_id_of,
+                                      record_time_of=lambda k: 777 if k in fresh else None)]
+    assert Output(core).event_records(events, fresh) == expected

@@ -114,3 +114,29 @@ def test_values_beyond_64_bits_are_refused_as_avro_does(n: int) -> None:
                   coordinator_epoch=1)
     with pytest.raises(ProtocolError):
         codec.encode_event(event)
+
+
+@given(_TEXT, _LONGS, _LONGS, _TEXT, _BOOKMARKS, _TEXT, st.none() | _TEXT, _INTS, _LONGS,
+       st.none() | _LONGS, st.none() | _TEXT)
+def test_the_entry_event_encoder_writes_what_the_field_encoder_writes(
+        coordinator: str, epoch: int, at: int, queue: str, b: Bookmark, consumer: str,
+        session: str | None, deliveries: int, expires: int, record_ms: int | None,
+        acked_by: str | None) -> None:
+    from layer.protocol.eventwire import EntryEventEncoder
+
+    codec = Codec()
+    base = codec.event_encoder
+    fast = EntryEventEncoder(base, coordinator, epoch)
+    where = (b.topic, b.partition, b.offset)
+    assert fast.enqueued(at, queue, *where, record_ms) == base.encode_fields(
+        coordinator, epoch, EventType.ENQUEUED, at, queue, b, record_timestamp_ms=record_ms)
+    assert fast.leased(at, queue, *where, consumer, session, deliveries, expires) == (
+        base.encode_fields(coordinator, epoch, EventType.LEASED, at, queue, b, consumer,
+                           session, deliveries, None, expires))
+    reason = acked_by or "consumer"
+    assert fast.acked(at, queue, *where, consumer, reason) == base.encode_fields(
+        coordinator, epoch, EventType.ACKED, at, queue, b, consumer, reason=reason)
+    decoded = codec.decode_event(fast.leased(at, queue, *where, consumer, session, deliveries,
+                                             expires))
+    assert (decoded.type, decoded.bookmark, decoded.lease_expires_ms) == (
+        EventType.LEASED, b, expires)
