@@ -318,8 +318,9 @@ def before_and_after_v2(data: dict[str, Any], baseline_path: Path) -> list[str]:
     lines = ["", "## Before and after the batch shapes (coordinator v2, part 2)", "",
              f"`benchmarks/results/bench-before-v2.json` is the same plan run with the tree of "
              f"commit {before.get('commit', '?')} (shards, one record per delivery, a row per "
-             f"lease, three event records per message; `{' '.join(before['argv'])}`), right "
-             "after the run above on the same stack. Rates drift between runs on this shared "
+             f"lease, three event records per message; `{' '.join(before['argv'])}`), on the same "
+             "stack within the hour of the run above (two trees cannot share one run). Rates "
+             "drift between runs on this shared "
              "machine, so the comparison is each cell's ratio to the raw relay *within its own "
              "run*, with the coordinator's CPU and PostgreSQL rows per message.", "",
              "| cell | ÷ relay, before | ÷ relay, now | CPU µs / msg, before | now "
@@ -382,20 +383,23 @@ PostgreSQL outbox instead of three records per message. The Kafka records the co
 per message fell from about five to a few hundredths, and the phases that were PostgreSQL and
 Kafka (`committing`, `encoding`, `writing` in the table above) shrank accordingly.
 
-The rate did not follow, because the coordinator's CPU per message fell much less than those
-phases (see the before/after table): what is left is Python work per message that the shapes do
-not remove. In the profile below, encoding the three events of each message is about a fifth of
-the coordinator's time, applying acks item by item (an AcceptRecord is still turned into one
-item per message, with its bookmark parsed) about a sixth, the engine's matching and leasing a
-tenth, and the commit a tenth. The loop is single-threaded, so those microseconds are the rate."""
+The rate did not follow as far, because the coordinator's CPU per message fell much less than
+those phases (see the before/after table): what is left is Python work per message that the
+shapes do not remove. In the profile below, encoding the three events of each message is still
+about a fifth of the coordinator's time (after a direct encoder for the common three cut it from
+4.4 to 2.6 µs per event), the engine's matching and leasing a seventh, building a row per
+changed entry before the store groups them into runs a tenth, applying acks a tenth (an
+AcceptRecord goes straight to the engine), and the commit, mostly waiting for PostgreSQL, a
+seventh. The loop is single-threaded, so those microseconds are the rate."""
 
 NEXT_STEPS = """**What is next.** The issue's item 7: the per-message hot path (engine step, event
 encoding, ack application) in a native core behind `ShardCore.step`, with the Python core kept as
 the reference and the same property tests run against both; a Rust probe measured 0.7 µs per
-message for that work against 43 µs in Python. Short of that, two Python steps each worth a few
-per cent: applying AcceptRecords straight to the engine without building an item and parsing a
-bookmark per message, and encoding the common events (ENQUEUED, LEASED, ACKED) without the
-intermediate field tuples. More coordinator processes (part 1) spread shards over more cores."""
+message for that work against 43 µs in Python. Short of that, Python steps each worth a few
+per cent: the engine handing the store runs instead of one `EntryRecord` per changed entry (the
+store groups them again), one event per run of leases rather than per message (a schema change
+the pipeline would have to follow), and the commit overlapped with the next poll. More
+coordinator processes (part 1) spread shards over more cores."""
 
 
 METHOD = """## How each figure is measured
