@@ -510,7 +510,7 @@ def render_scale(data: dict[str, Any]) -> str:
         ]
         for key, label in (
                 ("spawn_to_imported_s", "coordinator module imported"),
-                ("spawn_to_owner_s", "shard owned (the coordinators' group gave it to the new process)"),
+                ("spawn_to_owner_s", "shard owned (given by the coordinators' group)"),
                 ("spawn_to_first_iteration_s", "first loop iteration done"),
                 ("spawn_to_first_ack_read_s", "first ack read (the prober's, ack topic)"),
                 ("spawn_to_first_delivery_produced_s", "first delivery produced"),
