@@ -131,6 +131,8 @@ class ShardCore:
         # counters) by the next step, with the queue's own decisions.
         self._lost: dict[str, list[ev.Event]] = {}
         self._input_offsets: dict[tuple[str, int], int] = {}
+        # Positions read past acks that wait for the replay, stored once they are applied.
+        self._held_positions: dict[tuple[str, int], int] = {}
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this step (the engines never see what was
         # refused, so these do not come from their outboxes).
         self.pending_events: list[Event] = []
@@ -148,11 +150,17 @@ class ShardCore:
                     replies if replies is not None else [])
         stats = plan.stats
         batch, replies = plan.batch, plan.replies
-        self.acks.retry_deferred(now, replies)
+        offsets = self._input_offsets
+        if self.acks.deferred:
+            self.acks.retry_deferred(now, replies)
+            if not self.acks.deferred:
+                # Their records' positions were held back while they waited: store them now,
+                # or a crash would read those records again and answer DUPLICATE.
+                offsets.update(self._held_positions)
+                self._held_positions = {}
         control_topic, ack_topic = self.topics.control, self.topics.ack
         journal: list[JournalRecord] = []
         controls: list[JournalRecord] = []
-        offsets = self._input_offsets
         for r in records:
             if r.topic == ack_topic:
                 stats.ack_items += self.acks.on_record(r, now, replies)
@@ -175,10 +183,15 @@ class ShardCore:
         # changed nothing stored (at-most-once acks, refused items) do not make a
         # transaction of their own more than once a second: read again after a crash, they
         # change nothing either.
+        deferred_from = self.acks.deferred_from
+        if deferred_from:
+            for tp, held in deferred_from.items():
+                if offsets.get(tp, held) > held:
+                    self._held_positions[tp] = offsets[tp]
+                    offsets[tp] = held
         if offsets and (not batch.is_empty() or now >= self._next_position_write):
-            deferred_from = self.acks.deferred_from
             for tp, offset in offsets.items():
-                batch.set_input_position(tp[0], tp[1], min(offset, deferred_from.get(tp, offset)))
+                batch.set_input_position(tp[0], tp[1], offset)
             self._next_position_write = now + 1.0
         plan.input_offsets, self._input_offsets = offsets, {}
         plan.forwards, self.forwards = self.forwards, []

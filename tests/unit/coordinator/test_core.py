@@ -43,7 +43,7 @@ from layer.protocol import (
     forwarded_headers,
     forwarded_hops,
 )
-from layer.store.rows import QueueRecord
+from layer.store.rows import ConsumerRow, EntryRow, QueueRecord
 
 TOPICS = TopicNames("qt.")
 CODEC = Codec()
@@ -226,6 +226,51 @@ def test_an_accept_record_the_fast_path_cannot_take_goes_the_general_way() -> No
     # And the leases are still there to accept properly.
     ok = h.step([h.accept("c1", leased)], 4.0)
     assert sorted(b.offset for b in ok.done) == [0, 1]
+
+
+def _restored(offsets: list[int]) -> Harness:
+    """A core restarted with leases on these offsets held by c1: its journal replay starts at
+    offset 0 (nothing is done), so the leased entries are re-read last."""
+    h = Harness()
+    h.core.drop_queue("Work")
+    row = ConsumerRow(consumer_id="c1", session_id="s-c1", queue="Work", is_regex=False,
+                      delivery_topic=TOPICS.delivery("c1"), session_timeout_ms=600_000,
+                      subscribed_at=0.0, last_heartbeat_at=0.0, max_backlog=5)
+    entries = [EntryRow("Work", JOURNAL, 0, o, "LEASED", 1, 0, "c1", f"tok-{o}", 1e9)
+               for o in offsets]
+    work = QueueDefinition.from_mapping({"name": "Work", "underlying_topic": JOURNAL,
+                                         "lease_period": "10m"})
+    h.core.add_queue(QueueState(work, 1, entries, {(JOURNAL, 0): 0}, {}, {},
+                                {(JOURNAL, 0): 0}), [row], 0.0)
+    h.core.restore_sessions([row], 0.0)
+    return h
+
+
+def _held(offsets: list[int]) -> list[ev.EntryLeased]:
+    return [ev.EntryLeased("Work", Bookmark(JOURNAL, 0, o), "c1", TOPICS.delivery("c1"),
+                           f"tok-{o}", 1e9, 1, 0.0) for o in offsets]
+
+
+def test_acks_read_before_the_replay_reaches_their_entries_wait_and_apply() -> None:
+    # After a restart the ack partition is read with the journals: an ack for a restored lease
+    # can come before the replay re-reads its entry. Refused, the consumer would lose its ack
+    # and get the message again when the lease ran out; it waits for the replay instead.
+    for ack in (Harness.ack, Harness.accept):  # protocol 2 items, protocol 3 AcceptRecords
+        h = _restored([3, 4])
+        early = h.step([ack(h, "c1", _held([3, 4]))], 1.0)
+        assert _replies(early) == [] and early.done == []
+        assert h.core.counters["acks_deferred_for_replay"] == 2
+        # The ack partition's position is not stored past the waiting record (the next read
+        # stays at it): a crash now reads it again.
+        assert early.batch.input_positions[(TOPICS.ack, 0)] == 0
+        first = h.step(h.publish(3), 2.0)  # offsets 0..2: not there yet
+        assert first.done == [] and _replies(first) == []
+        h.step(h.publish(2), 3.0)  # offsets 3 and 4 re-read: the acks apply at the next step
+        replayed = h.step([], 3.1)
+        assert sorted(b.offset for b in replayed.done) == [3, 4]
+        assert _replies(replayed) == []
+        assert h.core.counters["ack_ok"] == 2
+        assert replayed.batch.input_positions.get((TOPICS.ack, 0)) == 1
 
 
 class CoreMachine(RuleBasedStateMachine):
