@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from layer.domain.consumers import (
@@ -1104,6 +1104,9 @@ class QueueEngine:
             return deliveries
         deliver = self._deliver_at_most_once if self._policy.at_most_once else self._lease
         needy = [c for c in consumers.values() if c.room() > 0]
+        if len(needy) > 1 and all(c.filter is None for c in needy):
+            self._dispatch_unfiltered(needy, deliver, deliveries, now)
+            return deliveries
         candidates = self._candidates
         while needy:
             if len(needy) == 1:
@@ -1134,6 +1137,103 @@ class QueueEngine:
             self._last_served = winner.order
             needy = [c for c in hungry if c.room() > 0]
         return deliveries
+
+    def _dispatch_unfiltered(self, needy: list[Consumer],
+                             deliver: Callable[[list[int], Consumer, float], Sequence[Delivery]],
+                             deliveries: list[Delivery], now: float) -> None:
+        """`dispatch` when no consumer with room has a filter: every one of them sees the same
+        entries (barriers and key groups hold entries back for everyone alike), so the first
+        entry each may get is the same one, and the general loop would give it to the one
+        fairness picks among them all. Here the entries are found once, in queue order, and
+        fairness picks each one's consumer: the same leases, without asking every consumer
+        for its first entry once per entry (a fifth of the coordinator's time with four)."""
+        # No entry before any of their positions is deliverable (nobody filters), so the
+        # furthest back of them is where every one of them would start looking.
+        lead = min(needy, key=lambda c: c.position)
+        seqs = self._candidates(lead, sum(c.room() for c in needy))
+        everyone = needy
+        if any(c.share is not None for c in needy):
+            taken = self._deliver_one_by_one(seqs, needy, deliver, deliveries, now)
+        else:
+            taken = self._deliver_by_fairness(seqs, needy, deliver, deliveries, now)
+        # Their pointers: past what was taken, at the first entry found and not taken.
+        if taken < len(seqs):
+            position, matched = self._order.position(seqs[taken]), False
+        else:
+            position, matched = lead.position, lead.position_matched
+        for consumer in everyone:
+            consumer.position = position
+            consumer.position_matched = matched
+
+    def _deliver_one_by_one(self, seqs: list[int], needy: list[Consumer],
+                            deliver: Callable[[list[int], Consumer, float], Sequence[Delivery]],
+                            deliveries: list[Delivery], now: float) -> int:
+        """Each entry to the consumer fairness picks then (shared backlogs: one member's
+        lease changes the others' room). Returns how many entries were taken."""
+        taken = 0
+        for seq in seqs:
+            if not needy:
+                break
+            winner = self._choose(needy)
+            deliveries.extend(deliver([seq], winner, now))
+            self._last_served = winner.order
+            taken += 1
+            needy = [c for c in needy if c.room() > 0]
+        return taken
+
+    def _deliver_by_fairness(self, seqs: list[int], needy: list[Consumer],
+                             deliver: Callable[[list[int], Consumer, float], Sequence[Delivery]],
+                             deliveries: list[Delivery], now: float) -> int:
+        """`_deliver_one_by_one` with fairness played on counts first, then one lease batch
+        per consumer (its entries in queue order): the same consumer for each entry as
+        `_choose` after each lease, since without shared backlogs a lease changes only its
+        own consumer's backlog. Returns how many entries were taken."""
+        fairness = self._policy.fairness
+        held = [len(c.leases) for c in needy]
+        room = [c.room() for c in needy]
+        limit = [c.limit for c in needy]
+        orders = [c.order for c in needy]
+        got: list[list[int]] = [[] for _ in needy]
+        open_ = list(range(len(needy)))  # indexes of consumers with room, in needy's order
+        last = self._last_served
+        taken = 0
+        for _ in seqs:
+            if not open_:
+                break
+            if fairness is Fairness.PROPORTIONAL:
+                w = open_[0]
+                for i in open_[1:]:
+                    if held[i] * limit[w] < held[w] * limit[i]:
+                        w = i
+            elif fairness is Fairness.ROUND_ROBIN:
+                w = next((i for i in open_ if orders[i] > last), open_[0])
+            else:
+                w = open_[0]
+            got[w].append(taken)
+            held[w] += 1
+            room[w] -= 1
+            last = orders[w]
+            taken += 1
+            if room[w] <= 0:
+                open_.remove(w)
+        self._last_served = last
+        # One lease batch per consumer; the deliveries and their events in queue order, as
+        # one by one (events are in the order things happened).
+        events = self._events
+        first_event = len(events)
+        placed: list[Delivery | None] = [None] * taken
+        for consumer, mine in zip(needy, got, strict=True):
+            if mine:
+                for k, d in zip(mine, deliver([seqs[k] for k in mine], consumer, now),
+                                strict=True):
+                    placed[k] = d
+        in_order = [d for d in placed if d is not None]
+        deliveries.extend(in_order)
+        if len(got) > 1:
+            rank: dict[object, int] = {d.bookmark: k for k, d in enumerate(in_order)}
+            events[first_event:] = sorted(
+                events[first_event:], key=lambda e: rank.get(getattr(e, "bookmark", None), taken))
+        return taken
 
     def _choose(self, candidates: list[Consumer]) -> Consumer:
         if len(candidates) == 1:
