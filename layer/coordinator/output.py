@@ -7,6 +7,7 @@ asked whether a reply's topic exists.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from layer.coordinator.translate import event_fields, ms, wire_bookmark, wire_reason
@@ -59,6 +60,34 @@ class _Encoded(dict[str, bytes]):
         return found
 
 
+_LEASED, _ACKED = 1, 2  # kinds of the runs `Output.event_records` fills
+
+
+class _Run:
+    """A run of LEASED or ACKED events being gathered: the first event's fields, and the
+    offsets of every entry it stands for."""
+
+    __slots__ = ("first", "offsets", "slot")
+
+    def __init__(self, slot: int, first: ev.Event) -> None:
+        self.slot = slot
+        self.first = first
+        self.offsets: list[int] = []
+
+    def encode(self, fast: EntryEventEncoder, session_of: Callable[[str], str | None]) -> bytes:
+        e = self.first
+        if type(e) is ev.EntryLeased:
+            d = e
+            b = d.bookmark
+            return fast.leased_run(int(d.at * 1000), d.queue, b.topic, b.partition, self.offsets,
+                                   d.consumer_id, session_of(d.consumer_id), d.delivery_count,
+                                   int(d.deadline * 1000))
+        a = cast(ev.EntryAcked, e)
+        b = a.bookmark
+        return fast.acked_run(int(a.at * 1000), a.queue, b.topic, b.partition, self.offsets,
+                              a.consumer_id, _CONSUMER)
+
+
 class _Batch:
     """The delivery batch of one session being filled this iteration."""
 
@@ -104,8 +133,14 @@ class Output:
 
     def event_records(self, events: list[ev.Event],
                       fresh: dict[Bookmark, JournalRecord]) -> list[bytes]:
-        """This iteration's events, each an `Event` record (single-object encoding), with the
-        core's pending ones (refusals, ownership); they go into one EventBatch."""
+        """This iteration's events, with the core's pending ones (refusals, ownership), as the
+        items of one EventBatch's events (docs/protocol.md §4.4b), in the order they happened.
+
+        What every message has, one ENQUEUED, one LEASED and one ACKED, goes in runs: one
+        `EventRun` item for the entries one iteration enqueued from one partition, leased to
+        one consumer (same delivery count and deadline) or accepted from one consumer. An
+        event joins an open run only if its entry has had no event since the run began, so
+        each entry's events stay in the order they happened (other entries' may not)."""
         owner, epoch = self.core.owner_id, self.core.epoch
         base = self.core.codec.event_encoder
         fast = self._entry_events
@@ -113,41 +148,63 @@ class Output:
             fast = self._entry_events = EntryEventEncoder(base, owner, epoch)
             self._entry_events_for = (owner, epoch)
         encode = base.encode_fields
+        event_item = self.core.codec.event_item
         session_of = self.core.session_id_of
 
         def record_time_of(b: Bookmark) -> int | None:
             return _timestamp_ms(fresh.get(b))
 
-        out: list[bytes] = []
-        append = out.append
-        # The three events every message has are encoded straight from the engine's events;
-        # the rest through their fields (docs/protocol.md §11), in the order they happened.
+        # Items in order: encoded bytes, or a run being filled (encoded at the end).
+        items: list[bytes | _Run] = []
+        runs: dict[tuple[object, ...], _Run] = {}
+        # Per entry (queue, bookmark): the index in `items` of its latest event.
+        latest: dict[tuple[str, Bookmark], int] = {}
+        # Per journal partition of a queue: the index of its last ENQUEUED run.
+        enqueued_at: dict[tuple[str, str, int], int] = {}
         for e in events:
             kind = type(e)
             if kind is ev.EntryLeased:
                 d = cast(ev.EntryLeased, e)
-                b = d.bookmark
-                append(fast.leased(int(d.at * 1000), d.queue, b.topic, b.partition, b.offset,
-                                   d.consumer_id, session_of(d.consumer_id), d.delivery_count,
-                                   int(d.deadline * 1000)))
+                b, queue = d.bookmark, d.queue
+                key: tuple[object, ...] = (
+                    _LEASED, queue, b.topic, b.partition, d.consumer_id, d.delivery_count,
+                    d.at, d.deadline)
             elif kind is ev.EntryAcked and cast(ev.EntryAcked, e).source is AckSource.CONSUMER:
                 a = cast(ev.EntryAcked, e)
-                b = a.bookmark
-                append(fast.acked(int(a.at * 1000), a.queue, b.topic, b.partition, b.offset,
-                                  a.consumer_id, _CONSUMER))
+                b, queue = a.bookmark, a.queue
+                key = (_ACKED, queue, b.topic, b.partition, a.consumer_id, a.at)
             elif kind is ev.EntriesEnqueued:
                 n = cast(ev.EntriesEnqueued, e)
-                at, queue, topic, partition = int(n.at * 1000), n.queue, n.topic, n.partition
-                for offset in n.offsets:
-                    record = fresh.get(Bookmark(topic, partition, offset))
-                    append(fast.enqueued(at, queue, topic, partition, offset,
-                                         _timestamp_ms(record)))
+                topic, partition = n.topic, n.partition
+                # An entry's ENQUEUED is its first event: no run opened before this one may
+                # take a later event of these entries.
+                enqueued_at[(n.queue, topic, partition)] = len(items)
+                items.append(fast.enqueued_run(
+                    int(n.at * 1000), n.queue, topic, partition, n.offsets,
+                    [_timestamp_ms(fresh.get(Bookmark(topic, partition, o)))
+                     for o in n.offsets]))
+                continue
             else:
-                out.extend(encode(owner, epoch, *f)
-                           for f in event_fields((e,), session_of=session_of,
-                                                 record_time_of=record_time_of))
+                items.extend(event_item(encode(owner, epoch, *f))
+                             for f in event_fields((e,), session_of=session_of,
+                                                   record_time_of=record_time_of))
+                bookmark = getattr(e, "bookmark", None)
+                if bookmark is not None:
+                    latest[(getattr(e, "queue", ""), bookmark)] = len(items) - 1
+                continue
+            entry = (queue, b)
+            run = runs.get(key)
+            if run is None or latest.get(entry, -1) > run.slot or (
+                    enqueued_at and enqueued_at.get((queue, b.topic, b.partition), -1)
+                    > run.slot):
+                run = runs[key] = _Run(len(items), e)
+                items.append(run)
+            run.offsets.append(b.offset)
+            latest[entry] = run.slot
+        out = [item if type(item) is bytes else cast(_Run, item).encode(fast, session_of)
+               for item in items]
         encode_event = self.core.codec.encode_event
-        out.extend(encode_event(w) for w in self.core.pending_events)
+        out.extend(event_item(encode_event(w)) for w in self.core.pending_events)
         self.core.pending_events = []
         return out
 

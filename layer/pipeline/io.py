@@ -1,9 +1,10 @@
 """Spark I/O, apart from the transforms: the Kafka source (batch and streaming), Avro decoding,
 Parquet and Postgres (JDBC) output.
 
-The events topic holds single-object-encoded `Event` records (docs/protocol.md §11): a 10-byte
-header (magic + schema fingerprint) then the Avro body. Records with another header (a future
-schema) are skipped; `from_avro` decodes the body with the `.avsc` shipped in the package.
+The events topic holds single-object-encoded `EventBatch` and `Event` records
+(docs/protocol.md §4.4b, §11): a 10-byte header (magic + schema fingerprint) then the Avro
+body. Records with another header (a future schema) are skipped; `from_avro` decodes the body
+with the `.avsc` shipped in the package.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro
 from pyspark.sql.types import ArrayType, MapType, StructType
@@ -127,8 +128,34 @@ def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, 
 
 
 #: Columns `decode_events(keep_batch_ids=True)` adds: which EventBatch an event came in (null
-#: for a single Event record) and its place in it.
-BATCH_ID_COLUMNS = ("batch_id", "event_index")
+#: for a single Event record), its item's place in it, and its place in that item's run (0
+#: for an item that is one Event).
+BATCH_ID_COLUMNS = ("batch_id", "event_index", "run_index")
+
+
+def _run_as_events() -> tuple[Column, ...]:
+    """An `EventRun` item's columns as those of the `Event`s it stands for (one row per offset
+    after the posexplode of its offsets, as ``run_index`` and ``offset``)."""
+    return (
+        F.col("r.type").alias("type"),
+        F.col("r.timestamp_ms").alias("timestamp_ms"),
+        F.col("r.coordinator_id").alias("coordinator_id"),
+        F.col("r.coordinator_epoch").alias("coordinator_epoch"),
+        F.col("r.queue").alias("queue"),
+        F.concat_ws("/", F.col("r.topic"), F.col("r.partition").cast("string"),
+                    F.col("offset").cast("string")).alias("bookmark"),
+        F.col("r.topic").alias("topic"),
+        F.col("r.partition").alias("partition"),
+        F.col("offset"),
+        F.col("r.consumer_id").alias("consumer_id"),
+        F.col("r.session_id").alias("session_id"),
+        F.col("r.delivery_count").alias("delivery_count"),
+        F.col("r.reason").alias("reason"),
+        F.col("r.lease_expires_ms").alias("lease_expires_ms"),
+        F.lit(None).cast("long").alias("available_at_ms"),
+        F.expr("try_element_at(r.record_timestamps_ms, run_index + 1)").alias(
+            "record_timestamp_ms"),
+    )
 
 
 def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
@@ -136,10 +163,11 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     known here only: every reader (batch, stream) goes through this function.
 
     The topic holds EventBatch records (protocol 3: one per coordinator iteration, from the
-    outbox) and single Event records (earlier coordinators; a clean stop's OWNERSHIP_LOST). A
-    batch published twice (a crash between publishing and forgetting it) counts once: copies
-    are dropped by ``batch_id``. A stream cannot drop them within one micro-batch's rows only,
-    so it keeps ``batch_id`` and ``event_index`` (`BATCH_ID_COLUMNS`) for `drop_batch_copies`.
+    outbox) and single Event records (earlier coordinators; a clean stop's OWNERSHIP_LOST).
+    A batch's items are single events or runs (`EventRun`, one event per offset), expanded
+    here. A batch published twice (a crash between publishing and forgetting it) counts once:
+    copies are dropped by ``batch_id``. A stream cannot drop them within one micro-batch's
+    rows only, so it keeps `BATCH_ID_COLUMNS` for `drop_batch_copies`.
     """
     header = F.substring("value", 1, HEADER_LENGTH)
     body = F.expr(f"substring(value, {HEADER_LENGTH + 1})")
@@ -148,16 +176,25 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     singles = (raw.where(header == F.unhex(F.lit(event_header_hex())))
                .select(from_avro(body, single_avsc, {"mode": "FAILFAST"}).alias("e"))
                .select("e.*", F.lit(None).cast("long").alias("batch_id"),
-                       F.lit(None).cast("int").alias("event_index")))
+                       F.lit(None).cast("int").alias("event_index"),
+                       F.lit(None).cast("int").alias("run_index")))
     batch_header = ProtocolSchema.load(SchemaKind.EVENT_BATCH).header.hex().upper()
     batches = (raw.where(header == F.unhex(F.lit(batch_header)))
                .select(from_avro(body, batch_avsc, {"mode": "FAILFAST"}).alias("b"))
                .select(F.col("b.batch_id").alias("batch_id"), F.col("b.events").alias("events")))
     if not keep_batch_ids:
         batches = batches.dropDuplicates(["batch_id"])
-    batched = (batches.select("batch_id", F.posexplode("events").alias("event_index", "e"))
-               .select("e.*", "batch_id", "event_index"))
-    events = singles.unionByName(batched)
+    # A union of two records reads as a struct of both, the one not written null.
+    items = batches.select("batch_id", F.posexplode("events").alias("event_index", "item"))
+    batched = (items.where(F.col("item.member0").isNotNull())
+               .select("item.member0.*", "batch_id", "event_index",
+                       F.lit(0).alias("run_index")))
+    runs = (items.where(F.col("item.member1").isNotNull())
+            .select("batch_id", "event_index", F.col("item.member1").alias("r"))
+            .select("batch_id", "event_index", "r",
+                    F.posexplode("r.offsets").alias("run_index", "offset"))
+            .select(*_run_as_events(), "batch_id", "event_index", "run_index"))
+    events = singles.unionByName(batched).unionByName(runs)
     if keep_batch_ids:
         return events
     return events.drop(*BATCH_ID_COLUMNS)

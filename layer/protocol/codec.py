@@ -37,6 +37,8 @@ from layer.protocol.eventwire import (
     encode_event_array,
     encode_event_arrays,
     encode_event_batch,
+    encode_run_item,
+    event_item,
 )
 from layer.protocol.records import (
     AcceptGroup,
@@ -50,6 +52,7 @@ from layer.protocol.records import (
     ControlMessage,
     Event,
     EventBatch,
+    EventRun,
     EventType,
     GrantSemantics,
     Heartbeat,
@@ -554,20 +557,45 @@ class Codec:
         """An EventBatch record around events encoded by `event_array`."""
         return encode_event_batch(self._event_batch.header, batch_id, shard, events)
 
-    def event_array(self, records: list[bytes]) -> bytes:
-        """The ``events`` array of an EventBatch, from `Event` records this codec encoded."""
-        return encode_event_array(records, HEADER_LENGTH)
+    @staticmethod
+    def event_item(record: bytes) -> bytes:
+        """An `Event` record this codec encoded, as an item of an EventBatch's events."""
+        return event_item(record, HEADER_LENGTH)
 
-    def event_arrays(self, records: list[bytes], max_bytes: int = MAX_EVENT_BATCH_BYTES
-                     ) -> list[bytes]:
+    def run_item(self, run: EventRun) -> bytes:
+        """An `EventRun` as an item of an EventBatch's events."""
+        try:
+            return encode_run_item(self._event_encoder.type_index[run.type], run)
+        except (KeyError, OverflowError, AttributeError) as error:
+            raise ProtocolError(f"cannot encode event run: {error}",
+                                kind=ProtocolErrorKind.ENCODE) from error
+
+    @staticmethod
+    def event_array(items: list[bytes]) -> bytes:
+        """The ``events`` array of an EventBatch, from its items (`event_item`, `run_item`)."""
+        return encode_event_array(items)
+
+    @staticmethod
+    def event_arrays(items: list[bytes], max_bytes: int = MAX_EVENT_BATCH_BYTES) -> list[bytes]:
         """`event_array` split into arrays of at most about ``max_bytes`` each: one
         EventBatch record each (Kafka's default record limit is 1 MiB)."""
-        return encode_event_arrays(records, HEADER_LENGTH, max_bytes)
+        return encode_event_arrays(items, max_bytes)
 
     def decode_event_batch(self, data: bytes | None) -> EventBatch:
+        """The batch with its runs expanded into one `Event` per offset."""
         datum = self._decode(self._event_batch, data, unions=False)
+        events: list[Event] = []
+        for item in datum["events"]:
+            if "offsets" in item:
+                try:
+                    events.extend(_run(item).events())
+                except (ValueError, ProtocolError) as error:
+                    raise ProtocolError(f"malformed event run: {error}",
+                                        kind=ProtocolErrorKind.MALFORMED) from error
+            else:
+                events.append(_event(item))
         return EventBatch(batch_id=datum["batch_id"], shard=datum["shard"],
-                          events=tuple(_event(e) for e in datum["events"]))
+                          events=tuple(events))
 
     def decode_events(self, data: bytes | None) -> list[Event]:
         """The events of a record of the events topic: an EventBatch's, or a single Event."""
@@ -604,6 +632,27 @@ class Codec:
                 return self.decode_accept(data)
             case SchemaKind.EVENT_BATCH:
                 return self.decode_event_batch(data)
+
+
+def _run(datum: dict[str, Any]) -> EventRun:
+    """An `EventRun` from fastavro's datum of one."""
+    times = datum["record_timestamps_ms"]
+    return EventRun(
+        type=EventType(datum["type"]),
+        timestamp_ms=datum["timestamp_ms"],
+        coordinator_id=datum["coordinator_id"],
+        coordinator_epoch=datum["coordinator_epoch"],
+        queue=datum["queue"],
+        topic=datum["topic"],
+        partition=datum["partition"],
+        offsets=tuple(datum["offsets"]),
+        consumer_id=datum["consumer_id"],
+        session_id=datum["session_id"],
+        delivery_count=datum["delivery_count"],
+        reason=datum["reason"],
+        lease_expires_ms=datum["lease_expires_ms"],
+        record_timestamps_ms=tuple(times) if times is not None else None,
+    )
 
 
 def _event(datum: dict[str, Any]) -> Event:

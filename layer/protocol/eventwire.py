@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from layer.protocol.records import AckRecord, AckType, Event, EventType
+from layer.protocol.records import AckRecord, AckType, Event, EventRun, EventType
 
-__all__ = ["EntryEventEncoder", "EventEncoder", "Located", "encode_ack_record",
-           "encode_event_array", "encode_event_arrays", "encode_event_batch", "encode_long",
-           "encode_string"]
+__all__ = ["EVENT_ITEM", "RUN_ITEM", "EntryEventEncoder", "EventEncoder", "Located",
+           "encode_ack_record", "encode_event_array", "encode_event_arrays", "encode_event_batch",
+           "encode_long", "encode_run_item", "encode_string", "event_item"]
 
 _NULL = b"\x00"
 _SOME = b"\x02"  # union branch 1: the non-null type
@@ -36,11 +36,34 @@ _CACHE_LIMIT = 50_000
 _SMALL = tuple(bytes([n]) for n in range(0x80))
 
 
+def _varint(z: int) -> bytes:
+    out = bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+# Every zig-zag value below 2**14 encoded (one or two bytes), and the same 14 bits with the
+# continuation bit on both bytes: offsets and timestamps take one or two lookups, not a loop
+# (offsets are most of what an event run holds).
+_SHORT = tuple(_varint(z) for z in range(0x4000))
+_CONTINUED = tuple(bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000))
+
+
 def encode_long(n: int) -> bytes:
     """An Avro int or long: zig-zag, then 7 bits per byte, least significant first."""
+    z = (n << 1) ^ (n >> 63)
+    if 0 <= z < 0x4000:
+        return _SHORT[z]
+    if 0 <= z < 0x1000_0000:
+        return _CONTINUED[z & 0x3FFF] + _SHORT[z >> 14]
+    if 0 <= z < 0x400_0000_0000:  # millisecond timestamps until the year 2109
+        return b"".join((_CONTINUED[z & 0x3FFF], _CONTINUED[(z >> 14) & 0x3FFF],
+                         _SHORT[z >> 28]))
     if not -0x8000_0000_0000_0000 <= n <= 0x7FFF_FFFF_FFFF_FFFF:
         raise OverflowError(f"{n} does not fit an Avro long (64 bits)")
-    z = (n << 1) ^ (n >> 63)
     if z < 0x80:
         return _SMALL[z]
     out = bytearray()
@@ -79,6 +102,8 @@ class EventEncoder:
     def __init__(self, header: bytes, symbols: Sequence[str]) -> None:
         # The enum's index is its position in the schema, not in the Python enum.
         self._types = {EventType(s): header + encode_long(i) for i, s in enumerate(symbols)}
+        #: Each type's encoded enum index alone (an `EventRun`'s first field).
+        self.type_index = {EventType(s): encode_long(i) for i, s in enumerate(symbols)}
         self._strings: dict[str, bytes] = {}
         self._longs: dict[int, bytes] = {}
         self._coordinator: tuple[str, int, bytes] = ("", -1, b"")
@@ -144,29 +169,73 @@ class EventEncoder:
         ))
 
 
-def encode_event_array(records: Sequence[bytes], header_length: int) -> bytes:
-    """The ``events`` array of an `EventBatch` from single-object `Event` records (each
-    record's body is what follows its ``header_length``-byte header)."""
-    if not records:
+#: The union branch that starts each item of an `EventBatch`'s ``events``: an `Event`, or an
+#: `EventRun` (one event per offset).
+EVENT_ITEM = _SMALL[0]
+RUN_ITEM = _SMALL[2]
+
+
+def event_item(record: bytes, header_length: int) -> bytes:
+    """A single-object `Event` record as an item of an `EventBatch`'s ``events``."""
+    return EVENT_ITEM + record[header_length:]
+
+
+def encode_event_array(items: Sequence[bytes]) -> bytes:
+    """The ``events`` array of an `EventBatch` from its items (`event_item`, run items)."""
+    if not items:
         return _NULL
-    return b"".join((encode_long(len(records)),
-                     *(r[header_length:] for r in records), _NULL))
+    return b"".join((encode_long(len(items)), *items, _NULL))
 
 
-def encode_event_arrays(records: Sequence[bytes], header_length: int,
-                        max_bytes: int) -> list[bytes]:
+def encode_event_arrays(items: Sequence[bytes], max_bytes: int) -> list[bytes]:
     """`encode_event_array` in pieces of about ``max_bytes`` at most (an iteration that enqueues
     tens of thousands of records has more events than one Kafka record may hold)."""
     arrays: list[bytes] = []
     start = size = 0
-    for i, record in enumerate(records):
-        size += len(record) - header_length
+    for i, item in enumerate(items):
+        size += len(item)
         if size > max_bytes and i > start:
-            arrays.append(encode_event_array(records[start:i], header_length))
-            start, size = i, len(record) - header_length
-    if start < len(records):
-        arrays.append(encode_event_array(records[start:], header_length))
+            arrays.append(encode_event_array(items[start:i]))
+            start, size = i, len(item)
+    if start < len(items):
+        arrays.append(encode_event_array(items[start:]))
     return arrays
+
+
+def _long_array(values: Sequence[int]) -> bytes:
+    if not values:
+        return _NULL
+    return b"".join((encode_long(len(values)), *map(encode_long, values), _NULL))
+
+
+def _optional_long_array(values: Sequence[int | None] | None) -> bytes:
+    """A nullable array of nullable longs (a run's record timestamps)."""
+    if values is None:
+        return _NULL
+    if not values:
+        return _SOME + _NULL
+    return b"".join((_SOME, encode_long(len(values)),
+                     *(_NULL if v is None else _SOME + encode_long(v) for v in values), _NULL))
+
+
+def _optional(value: bytes | None) -> bytes:
+    return _NULL if value is None else _SOME + value
+
+
+def encode_run_item(type_index: bytes, run: EventRun) -> bytes:
+    """An `EventRun` as an item of an `EventBatch`'s ``events`` (``type_index`` is its type's
+    encoded position in the schema's enum)."""
+    return b"".join((
+        RUN_ITEM, type_index, encode_long(run.timestamp_ms), encode_string(run.coordinator_id),
+        encode_long(run.coordinator_epoch), encode_string(run.queue), encode_string(run.topic),
+        encode_long(run.partition), _long_array(run.offsets),
+        _optional(None if run.consumer_id is None else encode_string(run.consumer_id)),
+        _optional(None if run.session_id is None else encode_string(run.session_id)),
+        _optional(None if run.delivery_count is None else encode_long(run.delivery_count)),
+        _optional(None if run.reason is None else encode_string(run.reason)),
+        _optional(None if run.lease_expires_ms is None else encode_long(run.lease_expires_ms)),
+        _optional_long_array(run.record_timestamps_ms),
+    ))
 
 
 def encode_event_batch(header: bytes, batch_id: int, shard: int, events: bytes) -> bytes:
@@ -188,6 +257,56 @@ class EntryEventEncoder:
         self._enqueued = types[EventType.ENQUEUED]
         self._leased = types[EventType.LEASED]
         self._acked = types[EventType.ACKED]
+        index = base.type_index
+        # What starts a run item of each type: the union branch, the type, (time follows).
+        self._enqueued_run = RUN_ITEM + index[EventType.ENQUEUED]
+        self._leased_run = RUN_ITEM + index[EventType.LEASED]
+        self._acked_run = RUN_ITEM + index[EventType.ACKED]
+        self._partitions: dict[tuple[str, str, int], bytes] = {}
+
+    def _run_where(self, queue: str, topic: str, partition: int) -> bytes:
+        """A run's coordinator, queue, topic and partition fields."""
+        known = self._partitions.get((queue, topic, partition))
+        if known is None:
+            if len(self._partitions) >= _CACHE_LIMIT:
+                self._partitions.clear()
+            known = self._partitions[(queue, topic, partition)] = b"".join((
+                self._fixed, encode_string(queue), encode_string(topic),
+                encode_long(partition)))
+        return known
+
+    def enqueued_run(self, at_ms: int, queue: str, topic: str, partition: int,
+                     offsets: Sequence[int], record_timestamps_ms: Sequence[int | None]
+                     ) -> bytes:
+        """ENQUEUED for each offset: `EventRun` item (record timestamps, one per offset)."""
+        return b"".join((
+            self._enqueued_run, self._base._long(at_ms),
+            self._run_where(queue, topic, partition), _long_array(offsets),
+            _NULL * 5,  # consumer, session, delivery count, reason, lease expiry
+            _optional_long_array(record_timestamps_ms),
+        ))
+
+    def leased_run(self, at_ms: int, queue: str, topic: str, partition: int,
+                   offsets: Sequence[int], consumer_id: str, session_id: str | None,
+                   delivery_count: int, lease_expires_ms: int) -> bytes:
+        """LEASED for each offset, to one consumer with one deadline: `EventRun` item."""
+        base = self._base
+        return b"".join((
+            self._leased_run, base._long(at_ms), self._run_where(queue, topic, partition),
+            _long_array(offsets), base._string(consumer_id), base._string(session_id),
+            _SOME, encode_long(delivery_count), _NULL, _SOME, base._long(lease_expires_ms),
+            _NULL,
+        ))
+
+    def acked_run(self, at_ms: int, queue: str, topic: str, partition: int,
+                  offsets: Sequence[int], consumer_id: str | None, reason: str) -> bytes:
+        """ACKED for each offset, by one consumer: `EventRun` item."""
+        base = self._base
+        return b"".join((
+            self._acked_run, base._long(at_ms), self._run_where(queue, topic, partition),
+            _long_array(offsets), base._string(consumer_id), _NULL, _NULL,
+            base._string(reason), _NULL, _NULL,
+        ))
 
     def _bookmark(self, topic: str, partition: int, offset: int) -> bytes:
         """The bookmark string, topic, partition and offset fields (all non-null)."""

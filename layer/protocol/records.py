@@ -29,6 +29,7 @@ __all__ = [
     "ControlMessage",
     "Event",
     "EventBatch",
+    "EventRun",
     "EventType",
     "ExpiryReason",
     "GrantSemantics",
@@ -348,8 +349,48 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EventRun:
+    """Events alike but for their entry, on the wire as one item of an `EventBatch`: what one
+    iteration did to a run of entries of one journal partition (enqueued them, leased them to
+    one consumer, accepted one consumer's acks). Three events per message, one by one, were
+    a fifth of the coordinator's time; a run costs about what one event did."""
+
+    type: EventType
+    timestamp_ms: int
+    coordinator_id: str
+    coordinator_epoch: int
+    queue: str
+    topic: str
+    partition: int
+    offsets: tuple[int, ...]
+    consumer_id: str | None = None
+    session_id: str | None = None
+    delivery_count: int | None = None
+    reason: str | None = None
+    lease_expires_ms: int | None = None
+    #: The journal records' own timestamps, one per offset (ENQUEUED runs).
+    record_timestamps_ms: tuple[int | None, ...] | None = None
+
+    def events(self) -> list[Event]:
+        """The run as the `Event`s it stands for, in the order of its offsets."""
+        times = self.record_timestamps_ms
+        if times is not None and len(times) != len(self.offsets):
+            raise ValueError(f"an event run has {len(self.offsets)} offsets but "
+                             f"{len(times)} record timestamps")
+        return [Event(type=self.type, timestamp_ms=self.timestamp_ms,
+                      coordinator_id=self.coordinator_id,
+                      coordinator_epoch=self.coordinator_epoch, queue=self.queue,
+                      bookmark=Bookmark(self.topic, self.partition, offset),
+                      consumer_id=self.consumer_id, session_id=self.session_id,
+                      delivery_count=self.delivery_count, reason=self.reason,
+                      lease_expires_ms=self.lease_expires_ms,
+                      record_timestamp_ms=times[i] if times is not None else None)
+                for i, offset in enumerate(self.offsets)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EventBatch:
-    """The events of one coordinator iteration of one shard (protocol 3)."""
+    """The events of one coordinator iteration of one shard (protocol 3), runs expanded."""
 
     batch_id: int
     shard: int

@@ -114,7 +114,8 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
 
     # The same ACKED event in another batch is a second acknowledgement: a violation.
     ack = acked_of_work(copy.value)[0]
-    forged = codec.encode_event_batch(10**12, 0, codec.event_array([codec.encode_event(ack)]))
+    forged = codec.encode_event_batch(10**12, 0, codec.event_array(
+        [codec.event_item(codec.encode_event(ack))]))
     produce(settings.bootstrap_servers, events_topic, [forged])
     bookmark = str(ack.bookmark)
 

@@ -21,7 +21,9 @@ from layer.coordinator.acks import MAX_FORWARD_HOPS
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, QueueState, ShardCore
 from layer.coordinator.options import CoordinatorOptions
+from layer.coordinator.output import Output
 from layer.coordinator.ports import FakeTopicAdmin
+from layer.coordinator.translate import wire_events
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
 from layer.domain.states import Bookmark
@@ -35,6 +37,8 @@ from layer.protocol import (
     AckStatus,
     AckType,
     Codec,
+    Event,
+    EventType,
     Subscribe,
     SubscribeResult,
     SubscribeStatus,
@@ -273,6 +277,51 @@ def test_acks_read_before_the_replay_reaches_their_entries_wait_and_apply() -> N
         assert replayed.batch.input_positions.get((TOPICS.ack, 0)) == 1
 
 
+def _batch_events(h: Harness, plan: Plan) -> tuple[list[Event], list[Event]]:
+    """The plan's events as the shard loop writes them (runs), read back by a reader; and
+    the same events one by one, as `wire_events` makes them."""
+    def record_time(b: Bookmark) -> int | None:
+        r = plan.fresh.get(b)
+        return r.timestamp_ms if r is not None and r.timestamp_ms > 0 else None
+
+    one_by_one = [*wire_events(plan.events, "test", 1, session_of=h.core.session_id_of,
+                               record_time_of=record_time), *h.core.pending_events]
+    items = Output(h.core).event_records(plan.events, plan.fresh)
+    return list(CODEC.decode_event_batch(CODEC.encode_event_batch(
+        1, 0, CODEC.event_array(items))).events), one_by_one
+
+
+def _by_entry(events: list[Event]) -> dict[object, list[str]]:
+    out: dict[object, list[str]] = {}
+    for e in events:
+        out.setdefault(e.bookmark, []).append(str(e.type))
+    return out
+
+
+def test_event_runs_say_what_the_events_one_by_one_say() -> None:
+    h = Harness()
+    # Enqueued and leased in one iteration, to two consumers by turns (fairness interleaves
+    # them); then acked, one refused, and a release that comes back in the next dispatch.
+    plan = h.step([h.subscribe("c1", backlog=3), h.subscribe("c2", backlog=3),
+                   *h.publish(8)], 1.0)
+    batched, one_by_one = _batch_events(h, plan)
+    assert sorted(map(repr, batched)) == sorted(map(repr, one_by_one))
+    assert _by_entry(batched) == _by_entry(one_by_one)
+    assert [e.type for e in batched].count(EventType.ENQUEUED) == 8
+    leased = _leases(plan)
+    acks = h.step([h.accept("c1", [d for d in leased if d.consumer_id == "c1"]),
+                   h.ack("c2", [d for d in leased if d.consumer_id == "c2"][:1],
+                         kind=AckType.RELEASE),
+                   h.accept("c2", [d for d in leased if d.consumer_id == "c2"][1:2],
+                            token="forged")], 2.0)
+    batched, one_by_one = _batch_events(h, acks)
+    assert sorted(map(repr, batched)) == sorted(map(repr, one_by_one))
+    # Per entry, the same events in the same order (RELEASED before the new LEASED).
+    assert _by_entry(batched) == _by_entry(one_by_one)
+    assert len(batched) > len(Output(h.core).event_records(acks.events, acks.fresh))  # runs
+    assert any(types[-2:] == ["RELEASED", "LEASED"] for types in _by_entry(batched).values())
+
+
 class CoreMachine(RuleBasedStateMachine):
     """Random interleavings through `step`; the model is built from the plans alone."""
 
@@ -286,7 +335,12 @@ class CoreMachine(RuleBasedStateMachine):
         self.acked: set[int] = set()
 
     def _step(self, records: list[JournalRecord]) -> Plan:
-        plan = self.h.step(records, self.now)
+        plan = self.h.core.step(records, self.now)
+        # The events as written (runs) say what they say one by one, per entry in order.
+        batched, one_by_one = _batch_events(self.h, plan)
+        assert sorted(map(repr, batched)) == sorted(map(repr, one_by_one))
+        assert _by_entry(batched) == _by_entry(one_by_one)
+        self.h.core.settled(plan)
         assert {id(d) for d in _leases(plan)} <= {id(e) for e in plan.events}
         for e in plan.events:  # in the order the engine decided them
             if isinstance(e, ev.EntryLeased):

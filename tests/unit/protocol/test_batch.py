@@ -15,7 +15,7 @@ from layer.protocol.batch import (
     encode_delivery_batch,
     encode_entry,
 )
-from layer.protocol.records import AcceptGroup, AcceptRecord
+from layer.protocol.records import AcceptGroup, AcceptRecord, EventRun
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
 maybe_bytes = st.none() | st.binary(max_size=300)
@@ -107,6 +107,17 @@ def test_an_accept_record_whose_tokens_do_not_match_its_offsets_is_refused() -> 
         codec.decode_ack_topic(forged)
 
 
+def _run_datum(run: EventRun) -> dict[str, object]:
+    return {"type": run.type.value, "timestamp_ms": run.timestamp_ms,
+            "coordinator_id": run.coordinator_id, "coordinator_epoch": run.coordinator_epoch,
+            "queue": run.queue, "topic": run.topic, "partition": run.partition,
+            "offsets": list(run.offsets), "consumer_id": run.consumer_id,
+            "session_id": run.session_id, "delivery_count": run.delivery_count,
+            "reason": run.reason, "lease_expires_ms": run.lease_expires_ms,
+            "record_timestamps_ms": (list(run.record_timestamps_ms)
+                                     if run.record_timestamps_ms is not None else None)}
+
+
 def test_an_event_batch_is_byte_for_byte_what_fastavro_writes_and_reads_back() -> None:
     import io
 
@@ -122,20 +133,91 @@ def test_an_event_batch_is_byte_for_byte_what_fastavro_writes_and_reads_back() -
         Event(type=EventType.OWNERSHIP_ACQUIRED, timestamp_ms=6, coordinator_id="c",
               coordinator_epoch=3, queue="Q"),
     ]
-    array = codec.event_array([codec.encode_event(e) for e in events])
-    data = codec.encode_event_batch(12, 3, array)
+    run = EventRun(type=EventType.ENQUEUED, timestamp_ms=7, coordinator_id="c",
+                   coordinator_epoch=3, queue="Q", topic="orders", partition=2,
+                   offsets=(10, 11, 9_000_000_000), record_timestamps_ms=(1_700_000_000_000,
+                                                                         None, 3))
+    items = [codec.event_item(codec.encode_event(e)) for e in events] + [codec.run_item(run)]
+    data = codec.encode_event_batch(12, 3, codec.event_array(items))
     schema = codec.schema(SchemaKind.EVENT_BATCH)
     out = io.BytesIO()
     out.write(schema.header)
     fastavro.schemaless_writer(out, schema.parsed, {
-        "batch_id": 12, "shard": 3, "events": [codec.event_datum(e) for e in events]})
+        "batch_id": 12, "shard": 3,
+        "events": [*(("io.qlayer.v1.Event", codec.event_datum(e)) for e in events),
+                   ("io.qlayer.v1.EventRun", _run_datum(run))]})
     assert data == out.getvalue()
     batch = codec.decode_event_batch(data)
-    assert (batch.batch_id, batch.shard, batch.events) == (12, 3, tuple(events))
-    assert codec.decode_events(data) == events
+    # The run reads back as one event per offset, with its record's timestamp.
+    expanded = [Event(type=EventType.ENQUEUED, timestamp_ms=7, coordinator_id="c",
+                      coordinator_epoch=3, queue="Q", bookmark=Bookmark("orders", 2, o),
+                      record_timestamp_ms=t)
+                for o, t in ((10, 1_700_000_000_000), (11, None), (9_000_000_000, 3))]
+    assert (batch.batch_id, batch.shard, batch.events) == (12, 3, tuple(events + expanded))
+    assert codec.decode_events(data) == events + expanded
     assert codec.decode_events(codec.encode_event(events[0])) == events[:1]
     assert codec.decode_event_batch(codec.encode_event_batch(1, 0, codec.event_array([]))
                                     ).events == ()
+
+
+@given(st.lists(st.integers(0, 2**63 - 1), max_size=20),
+       st.sampled_from(["LEASED", "ACKED", "ENQUEUED"]), st.booleans())
+def test_run_items_are_fastavros_bytes(offsets: list[int], kind: str, timestamps: bool) -> None:
+    import io
+
+    import fastavro
+
+    from layer.protocol import EventType, SchemaKind
+
+    codec = Codec()
+    run = EventRun(type=EventType(kind), timestamp_ms=2**40, coordinator_id="coord",
+                   coordinator_epoch=2**33, queue="Jobs", topic="t.x", partition=2**20,
+                   offsets=tuple(offsets), consumer_id="w" if kind != "ENQUEUED" else None,
+                   session_id="s" if kind == "LEASED" else None,
+                   delivery_count=3 if kind == "LEASED" else None,
+                   reason="consumer" if kind == "ACKED" else None,
+                   lease_expires_ms=-5 if kind == "LEASED" else None,
+                   record_timestamps_ms=tuple(range(len(offsets))) if timestamps else None)
+    schema = codec.schema(SchemaKind.EVENT_BATCH)
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, schema.parsed, {
+        "batch_id": 0, "shard": 0, "events": [("io.qlayer.v1.EventRun", _run_datum(run))]})
+    assert codec.event_array([codec.run_item(run)]) == out.getvalue()[2:]  # past ids 0, 0
+    assert codec.decode_event_batch(codec.encode_event_batch(
+        0, 0, codec.event_array([codec.run_item(run)]))).events == tuple(run.events())
+
+
+def test_the_coordinators_run_encoders_write_what_the_generic_one_writes() -> None:
+    from layer.protocol import EventType
+    from layer.protocol.eventwire import EntryEventEncoder
+
+    codec = Codec()
+    fast = EntryEventEncoder(codec.event_encoder, "coord", 7)
+    common = {"timestamp_ms": 1_700_000_000_123, "coordinator_id": "coord",
+              "coordinator_epoch": 7, "queue": "Jobs", "topic": "orders", "partition": 3,
+              "offsets": (5, 6, 200_000)}
+    assert fast.enqueued_run(1_700_000_000_123, "Jobs", "orders", 3, [5, 6, 200_000],
+                             [1, None, 2**41]) == codec.run_item(EventRun(
+        type=EventType.ENQUEUED, record_timestamps_ms=(1, None, 2**41), **common))
+    assert fast.leased_run(1_700_000_000_123, "Jobs", "orders", 3, [5, 6, 200_000], "w", "s",
+                           2, 1_700_000_060_000) == codec.run_item(EventRun(
+        type=EventType.LEASED, consumer_id="w", session_id="s", delivery_count=2,
+        lease_expires_ms=1_700_000_060_000, **common))
+    assert fast.acked_run(1_700_000_000_123, "Jobs", "orders", 3, [5, 6, 200_000], "w",
+                          "consumer") == codec.run_item(EventRun(
+        type=EventType.ACKED, consumer_id="w", reason="consumer", **common))
+
+
+def test_a_run_whose_timestamps_do_not_match_its_offsets_is_malformed() -> None:
+    from layer.protocol import EventType
+
+    codec = Codec()
+    run = EventRun(type=EventType.ENQUEUED, timestamp_ms=1, coordinator_id="c",
+                   coordinator_epoch=1, queue="Q", topic="t", partition=0, offsets=(1, 2),
+                   record_timestamps_ms=(5,))
+    data = codec.encode_event_batch(1, 0, codec.event_array([codec.run_item(run)]))
+    with pytest.raises(ProtocolError, match="2 offsets but 1 record timestamps"):
+        codec.decode_event_batch(data)
 
 
 def test_many_events_are_split_into_batches_that_read_back_in_order() -> None:
@@ -144,7 +226,7 @@ def test_many_events_are_split_into_batches_that_read_back_in_order() -> None:
     codec = Codec()
     events = [Event(type=EventType.ENQUEUED, timestamp_ms=n, coordinator_id="c",
                     coordinator_epoch=1, queue="Q") for n in range(1000)]
-    records = [codec.encode_event(e) for e in events]
+    records = [codec.event_item(codec.encode_event(e)) for e in events]
     arrays = codec.event_arrays(records, max_bytes=2000)
     assert len(arrays) > 5
     assert all(len(a) <= 2000 + 64 for a in arrays)
