@@ -216,9 +216,15 @@ class ShardCore:
                 outbox = ev.Outbox(lost + outbox.events, outbox.entries)
             outboxes.append((name, outbox))
         done, expired, events, fresh = plan.done, plan.expired, plan.events, plan.fresh
+        points = batch.recovery_points
         for name, outbox in outboxes:
             counted_from = self._counted_from.get(name)
-            add_outbox(batch, name, outbox, counted_from)
+            self._recovery_points(name, batch)
+            # Done entries this batch's recovery points pass get no row: the store's prune
+            # removes every row below a recovery point (on the happy path, every ack).
+            passed = {(k.topic, k.partition): offset for k, offset in points.items()
+                      if k.queue == name}
+            add_outbox(batch, name, outbox, counted_from, passed)
             for e in outbox.events:
                 kind = type(e)
                 if kind is ev.EntriesEnqueued:
@@ -241,7 +247,6 @@ class ShardCore:
                         expired.append(e)  # type: ignore[arg-type]
                 elif kind is ev.ConsumerLeft:
                     self.control.on_consumer_left(e, batch, plan.replies, now)  # type: ignore[arg-type]
-            self._recovery_points(name, batch)
 
     def settled(self, plan: Plan) -> None:
         """The plan was carried out: the bytes of the entries it finished can go."""

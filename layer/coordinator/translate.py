@@ -131,14 +131,26 @@ def lost_to_retention(queue: str, topic: str, partition: int, start: int, first:
 
 
 def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
-               counted_from: Mapping[tuple[str, int], int] | None = None) -> None:
+               counted_from: Mapping[tuple[str, int], int] | None = None,
+               passed: Mapping[tuple[str, int], int] | None = None) -> None:
     """The engine's changed entries and its counters into the loop's write batch.
 
     ``counted_from`` (per journal partition) is where a previous incarnation of the queue had
     admitted up to: entries below it are re-admitted after a restart, not newly enqueued.
+    ``passed`` holds the recovery points this batch writes (per journal partition): a done
+    entry below one needs no row, since the store prunes every row below a recovery point.
     """
-    for record in outbox.entries:
-        batch.put_entry(entry_row(queue, record))
+    if passed:
+        for record in outbox.entries:
+            if record.state.done:
+                bookmark = record.bookmark
+                point = passed.get((bookmark.topic, bookmark.partition))
+                if point is not None and bookmark.offset < point:
+                    continue
+            batch.put_entry(entry_row(queue, record))
+    else:
+        for record in outbox.entries:
+            batch.put_entry(entry_row(queue, record))
     enqueued = delivered = acked = released = ended = expired = dead = redelivered = 0
     for e in outbox.events:
         kind = type(e)
