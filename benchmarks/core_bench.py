@@ -21,12 +21,16 @@ import itertools
 import json
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine  # noqa: E402
 
 from layer.coordinator.catalog import Catalog  # noqa: E402
 from layer.coordinator.core import QueueState, ShardCore  # noqa: E402
@@ -165,6 +169,10 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=500)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--output", type=Path,
+                        help="also write the figures as JSON (benchmarks/report.py shows "
+                             "benchmarks/results/core.json and core-before.json)")
+    parser.add_argument("--label", default="", help="what the JSON says was measured")
     args = parser.parse_args()
     if args.profile:
         profiler = cProfile.Profile()
@@ -178,8 +186,16 @@ def main() -> None:
     figures = [total for total, _ in runs]
     print(f"coordinator CPU without I/O: {statistics.median(figures):.1f} µs/msg "
           f"(runs: {', '.join(f'{f:.1f}' for f in figures)})")
-    for phase in runs[0][1]:
-        print(f"  {phase:34} {statistics.median(r[1][phase] for r in runs):5.1f} µs/msg")
+    phases = {phase: statistics.median(r[1][phase] for r in runs) for phase in runs[0][1]}
+    for phase, figure in phases.items():
+        print(f"  {phase:34} {figure:5.1f} µs/msg")
+    if args.output is not None:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=ROOT, check=False).stdout.strip()
+        args.output.write_text(json.dumps({
+            "label": args.label, "commit": commit, "command": " ".join(sys.argv),
+            "machine": machine(), "median_us_per_msg": statistics.median(figures),
+            "runs_us_per_msg": figures, "phases_us_per_msg": phases}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

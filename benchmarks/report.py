@@ -568,6 +568,33 @@ def render_scale(data: dict[str, Any]) -> str:
 # --- end of the scale section ----------------------------------------------------------------
 
 
+# --- the coordinator's CPU without I/O (benchmarks/core_bench.py) ----------------------------
+
+CORE = [ROOT / "benchmarks" / "results" / name for name in ("core-before.json", "core.json")]
+
+
+def render_core(runs: list[dict[str, Any]]) -> str:
+    """The in-process figures of core_bench.py, before and after, from one session."""
+    lines = ["", "## The coordinator's own CPU per message, without I/O", "",
+             "`benchmarks/core_bench.py`: `ShardCore.step` and the loop's encoding (events, "
+             "store rows grouped into runs, delivery batches) for 1 KiB messages to four "
+             "consumers, acks as AcceptRecords, no Kafka and no PostgreSQL. It isolates the "
+             "Python the coordinator runs per message; the end-to-end figures above add the "
+             "clients, the broker and PostgreSQL. Median of three runs each, the two trees "
+             "measured one after the other in one session (while the test suite ran, so "
+             "compare the ratio, not the absolute figures) on "
+             f"{runs[-1]['machine'].get('cpu', 'this machine')}.", "",
+             "| tree | µs/msg | " + " | ".join(runs[-1]["phases_us_per_msg"]) + " |",
+             "|---|---:|" + "---:|" * len(runs[-1]["phases_us_per_msg"])]
+    for run in runs:
+        phases = run["phases_us_per_msg"]
+        lines.append(f"| {run['label'] or run['commit']} ({run['commit']}) | "
+                     f"{run['median_us_per_msg']:.1f} | "
+                     + " | ".join(f"{v:.1f}" for v in phases.values()) + " |")
+    lines += ["", f"Command: `{runs[-1]['command']}`.", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -578,6 +605,9 @@ def main() -> None:
     if data["latency"]:
         plot_latency(data["latency"], PLOTS / "latency.png")
     page = render(data, args.results.parent / "coordinator-profile.txt")
+    core = [json.loads(path.read_text()) for path in CORE if path.exists()]
+    if core:
+        page += render_core(core)
     if SCALE.exists():
         page += render_scale(json.loads(SCALE.read_text()))
     DOC.write_text(page)
