@@ -82,6 +82,11 @@ class Plan:
     latency_seconds: float
     latency_size: int
     latency_consumers: int
+    #: Each qlayer consumer's max_backlog (and the queue's max_per_subscription_backlog): the
+    #: messages it may hold unacknowledged. 2,000 is the in-flight allowance of one
+    #: share-partition in Kafka 4.x (`group.share.partition.max.record.locks`), so both queue
+    #: systems may keep as much work on the way.
+    max_backlog: int = 2000
 
 
 QUICK = Plan(messages=5_000, warmup=1_000, repetitions=3, sizes=(200, 1024),
@@ -181,12 +186,12 @@ def share_worker(bootstrap: str, topic: str, group: str, done: Any, ready: Any, 
 
 
 def qlayer_worker(bootstrap: str, prefix: str, queue: str, done: Any, ready: Any, stop: Any,
-                  latencies: Any) -> None:
+                  latencies: Any, max_backlog: int) -> None:
     """An SDK consumer acking every message (acks batched by the SDK)."""
     from layer import QueueConsumer
 
     errors: list[Any] = []
-    consumer = QueueConsumer(queue, bootstrap, topic_prefix=prefix, max_backlog=500,
+    consumer = QueueConsumer(queue, bootstrap, topic_prefix=prefix, max_backlog=max_backlog,
                              ack_batch_size=500, ack_interval=0.005,
                              on_ack_error=errors.append)
     ready.release()
@@ -348,7 +353,8 @@ class Harness:
             semantics = "at-most-once" if cell.system == "qlayer-amo" else "at-least-once"
             store.put_queue(queue, {"name": queue, "underlying_topic": journal,
                                     "semantics": semantics, "lease_period": "60s",
-                                    "max_per_subscription_backlog": 1000}, time.time())
+                                    "max_per_subscription_backlog": self.plan.max_backlog},
+                            time.time())
             pipe, child = CTX.Pipe()
             coord = CTX.Process(target=coordinator_process,
                                 args=({"bootstrap_servers": self.bootstrap,
@@ -357,7 +363,8 @@ class Harness:
             layer_pid = coord.pid
             time.sleep(2.0)  # the coordinator owns the shard before consumers subscribe
             procs += [CTX.Process(target=qlayer_worker, args=(self.bootstrap, prefix, queue, done,
-                                                              ready, stop, latencies))
+                                                              ready, stop, latencies,
+                                                              self.plan.max_backlog))
                       for _ in range(cell.consumers)]
         for p in procs:
             p.start()
@@ -574,6 +581,8 @@ def main() -> None:
     parser.add_argument("--sizes", help="override the payload sizes, e.g. 1024")
     parser.add_argument("--consumer-counts", help="override the consumer counts, e.g. 1,4")
     parser.add_argument("--no-latency", action="store_true", help="skip the latency cells")
+    parser.add_argument("--max-backlog", type=int,
+                        help="each qlayer consumer's max_backlog (default 2000)")
     args = parser.parse_args()
     plan = FULL if args.full else QUICK
     if args.messages or args.repetitions:
@@ -585,6 +594,8 @@ def main() -> None:
     if args.consumer_counts:
         plan = dataclasses.replace(plan, consumer_counts=tuple(
             int(v) for v in args.consumer_counts.split(",")))
+    if args.max_backlog:
+        plan = dataclasses.replace(plan, max_backlog=args.max_backlog)
     systems = [s for s in args.systems.split(",") if s]
     settings = Settings.load(bootstrap_servers=args.bootstrap_servers,
                              database_url=args.database_url)

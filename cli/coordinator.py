@@ -27,9 +27,11 @@ def run(
         "shards to the other coordinators (the broker accepts 6 to 1800 by default)")] = 10.0,
     session_timeout: Annotated[float, typer.Option(
         help="Session timeout (s) for consumers that do not give one")] = 30.0,
-    no_transactions: Annotated[bool, typer.Option(
-        "--no-transactions", help="Do not use Kafka transactions (no zombie-producer fencing; "
-        "lower latency)")] = False,
+    transactions: Annotated[bool, typer.Option(
+        "--transactions/--no-transactions", help="Write deliveries and events in Kafka "
+        "transactions, so a paused, replaced coordinator's late writes are fenced in Kafka "
+        "too (PostgreSQL's epoch already fences its decisions); every iteration then waits "
+        "for the transaction's commit (docs/coordinator.md)")] = False,
     payload_budget_mb: Annotated[int, typer.Option(
         help="MiB of journal records kept in memory; past it records are re-read from the "
         "journal when they come up for delivery")] = 512,
@@ -52,6 +54,6 @@ def run(
     options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),
                                  group_session_timeout=group_session_timeout,
                                  default_session_timeout=session_timeout,
-                                 transactional=not no_transactions,
+                                 transactional=transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024)
     CoordinatorProcess(settings, options).run()

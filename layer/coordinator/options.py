@@ -35,8 +35,14 @@ class CoordinatorOptions:
     topic_check_interval: float = 10.0
     #: How often recovery points are committed as each queue's consumer-group offsets.
     group_commit_interval: float = 5.0
-    #: Kafka transactions fence a zombie coordinator's producer (DESIGN §6).
-    transactional: bool = True
+    #: Kafka transactions fence a zombie coordinator's producer (DESIGN §6); off by default:
+    #: the epoch check in PostgreSQL already fences everything a zombie could decide, and a
+    #: transaction makes every iteration wait for its commit (docs/coordinator.md, "Kafka
+    #: transactions").
+    transactional: bool = False
+    #: Without transactions, deliveries and event batches are not waited for; when the
+    #: producer never empties, a flush this often (s) confirms the event batches sent.
+    confirm_interval: float = 1.0
     #: How often each shard's lag and the process's shards are written for `qlayer coordinators`.
     report_interval: float = 2.0
     #: Bytes of journal records kept in memory; past it, records are re-read when needed.

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: A registry row not refreshed for this long belongs to a process that is gone (killed).
 FORGET_PROCESSES_AFTER = 60.0
+#: How long (s) a shard counts as busy after its last input (see `CoordinatorProcess._idle`).
+BUSY_FOR = 2.0
 
 
 @dataclass
@@ -58,6 +60,9 @@ class _Slot:
     #: Another process holds the epoch although the group gave us the shard (a revocation
     #: on its way to us): wait for the group rather than fence each other in turn.
     parked: bool = False
+    #: Until when the shard counts as busy (it had input lately): an idle round waits on
+    #: the input of busy shards, so their next records are served the moment they come.
+    busy_until: float = 0.0
 
 
 class CoordinatorProcess:
@@ -183,6 +188,9 @@ class CoordinatorProcess:
             if slot is None:
                 continue
             stats = self._run_shard(slot, now)
+            if stats is not None and (stats.journal_records or stats.control_records
+                                      or stats.ack_items):
+                slot.busy_until = now + BUSY_FOR
             if stats is not None:
                 total.journal_records += stats.journal_records
                 total.control_records += stats.control_records
@@ -196,9 +204,31 @@ class CoordinatorProcess:
         if not busy:
             timeout = self.options.poll_timeout if wait is None else wait
             if timeout > 0:
-                for shard in self._membership.poll(timeout).assigned:
-                    self._assign(shard)
+                self._idle(now, timeout)
         return total
+
+    def _idle(self, now: float, timeout: float) -> None:
+        """Nothing came in this round: wait up to ``timeout`` for the next input. A process
+        whose shards were busy lately waits on their inputs, a slice of the timeout each, and
+        goes on as soon as one has a record (a consumer's acks come back a few milliseconds
+        after its deliveries; a fixed nap made every such round trip wait it out). A process
+        with no busy shard waits on the group protocol."""
+        assert self._membership is not None
+        busy = [slot.loop for slot in self._slots.values()
+                if slot.busy_until > now and slot.loop.epoch is not None]
+        if not busy:
+            for shard in self._membership.poll(timeout).assigned:
+                self._assign(shard)
+            return
+        share = timeout / len(busy)
+        for loop in busy:
+            try:
+                if loop.wait(share):
+                    return
+            except QlayerError as exc:
+                # The shard's next iteration meets the same failure and rebuilds it.
+                log.debug("waiting on shard %d: %s", loop.shard, exc)
+                return
 
     def run(self, clock: Callable[[], float] = time.time, install_signals: bool = True) -> None:
         """Run until stopped (SIGTERM / SIGINT); hands every shard over on the way out."""

@@ -12,7 +12,9 @@ and up once:
    entry leaves only once its dead letter is safe; a passed-on ack is safe before its position
    is stored);
 5. one PostgreSQL transaction for everything decided, guarded by the shard's epoch;
-6. only then produce deliveries, replies and events, and wait for them;
+6. only then produce deliveries, replies and events, without waiting for them: their
+   delivery reports are served early in the next iteration (a failure there rebuilds the
+   shard, exactly as a failure here would), so the loop never idles on a broker round trip;
 7. commit the input topics' offsets.
 
 Postgres before Kafka is the safety argument: a crash between 5 and 6 leaves leases without
@@ -99,6 +101,9 @@ class ShardLoop:
         # The newest outbox batch known to be on the events topic (deleted from the outbox by
         # the next transaction).
         self._published: int | None = None
+        # The newest outbox batch sent but not yet known to be written, and when it was sent.
+        self._sent: int | None = None
+        self._sent_at = 0.0
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
@@ -134,6 +139,13 @@ class ShardLoop:
     def release(self, now: float) -> None:
         """Hand the shard over at once (revocation, clean stop): its OWNERSHIP_LOST events
         written, best effort, and its row released."""
+        if self._writer is not None and self._sent is not None:
+            # Batches sent without waiting: known to be written once the producer is empty.
+            try:
+                self._writer.flush(5.0)
+                self._published, self._sent = self._sent, None
+            except QlayerError as exc:
+                log.warning("event batches sent last may not be written: %s", exc)
         if self.epoch is not None and self._writer is not None and self.core.engines:
             # A clean stop says so on the events topic; a crash cannot. These change nothing
             # stored, so they go as plain Event records, not through the outbox.
@@ -175,6 +187,11 @@ class ShardLoop:
         self.release(now)
         self.core.reset()
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the shard's next input (kept for the next iteration);
+        True as soon as there is some, False at once when the shard is not running."""
+        return self._reader.wait(timeout) if self._reader is not None else False
+
     def lag(self) -> int | None:
         """Records of this shard's inputs not read yet (from the last fetches)."""
         return self._reader.lag() if self._reader is not None else None
@@ -204,6 +221,9 @@ class ShardLoop:
         self._writer = None
         self._range_reader = None
         self._maintenance = None
+        # What this owner sent but could not confirm stays in the outbox: the next owner
+        # publishes it again (readers keep the first copy of a batch).
+        self._sent = None
 
     # ------------------------------------------------------------------ start-up
     def _start(self, now: float) -> None:
@@ -278,6 +298,8 @@ class ShardLoop:
         started = clock()
         records = reader.poll(self.options.max_batch, self.options.poll_timeout
                               if poll_timeout is None else poll_timeout)
+        # Delivery reports of what earlier iterations sent, served without waiting.
+        self._confirm(writer, now)
         polled = clock()
         plan = self.core.step(records, now, batch, replies)
         stats = plan.stats
@@ -308,7 +330,7 @@ class ShardLoop:
         if plan.batch.outbox_published is not None:
             self._published = None  # deleted from the outbox by that transaction
         committed = clock()
-        out = self._write(plan, reread, writer, batch_ids)
+        out = self._write(plan, reread, writer, batch_ids, now)
         written = clock()
         self.core.settled(plan)
         # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
@@ -345,10 +367,11 @@ class ShardLoop:
         return result.outbox_batch_ids
 
     def _write(self, plan: Plan, reread: dict[Bookmark, JournalRecord],
-               writer: RecordWriter, batch_ids: tuple[int, ...]) -> int:
-        """Deliveries, replies and the iteration's event batch; returns the µs spent encoding
-        them. A failure raises: the rebuild that follows publishes the event batch from the
-        outbox and sends the deliveries of the restored leases again."""
+               writer: RecordWriter, batch_ids: tuple[int, ...], now: float) -> int:
+        """Send deliveries, replies and the iteration's event batch; returns the µs spent
+        encoding them. They are waited for only in a Kafka transaction; otherwise `_confirm`
+        checks them next iteration. A failure raises: the rebuild that follows publishes the
+        event batch from the outbox and sends the deliveries of the restored leases again."""
         started = time.perf_counter()
         stats, output = plan.stats, self.output
         out = output.deliveries(plan.deliveries, reread)
@@ -363,10 +386,33 @@ class ShardLoop:
         encoding = int((time.perf_counter() - started) * 1e6)
         if out:
             writer.send(out)
-            writer.flush()
-        if batch_ids:
-            self._published = batch_ids[-1]
+        if writer.transactional:
+            # A transaction's records are readable only once it commits.
+            if out:
+                writer.flush()
+            if batch_ids:
+                self._published = batch_ids[-1]
+        elif batch_ids:
+            if self._sent is None:
+                self._sent_at = now
+            self._sent = batch_ids[-1]
         return encoding
+
+    def _confirm(self, writer: RecordWriter, now: float) -> None:
+        """Serve the delivery reports of earlier iterations' records (raising, so the shard is
+        rebuilt, if any failed) and learn which event batches are written: all of them once
+        nothing is in flight. Under a load that never lets the producer empty, a flush every
+        ``confirm_interval`` bounds how long published batches stay in the outbox."""
+        if writer.transactional:
+            return
+        in_flight = writer.drain()
+        if self._sent is None:
+            return
+        if in_flight and now - self._sent_at >= self.options.confirm_interval:
+            writer.flush()
+            in_flight = 0
+        if not in_flight:
+            self._published, self._sent = self._sent, None
 
     def _reread(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Read back the records these entries need whose bytes are not in memory."""

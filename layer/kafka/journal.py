@@ -10,7 +10,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    Message,
+    TopicPartition,
+)
 
 from layer.kafka.errors import KafkaAdapterError, RetentionGap
 from layer.kafka.records import JournalRecord
@@ -46,6 +53,8 @@ class JournalReader:
         })
         self._assigned: dict[tuple[str, int], int] = {}
         self._topic_names: dict[str, str] = {}
+        # A record `wait` took, handed out first by the next `poll`.
+        self._held: Message | None = None
         self.errors = 0
 
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
@@ -68,6 +77,18 @@ class JournalReader:
     def assignment(self) -> list[tuple[str, int]]:
         return list(self._assigned)
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for input without taking it: True as soon as a record is
+        there (the next `poll` returns it first). Lets an idle process sleep on the input of
+        a busy shard and wake the moment it comes, rather than after a fixed nap."""
+        if self._held is not None:
+            return True
+        try:
+            self._held = self._consumer.poll(timeout)
+        except Exception as exc:
+            raise KafkaAdapterError(f"reading journals failed: {exc}") from exc
+        return self._held is not None
+
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]:
         """Up to max_records records: those already fetched, waiting up to ``timeout`` only
         when there are none. An empty list when none came within timeout."""
@@ -75,7 +96,9 @@ class JournalReader:
             # consume(n, timeout) returns early only when n records are there, so every loop
             # iteration would wait the whole timeout: wait for one record, then take what
             # else is there without waiting.
-            first = self._consumer.poll(timeout)
+            first, self._held = self._held, None
+            if first is None:
+                first = self._consumer.poll(timeout)
             if first is None:
                 return []
             messages = [first]

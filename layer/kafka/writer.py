@@ -1,8 +1,12 @@
-"""Writing deliveries, dead letters, events and replies: one producer, batched, checked on flush.
+"""Writing deliveries, dead letters, events and replies: one producer, batched, checked.
 
-The coordinator calls `send` for a whole loop iteration's records, then `flush`, which waits
-for every delivery report and raises if any record was not written. Postgres was written
-first, so a failure here leaves leases without deliveries: they expire and are redelivered.
+The coordinator calls `send` for a whole loop iteration's records. Records that must be safe
+before the loop goes on (dead letters, records passed to other shards) are waited for with
+`flush`, which raises if any record was not written. Deliveries, replies and event batches
+are not waited for: `drain`, early in the next iteration, serves the delivery reports that
+came in meanwhile, raises for any failure and says how many records are still in flight.
+Postgres was written first, so a failure here leaves leases without deliveries: the shard is
+rebuilt and sends them again (or they expire and are redelivered).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class RecordWriter:
             settings["transactional.id"] = transactional_id
         self._producer = Producer(settings)
         self._transactional = transactional_id is not None
+        #: Whether records become readable only with `flush` (a Kafka transaction's commit).
+        self.transactional = self._transactional
         self._in_transaction = False
         if self._transactional:
             try:
@@ -101,6 +107,20 @@ class RecordWriter:
         failures = self._reports.take()
         if failures:
             raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
+
+    def drain(self) -> int:
+        """Serve the delivery reports that arrived, without waiting; raise DeliveryFailed if
+        any record failed since the last check. Returns the records still in flight (queued
+        or awaiting the broker's acknowledgement); 0 means every record sent so far is
+        written. In a transaction nothing is written before `flush`."""
+        try:
+            self._producer.poll(0)
+        except KafkaException as exc:
+            raise DeliveryFailed(f"writing to Kafka failed: {exc}") from exc
+        failures = self._reports.take()
+        if failures:
+            raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
+        return len(self._producer)
 
     def _abort(self) -> None:
         if self._in_transaction:
