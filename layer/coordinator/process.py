@@ -209,13 +209,15 @@ class CoordinatorProcess:
 
     def _idle(self, now: float, timeout: float) -> None:
         """Nothing came in this round: wait up to ``timeout`` for the next input. A process
-        whose shards were busy lately waits on their inputs, a slice of the timeout each, and
-        goes on as soon as one has a record (a consumer's acks come back a few milliseconds
-        after its deliveries; a fixed nap made every such round trip wait it out). A process
-        with no busy shard waits on the group protocol."""
+        whose shards serve queues (or had input lately) waits on their inputs, a slice of the
+        timeout each, and goes on as soon as one has a record: a journal record or a
+        consumer's ack is served the moment it comes, where a fixed nap added up to the whole
+        timeout to every delivery after a quiet spell and to every ack round trip. A process
+        with no such shard waits on the group protocol."""
         assert self._membership is not None
         busy = [slot.loop for slot in self._slots.values()
-                if slot.busy_until > now and slot.loop.epoch is not None]
+                if slot.loop.epoch is not None
+                and (slot.busy_until > now or slot.loop.core.engines)]
         if not busy:
             for shard in self._membership.poll(timeout).assigned:
                 self._assign(shard)

@@ -206,7 +206,9 @@ class SdkProducer:
         self._producer = Producer(config.client(**{
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": 2,
+            # Acks are batched by the SDK itself (ack_batch_size, ack_interval): a linger
+            # here would only add to the time a consumer's backlog stays full.
+            "linger.ms": 0,
         }))
         # Not a bound method of self: librdkafka would keep this object, and so the producer
         # and its threads, alive after close() (layer/kafka/reports.py).
