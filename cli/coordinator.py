@@ -24,7 +24,14 @@ def run(
         help="This process's name in the ownership table (default: host-pid-random)")] = None,
     group_session_timeout: Annotated[float, typer.Option(
         min=1.0, help="Seconds without a heartbeat after which Kafka gives this process's "
-        "shards to the other coordinators (the broker accepts 6 to 1800 by default)")] = 10.0,
+        "shards to the other coordinators (the broker accepts 6 to 1800 by default)")] = 6.0,
+    instance_id: Annotated[str | None, typer.Option(
+        envvar="QLAYER_INSTANCE_ID",
+        help="A stable name for this process among the coordinators (Kafka static "
+        "membership): restarted under the same name (systemd, a StatefulSet pod), it takes "
+        "its shards back at once instead of after --group-session-timeout; but a stopped "
+        "process's shards then go to the others only after that timeout. Unique per "
+        "process")] = None,
     session_timeout: Annotated[float, typer.Option(
         help="Session timeout (s) for consumers that do not give one")] = 30.0,
     transactions: Annotated[bool, typer.Option(
@@ -53,6 +60,7 @@ def run(
                              topic_prefix=topic_prefix)
     options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),
                                  group_session_timeout=group_session_timeout,
+                                 instance_id=instance_id,
                                  default_session_timeout=session_timeout,
                                  transactional=transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024)

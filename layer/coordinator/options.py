@@ -22,8 +22,13 @@ class CoordinatorOptions:
 
     owner_id: str = field(default_factory=default_owner_id)
     #: Kafka's session timeout for the coordinators' group: a process silent this long loses
-    #: its shards to the others (the broker allows 6 s to 30 min by default).
-    group_session_timeout: float = 10.0
+    #: its shards to the others (the broker allows 6 s to 30 min by default). Heartbeats come
+    #: from librdkafka's own thread, so a long iteration does not count as silence.
+    group_session_timeout: float = 6.0
+    #: A stable name for this process in the coordinators' group (Kafka static membership,
+    #: ``group.instance.id``): restarted under the same name, it takes its shards back at
+    #: once instead of after ``group_session_timeout``. None: dynamic membership.
+    instance_id: str | None = None
     #: Session timeout for consumers that give none.
     default_session_timeout: float = 30.0
     poll_timeout: float = 0.02

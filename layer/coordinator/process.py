@@ -151,7 +151,7 @@ class CoordinatorProcess:
         self._membership = ShardMembership(
             kafka, group_id=topics.coordinators_group, topic=topics.shards,
             session_timeout=self.options.group_session_timeout, on_revoke=self._on_revoke,
-            instance_id=self.options.owner_id)
+            instance_id=self.options.owner_id, static_id=self.options.instance_id)
         self._report(now)
         log.info("coordinator %s joined %s (%d shards in the installation)",
                  self.options.owner_id, topics.coordinators_group, count)

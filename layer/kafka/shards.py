@@ -45,13 +45,21 @@ class ShardMembership:
 
     def __init__(self, config: Mapping[str, Any], *, group_id: str, topic: str,
                  session_timeout: float, on_revoke: Callable[[list[int], bool], None],
-                 instance_id: str) -> None:
+                 instance_id: str, static_id: str | None = None) -> None:
         self.topic = topic
         self._on_revoke = on_revoke
         self._changes = MembershipChanges()
         self._shards: set[int] = set()
+        static = {} if static_id is None else {
+            # Static membership (KIP-345): a process that comes back under the same id
+            # within the session timeout gets its shards back at once, without a rebalance
+            # and without waiting for Kafka to notice the old one is gone. The price: a
+            # clean stop does not leave the group either, so *other* processes take its
+            # shards only after the session timeout.
+            "group.instance.id": static_id}
         self._consumer = Consumer({
             **config,
+            **static,
             "group.id": group_id,
             "client.id": instance_id,
             "partition.assignment.strategy": "cooperative-sticky",

@@ -162,3 +162,50 @@ def test_hot_standby_takes_over_while_consumers_keep_working(
     assert all_acked(settings, "Jobs", total)
     # Everything published before and after the takeover reached a consumer.
     assert {int(v) for v in received} == set(range(total))
+
+
+def test_a_coordinator_restarted_under_its_instance_id_takes_its_shards_back_at_once(
+    settings: Settings, journal: Callable[..., str], tmp_path: Path
+) -> None:
+    """`--instance-id` (Kafka static membership): the process that replaces a SIGKILLed one
+    under the same name is given its shards without waiting for the group's session timeout
+    (45 s here), and serves the queue."""
+    topic = journal("Static")
+    put_queues(settings, {"name": "StaticJobs", "underlying_topic": topic})
+    static = ("--instance-id", "coordinator-a", "--group-session-timeout", "45")
+
+    def owner_becomes(name: str, within: float) -> float:
+        started = time.monotonic()
+        with Store(settings.database_url) as store:
+            record = store.get_queue("StaticJobs")
+            assert record is not None
+            while time.monotonic() - started < within:
+                owner = store.owner(str(record.shard))
+                if owner is not None and owner.owner_id == name:
+                    return time.monotonic() - started
+                time.sleep(0.1)
+        raise AssertionError(f"{name} does not own the queue's shard after {within}s; "
+                             f"logs in {tmp_path}")
+
+    with coordinators() as procs:
+        procs.append(CoordinatorSubprocess(settings, tmp_path, "first", *static))
+        owner_becomes("first", 60)
+        procs[-1].kill()
+        procs.append(CoordinatorSubprocess(settings, tmp_path, "second", *static))
+        # A dynamic member would get the shards only once Kafka gave up on "first" (45 s).
+        took = owner_becomes("second", 25)
+        assert took < 25
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "StaticJobs",
+                               max_backlog=10)
+        try:
+            consumer.subscribe(timeout=30)
+            produce_numbers(settings.bootstrap_servers, topic, 5)
+            got: set[bytes] = set()
+            deadline = time.monotonic() + 30
+            while len(got) < 5 and time.monotonic() < deadline:
+                batch = consumer.poll(0.2)
+                consumer.ack(batch)
+                got.update(d.value for d in batch if d.value is not None)
+            assert got == {str(i).encode() for i in range(5)}
+        finally:
+            consumer.close()
