@@ -26,6 +26,9 @@ producer before any coordinator runs. Then:
    first delivery produced, journal replayed) are timed on the same clock. Several
    kills in a row give a median. Correctness: no entry delivered under a second lease while
    its first lease was held, and the L leases are still recorded in PostgreSQL at the end.
+   With ``--instance-id NAME`` every coordinator runs under that instance id (Kafka static
+   membership), so the new process is given the shards without waiting for Kafka to notice
+   the killed one (its group session timeout); without, that wait is part of the figure.
 
 Results: benchmarks/results/scale.json; `benchmarks/report.py` renders them into
 docs/benchmarks.md.
@@ -73,7 +76,7 @@ MiB = 1024 * 1024
 # --- the coordinator in its own process --------------------------------------------------------
 
 def coordinator_process(settings: dict[str, str], budget: int | None, target: int,
-                        spawned_at: float, conn: Any) -> None:
+                        spawned_at: float, conn: Any, instance_id: str | None = None) -> None:
     """A coordinator with `qlayer coordinator run`'s defaults (but the payload budget), and a
     watcher timing its milestones; answers ("status",), ("target", n) and ("stop",)."""
     marks: dict[str, float] = {"spawned": spawned_at}
@@ -81,7 +84,9 @@ def coordinator_process(settings: dict[str, str], budget: int | None, target: in
     from layer.coordinator.process import CoordinatorProcess as Coordinator
 
     marks["imported"] = time.time()
-    options = CoordinatorOptions() if budget is None else CoordinatorOptions(payload_budget=budget)
+    options = CoordinatorOptions(instance_id=instance_id)
+    if budget is not None:
+        options = CoordinatorOptions(instance_id=instance_id, payload_budget=budget)
     coordinator = Coordinator(Settings(**settings), options)
     marks["constructed"] = time.time()
     thread = threading.Thread(target=coordinator.run, kwargs={"install_signals": False},
@@ -136,12 +141,14 @@ class Shared:
 
 
 class CoordinatorProcess:
-    def __init__(self, settings: dict[str, str], budget: int | None, target: int = 0) -> None:
+    def __init__(self, settings: dict[str, str], budget: int | None, target: int = 0,
+                 instance_id: str | None = None) -> None:
         self.pipe, child = CTX.Pipe()
         self.spawned_at = time.time()
         # Daemonic: should the benchmark fail, no coordinator outlives it.
         self.process = CTX.Process(target=coordinator_process, daemon=True,
-                                   args=(settings, budget, target, self.spawned_at, child))
+                                   args=(settings, budget, target, self.spawned_at, child,
+                                         instance_id))
         self.process.start()
 
     @property
@@ -339,7 +346,7 @@ class Scale:
 
         n = self.args.messages
         settings, database = self.fresh()
-        coordinator = CoordinatorProcess(settings, budget)
+        coordinator = CoordinatorProcess(settings, budget, instance_id=self.args.instance_id)
         if not wait_for(lambda: coordinator.mark("first_iteration") is not None, 120):
             raise RuntimeError("the coordinator did not start")
         time.sleep(3.0)  # idle: clients connected, first refreshes done
@@ -471,7 +478,8 @@ class Scale:
         coordinator.kill()
         killed = time.time()
         shared.kill_ms.value = killed * 1000
-        new = CoordinatorProcess(settings, None, target=replay)
+        new = CoordinatorProcess(settings, None, target=replay,
+                                 instance_id=self.args.instance_id)
         shared.prober_acking.set()
         if not wait_for(lambda: shared.first_after.value > 0, args.timeout):
             raise RuntimeError(f"no delivery {args.timeout:.0f} s after the restart")
@@ -573,6 +581,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds any one wait may take")
     parser.add_argument("--skip-restart", action="store_true")
+    parser.add_argument("--instance-id",
+                        help="run every coordinator under this --instance-id (Kafka static "
+                             "membership: the restarted one takes the shards back at once)")
     parser.add_argument("--keep", action="store_true", help="keep the topics and databases")
     parser.add_argument("--bootstrap-servers")
     parser.add_argument("--database-url", help="a server URL where CREATE DATABASE is allowed")
@@ -591,7 +602,8 @@ def main() -> None:
         "parameters": {"messages": args.messages, "leased": args.leased,
                        "partitions": PARTITIONS, "payload_bytes": PAYLOAD_BYTES,
                        "lease_period_s": LEASE_PERIOD, "session_timeout_s": args.session_timeout,
-                       "restarts": args.restarts, "budgets": args.budgets},
+                       "restarts": args.restarts, "budgets": args.budgets,
+                       "instance_id": args.instance_id},
     }
     try:
         create_topic(scale.bootstrap, scale.journal, PARTITIONS)
