@@ -85,7 +85,7 @@ class _Run:
         a = cast(ev.EntryAcked, e)
         b = a.bookmark
         return fast.acked_run(int(a.at * 1000), a.queue, b.topic, b.partition, self.offsets,
-                              a.consumer_id, _CONSUMER)
+                              a.consumer_id, _CONSUMER, a.delivery_count)
 
 
 class _Batch:
@@ -172,7 +172,8 @@ class Output:
             elif kind is ev.EntryAcked and cast(ev.EntryAcked, e).source is AckSource.CONSUMER:
                 a = cast(ev.EntryAcked, e)
                 b, queue = a.bookmark, a.queue
-                key = (_ACKED, queue, b.topic, b.partition, a.consumer_id, a.at)
+                key = (_ACKED, queue, b.topic, b.partition, a.consumer_id, a.delivery_count,
+                       a.at)
             elif kind is ev.EntriesEnqueued:
                 n = cast(ev.EntriesEnqueued, e)
                 topic, partition = n.topic, n.partition

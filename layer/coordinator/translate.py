@@ -163,7 +163,7 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
             enqueued += len(offsets) - (bisect_left(offsets, start) if start else 0)
         elif kind is ev.EntryLeased:
             delivered += 1
-            if e.delivery_count > 1:  # type: ignore[union-attr]
+            if cast(ev.EntryLeased, e).delivery_count > 1:
                 redelivered += 1
         elif kind is ev.EntryAcked:
             acked += 1
@@ -253,7 +253,7 @@ def event_fields(events: Iterable[ev.Event], *,
                 continue  # the BarrierDelivered event is the outcome
             yield F(EventType.DELIVERED_AT_MOST_ONCE if acked.source == "delivery"
                     else EventType.ACKED, at, queue, acked.bookmark, acked.consumer_id,
-                    reason=str(acked.source))
+                    delivery_count=acked.delivery_count, reason=str(acked.source))
         elif isinstance(e, ev.EntryReleased):
             yield F(EventType.RELEASED, at, queue, e.bookmark, e.consumer_id,
                     available_at_ms=ms(e.available_at) if e.available_at else None)

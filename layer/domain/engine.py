@@ -1438,7 +1438,8 @@ class QueueEngine:
             touched.slot_only = True
             self._events.append(
                 EntryAcked(
-                    self._name, touched.bookmark, consumer.consumer_id, AckSource.DELIVERY, now
+                    self._name, touched.bookmark, consumer.consumer_id, AckSource.DELIVERY, now,
+                    touched.delivery_count,
                 )
             )
             self._on_done(seq, LEASED, now, release_key=False)
@@ -1453,7 +1454,8 @@ class QueueEngine:
         table.state[seq - table.base] = ACKED
         self._dirty.add(seq)
         self._events.append(
-            _new(EntryAcked, (self._name, touched.bookmark, consumer_id, AckSource.CONSUMER, now))
+            _new(EntryAcked, (self._name, touched.bookmark, consumer_id, AckSource.CONSUMER, now,
+                              touched.delivery_count))
         )
         if self._done_hooks:
             self._on_done(seq, LEASED, now)

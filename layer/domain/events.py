@@ -75,13 +75,16 @@ class EntryLeased(NamedTuple):
 
 
 class EntryAcked(NamedTuple):
-    """An entry left the queue processed (ACKED)."""
+    """An entry left the queue processed (ACKED). ``delivery_count``: the deliveries it had
+    when it was acked (None for an entry acked without ever being delivered: by filter,
+    before it was read, as a barrier)."""
 
     queue: str
     bookmark: Bookmark
     consumer_id: str | None
     source: AckSource
     at: float
+    delivery_count: int | None = None
 
 
 class EntryReleased(NamedTuple):

@@ -299,12 +299,15 @@ class EntryEventEncoder:
         ))
 
     def acked_run(self, at_ms: int, queue: str, topic: str, partition: int,
-                  offsets: Sequence[int], consumer_id: str | None, reason: str) -> bytes:
-        """ACKED for each offset, by one consumer: `EventRun` item."""
+                  offsets: Sequence[int], consumer_id: str | None, reason: str,
+                  delivery_count: int | None = None) -> bytes:
+        """ACKED for each offset, by one consumer, after the same number of deliveries:
+        `EventRun` item."""
         base = self._base
         return b"".join((
             self._acked_run, base._long(at_ms), self._run_where(queue, topic, partition),
-            _long_array(offsets), base._string(consumer_id), _NULL, _NULL,
+            _long_array(offsets), base._string(consumer_id), _NULL,
+            _NULL if delivery_count is None else _SOME + encode_long(delivery_count),
             base._string(reason), _NULL, _NULL,
         ))
 
@@ -343,11 +346,12 @@ class EntryEventEncoder:
         ))
 
     def acked(self, at_ms: int, queue: str, topic: str, partition: int, offset: int,
-              consumer_id: str | None, reason: str) -> bytes:
+              consumer_id: str | None, reason: str, delivery_count: int | None = None) -> bytes:
         base = self._base
         return b"".join((
             self._acked, base._long(at_ms), self._fixed, base._string(queue),
-            self._bookmark(topic, partition, offset), base._string(consumer_id), _NULL, _NULL,
+            self._bookmark(topic, partition, offset), base._string(consumer_id), _NULL,
+            _NULL if delivery_count is None else _SOME + encode_long(delivery_count),
             base._string(reason), _NULL * 3,
         ))
 

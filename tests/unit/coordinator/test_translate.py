@@ -20,7 +20,7 @@ ENGINE_EVENTS: list[ev.Event] = [
     ev.LeaseRenewed("Work", B, "worker-2", T + 60, T + 3),
     ev.LeaseExpired("Work", B, "worker-2", None, T + 61),
     ev.LeaseBroken("Work", B, "worker-3", LeaveReason.SESSION_TIMEOUT, T + 62),
-    ev.EntryAcked("Work", B, "worker-4", AckSource.CONSUMER, T + 63),
+    ev.EntryAcked("Work", B, "worker-4", AckSource.CONSUMER, T + 63, 3),
     ev.EntryExpired("Work", Bookmark("orders", 1, 40), ExpiryReason.REJECTED, True, 1, 0,
                     "worker-1", "bad input", T + 64),
     ev.EntryDelayed("Work", B, T + 99, T),  # bookkeeping: no event
@@ -49,6 +49,8 @@ def test_each_change_becomes_the_documented_events() -> None:
     assert {(e.coordinator_id, e.coordinator_epoch, e.queue) for e in events} == {
         ("coordinator-a", 3, "Work")}
     assert events[7].reason == "session_timed_out"
+    # ACKED says after how many deliveries (docs/protocol.md §11).
+    assert (events[8].consumer_id, events[8].delivery_count) == ("worker-4", 3)
     assert (events[9].reason, events[10].reason, events[11].reason) == (
         "bad input", "rejected", "rejected")
 

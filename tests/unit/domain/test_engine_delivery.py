@@ -82,9 +82,21 @@ def test_accept_acknowledges_the_entry_and_frees_the_backlog() -> None:
     assert queue.entry(bm(0)).state is EntryState.ACKED
     assert offsets_of(queue.dispatch(0.0)) == [1]
     acked = of_type(queue.drain().events, EntryAcked)
-    assert [(e.bookmark.offset, e.consumer_id, e.source) for e in acked] == [
-        (0, "a", AckSource.CONSUMER)
+    assert [(e.bookmark.offset, e.consumer_id, e.source, e.delivery_count) for e in acked] == [
+        (0, "a", AckSource.CONSUMER, 1)
     ]
+
+
+def test_an_ack_says_after_how_many_deliveries_it_came() -> None:
+    queue = engine()
+    offer(queue, ["x"])
+    subscribe(queue, "a")
+    [first] = leases(queue.dispatch(0.0))
+    assert settle(queue, first, AckType.RELEASE) is AckOutcome.APPLIED
+    [again] = leases(queue.dispatch(1.0))
+    assert settle(queue, again) is AckOutcome.APPLIED
+    [acked] = of_type(queue.drain().events, EntryAcked)
+    assert (acked.source, acked.delivery_count) == (AckSource.CONSUMER, 2)
 
 
 def test_an_expired_lease_returns_the_entry_to_the_queue() -> None:
@@ -270,9 +282,9 @@ def test_at_most_once_removes_the_entry_on_delivery_and_never_redelivers() -> No
 
     assert queue.entry(first.bookmark).state is EntryState.ACKED
     acked = of_type(queue.drain().events, EntryAcked)
-    assert [(e.bookmark.offset, e.source) for e in acked] == [
-        (0, AckSource.DELIVERY),
-        (1, AckSource.DELIVERY),
+    assert [(e.bookmark.offset, e.source, e.delivery_count) for e in acked] == [
+        (0, AckSource.DELIVERY, 1),
+        (1, AckSource.DELIVERY, 1),
     ]
     assert queue.recovery_points() == {("Work", 0): 2}
     # The backlog stays taken until the consumer acknowledges; ack types have no effect.

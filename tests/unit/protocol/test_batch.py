@@ -206,6 +206,10 @@ def test_the_coordinators_run_encoders_write_what_the_generic_one_writes() -> No
     assert fast.acked_run(1_700_000_000_123, "Jobs", "orders", 3, [5, 6, 200_000], "w",
                           "consumer") == codec.run_item(EventRun(
         type=EventType.ACKED, consumer_id="w", reason="consumer", **common))
+    # An ACKED run says after how many deliveries its entries were acked (all the same).
+    assert fast.acked_run(1_700_000_000_123, "Jobs", "orders", 3, [5, 6, 200_000], "w",
+                          "consumer", 3) == codec.run_item(EventRun(
+        type=EventType.ACKED, consumer_id="w", delivery_count=3, reason="consumer", **common))
 
 
 def test_a_run_whose_timestamps_do_not_match_its_offsets_is_malformed() -> None:

@@ -136,6 +136,8 @@ def test_the_entry_event_encoder_writes_what_the_field_encoder_writes(
     reason = acked_by or "consumer"
     assert fast.acked(at, queue, *where, consumer, reason) == base.encode_fields(
         coordinator, epoch, EventType.ACKED, at, queue, b, consumer, reason=reason)
+    assert fast.acked(at, queue, *where, consumer, reason, deliveries) == base.encode_fields(
+        coordinator, epoch, EventType.ACKED, at, queue, b, consumer, None, deliveries, reason)
     decoded = codec.decode_event(fast.leased(at, queue, *where, consumer, session, deliveries,
                                              expires))
     assert (decoded.type, decoded.bookmark, decoded.lease_expires_ms) == (
