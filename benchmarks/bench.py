@@ -89,7 +89,7 @@ class Plan:
     max_backlog: int = 2000
 
 
-QUICK = Plan(messages=5_000, warmup=1_000, repetitions=3, sizes=(200, 1024),
+QUICK = Plan(messages=20_000, warmup=2_000, repetitions=3, sizes=(200, 1024),
              consumer_counts=(1, 4), latency_rate=1000.0, latency_seconds=5.0,
              latency_size=1024, latency_consumers=1)
 FULL = Plan(messages=30_000, warmup=5_000, repetitions=5, sizes=(200, 1024),

@@ -445,6 +445,7 @@ METHOD = """## How each figure is measured
 # --- the coordinator at scale (benchmarks/scale.py, benchmarks/results/scale.json) -------------
 
 SCALE = ROOT / "benchmarks" / "results" / "scale.json"
+SCALE_STATIC = ROOT / "benchmarks" / "results" / "scale-static.json"
 
 
 def render_scale(data: dict[str, Any]) -> str:
@@ -505,19 +506,8 @@ def render_scale(data: dict[str, Any]) -> str:
             "a slot and deliver) and a new process is started; times from just before it is "
             f"spawned, median of {len(rounds)} kills:",
             "",
-            "| milestone | median s | each kill |",
-            "|---|---:|---|",
+            *restart_milestones(med, rounds),
         ]
-        for key, label in (
-                ("spawn_to_imported_s", "coordinator module imported"),
-                ("spawn_to_owner_s", "shard owned (given by the coordinators' group)"),
-                ("spawn_to_first_iteration_s", "first loop iteration done"),
-                ("spawn_to_first_ack_read_s", "first ack read (the prober's, ack topic)"),
-                ("spawn_to_first_delivery_produced_s", "first delivery produced"),
-                ("spawn_to_first_delivery_received_s", "**first delivery received**"),
-                ("spawn_to_replayed_s", "whole journal replayed")):
-            each = ", ".join(_fmt(r.get(key), 2) for r in rounds)
-            lines.append(f"| {label} | {_fmt(med.get(key), 2)} | {each} |")
         lines += [
             "",
             f"- replay rate after taking the shard: {_fmt(med.get('replay_per_second'))} "
@@ -560,10 +550,54 @@ def render_scale(data: dict[str, Any]) -> str:
         "after the kill (lease deadline minus lease period, the coordinator's clock; same "
         "machine). The coordinator's milestones come from its counters, which an iteration "
         "updates at its end, so they may trail a consumer's receipt by a few milliseconds. "
-        "After a SIGKILL no process can own the shard before the killed owner's ownership TTL "
-        "(6 s by default, renewed every 1.5 s) has run out: that is the floor of the figure.",
+        "After a SIGKILL the coordinators' Kafka group gives the shard to the new process only "
+        "once its session timeout (6 s by default) has passed without a heartbeat from the "
+        "killed one: that is the floor of the figure, unless the processes run with "
+        "`--instance-id` (below, when measured).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def restart_milestones(med: dict[str, Any], rounds: list[dict[str, Any]]) -> list[str]:
+    """The restart's milestones: median and each kill."""
+    lines = ["| milestone | median s | each kill |", "|---|---:|---|"]
+    for key, label in (
+            ("spawn_to_imported_s", "coordinator module imported"),
+            ("spawn_to_owner_s", "shard owned (given by the coordinators' group)"),
+            ("spawn_to_first_iteration_s", "first loop iteration done"),
+            ("spawn_to_first_ack_read_s", "first ack read (the prober's, ack topic)"),
+            ("spawn_to_first_delivery_produced_s", "first delivery produced"),
+            ("spawn_to_first_delivery_received_s", "**first delivery received**"),
+            ("spawn_to_replayed_s", "whole journal replayed")):
+        each = ", ".join(_fmt(r.get(key), 2) for r in rounds)
+        lines.append(f"| {label} | {_fmt(med.get(key), 2)} | {each} |")
+    return lines
+
+
+def render_static_restart(data: dict[str, Any]) -> str:
+    """The same restart with every coordinator under one `--instance-id` (scale-static.json)."""
+    restart = data.get("restart")
+    if not restart:
+        return ""
+    p = data["parameters"]
+    ok = restart["correctness"]
+    return "\n".join([
+        "",
+        f"### Restart in place with `--instance-id` ({p['messages']:,} queued, "
+        f"{p['leased']:,} leased)",
+        "",
+        f"`benchmarks/results/scale-static.json` (argv: `{' '.join(data['argv'])}`, started "
+        f"{data.get('started_at', '?')}, code `{data.get('code', {}).get('commit')}`): the same "
+        "kills, every coordinator run under one instance id (Kafka static membership), so the "
+        "new process is given the shard without waiting for the group to notice the killed "
+        f"one. Median of {len(restart['rounds'])} kills:",
+        "",
+        *restart_milestones(restart["medians"], restart["rounds"]),
+        "",
+        f"Correctness over {ok['receipts']:,} receipts: {ok['redelivered_while_leased']} "
+        f"entries delivered again while their lease was held, {ok['redelivered_after_ack']} "
+        f"after an ack, {len(ok['consumer_errors'])} consumer errors.",
+    ]) + "\n"
 
 # --- end of the scale section ----------------------------------------------------------------
 
@@ -610,6 +644,8 @@ def main() -> None:
         page += render_core(core)
     if SCALE.exists():
         page += render_scale(json.loads(SCALE.read_text()))
+    if SCALE_STATIC.exists():
+        page += render_static_restart(json.loads(SCALE_STATIC.read_text()))
     DOC.write_text(page)
     print(f"written to {DOC}")
 
