@@ -245,9 +245,10 @@ def loop_phases(cells: list[dict[str, Any]]) -> list[str]:
              "From the coordinator's own counters over the measured repetitions: waiting for "
              "input (`polling`), applying acks and journal records and deciding "
              "(`deciding`), the PostgreSQL transaction (`committing`), building deliveries "
-             "and events (`encoding`), producing them and committing the Kafka transaction "
-             "(`writing`). The sum is the loop's wall time per message, the inverse of what "
-             "one coordinator can sustain at that batch size.", "",
+             "and events (`encoding`), handing them to the producer (`writing`; not waited "
+             "for, unless the coordinator runs with `--transactions`). The sum is the loop's "
+             "wall time per message, the inverse of what one coordinator can sustain at that "
+             "batch size.", "",
              "| system | size | consumers | " + " | ".join(phases) + " | sum |",
              "|---|---:|---:|" + "---:|" * (len(phases) + 1)]
     for c in rows:
@@ -362,7 +363,7 @@ def limits(cpu_share_path: Path) -> list[str]:
             "",
             f"The machine is {idle:.0f} % idle on average and the coordinator uses "
             f"{2 * coordinator:.0f} % of one core. Its loop is serial (poll, decide, commit to "
-            "PostgreSQL, produce and commit the Kafka transaction), and the phase table above "
+            "PostgreSQL, produce), and the phase table above "
             "splits its time. Overlapping the PostgreSQL and Kafka phases with the next "
             "iteration on a second thread was tried, and so were smaller polls and (as a "
             "measurement) writing no events at all. None moved the rate beyond the noise "
@@ -376,30 +377,35 @@ def limits(cpu_share_path: Path) -> list[str]:
 
 
 SPEED_WORK = """Coordinator v2, part 2 (issue 13) changed the shapes around each message: leases and
-acks are stored as runs (*PG rows / msg* fell from about 2.1 to 0.1), a consumer gets one delivery
-record per iteration carrying many messages (`delivery batches`), ACCEPTs come back many per
-record (`AcceptRecord`), and an iteration's events are one EventBatch record through a
-PostgreSQL outbox instead of three records per message. The Kafka records the coordinator writes
-per message fell from about five to a few hundredths, and the phases that were PostgreSQL and
-Kafka (`committing`, `encoding`, `writing` in the table above) shrank accordingly.
+acks are stored as runs (*PG rows / msg* fell from about 2.1 to 0.06), a consumer gets one
+delivery record per iteration carrying many messages (`delivery batches`), ACCEPTs come back
+many per record (`AcceptRecord`), and an iteration's events are one EventBatch record through a
+PostgreSQL outbox, with the events of many entries as one `EventRun` item. The coordinator's
+CPU per message fell from 58–74 µs to about 20 (the before/after tables above; the loop's
+*deciding* phase from 30–47 to 11–20 µs). The loop no longer waits on Kafka: deliveries, replies
+and event batches are sent without waiting for the broker (their reports are checked next
+iteration), Kafka transactions are opt-in (`--transactions`), and an idle round waits on the
+input of the shards that serve queues rather than napping (`docs/coordinator.md`). Consumers
+here hold up to 2,000 unacknowledged messages each, the in-flight allowance of one Kafka
+share-partition, where an earlier plan allowed 500 (`--max-backlog` of `bench.py`).
 
-The rate did not follow as far, because the coordinator's CPU per message fell much less than
-those phases (see the before/after table): what is left is Python work per message that the
-shapes do not remove. In the profile below, encoding the three events of each message is still
-about a fifth of the coordinator's time (after a direct encoder for the common three cut it from
-4.4 to 2.6 µs per event), the engine's matching and leasing a seventh, building a row per
-changed entry before the store groups them into runs a tenth, applying acks a tenth (an
-AcceptRecord goes straight to the engine), and the commit, mostly waiting for PostgreSQL, a
-seventh. The loop is single-threaded, so those microseconds are the rate."""
+What bounds the rate now is the loop itself: one thread, about 22–29 µs of wall time per
+message (the phase table: *deciding* 11–20, the PostgreSQL commit 2.5–8, encoding 2–3), which is
+the inverse of the rates measured. The raw relay spends 2–3 µs per message, so the ratio moves
+with how fast the machine's Kafka is at that moment more than with qlayer (the relay measured
+60,000–300,000 acked/s across runs on this machine). Running the write-out (PostgreSQL, then
+Kafka) on a second thread beside the next iteration was measured again and was slower: a GIL
+convoy (`benchmarks/experiments/README.md`, section 4)."""
 
-NEXT_STEPS = """**What is next.** The issue's item 7: the per-message hot path (engine step, event
-encoding, ack application) in a native core behind `ShardCore.step`, with the Python core kept as
-the reference and the same property tests run against both; a Rust probe measured 0.7 µs per
-message for that work against 43 µs in Python. Short of that, Python steps each worth a few
-per cent: the engine handing the store runs instead of one `EntryRecord` per changed entry (the
-store groups them again), one event per run of leases rather than per message (a schema change
-the pipeline would have to follow), and the commit overlapped with the next poll. More
-coordinator processes (part 1) spread shards over more cores."""
+NEXT_STEPS = """**What is next.** To reach half the relay on one coordinator the loop needs well
+under 15 µs per message, which the profile below does not find in Python: the engine step, applying
+acks, building a row per changed entry and encoding deliveries are each a few µs. That is the
+issue's item 7, the per-message hot path (engine step, event encoding, ack application) in a
+native core behind `ShardCore.step`, with the Python core kept as the reference and the same
+property tests run against both (a Rust probe measured 0.7 µs per message for that work). It
+would also make the pipelined write-out pay, since deciding would no longer hold the GIL, as
+would one round trip per transaction (a server-side function taking the batch's arrays).
+Meanwhile more coordinator processes (part 1) spread shards over more cores."""
 
 
 METHOD = """## How each figure is measured
