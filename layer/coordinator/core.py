@@ -28,7 +28,7 @@ from layer.coordinator.translate import add_outbox, lost_to_retention
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
 from layer.domain.engine import QueueEngine
-from layer.domain.entries import OfferedRecord
+from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, parse_document, project
 from layer.domain.states import Bookmark
@@ -282,9 +282,14 @@ class ShardCore:
             fields: frozenset[str] | None = None
             offered = []
             for r in rs:
+                doc: object
+                if r.value is None:
+                    # A tombstone is a delete, not a publish: no queue gets an entry for it.
+                    self.counters["deletes_passed_over"] += 1
+                    offered.append(OfferedRecord(r.topic, r.partition, r.offset, r.key, DELETE))
+                    continue
                 deliver_at_ms = self._deliver_at(r) if r.headers else None
                 room -= record_size(r)
-                doc: object
                 if room >= 0:
                     doc = RawDocument(r.value)
                 else:

@@ -35,6 +35,7 @@ from layer.domain.entries import (
     ACKED,
     AVAILABLE,
     DELAYED,
+    DELETE,
     EXPIRED,
     INACTIVE,
     LEASED,
@@ -549,8 +550,8 @@ class QueueEngine:
         """Offer journal records to the queue; returns how many became entries.
 
         Records must come in offset order per partition. A record at an offset already
-        offered (a replay, a duplicate) is ignored, and so is one the queue's ``filter``
-        refuses. A record's ``deliver_at`` in the future makes it DELAYED; beyond
+        offered (a replay, a duplicate) is ignored, and so is a delete (`DELETE`) and one the
+        queue's ``filter`` refuses. A record's ``deliver_at`` in the future makes it DELAYED; beyond
         ``target_queue_depth`` it is INACTIVE.
         """
         table = self._table
@@ -575,6 +576,8 @@ class QueueEngine:
             if offset < source.next_offset:
                 continue
             source.next_offset = offset + 1
+            if doc is DELETE:
+                continue  # not a publish: never an entry, and the recovery point passes it
             if plain and (deliver_at is None or deliver_at <= now):
                 append_plain(source, offset, now if timestamp is None else timestamp, doc)
             elif (queue_filter is not None and not queue_filter.matches(doc)) or not self._admit(

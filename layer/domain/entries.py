@@ -24,6 +24,7 @@ from sortedcontainers import SortedList
 from layer.domain.states import Bookmark, EntryState, ExpiryReason
 
 __all__ = [
+    "DELETE",
     "EntryRecord",
     "EntryTable",
     "FifoOrder",
@@ -48,6 +49,21 @@ _LIVE_BYTE: Final = re.compile(bytes([ord("["), ord("^"), ACKED, EXPIRED, ord("]
 # Columns are trimmed when at least this many done slots sit at the front and they are at
 # least half of the table: amortised O(1) per entry and never a long memmove for little gain.
 _TRIM_AT_LEAST: Final = 4096
+
+
+class _Delete:
+    """The type of `DELETE` (a named singleton, so it reads well in reprs)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+#: The ``doc`` of an offered record that is a delete, not a publish (a Kafka tombstone: a
+#: null value). AMPS: "Only publish messages are added to the queue", and a delete does not
+#: remove earlier messages from it either; the queue passes over its offset.
+DELETE: Final = _Delete()
 
 
 class OfferedRecord(NamedTuple):

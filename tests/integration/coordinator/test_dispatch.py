@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from layer.settings import Settings
+from layer.store.store import Store
 from tests.support.coordinator import (
     Consumers,
     Delivered,
@@ -180,3 +181,29 @@ def test_a_consumer_with_backlog_zero_receives_only_barriers(
         assert [d.barrier for d in got] == [True, False]
         worker.ack(got[1:])
         assert watcher.idle(0.3) == [], "backlog 0: nothing but barriers"
+
+
+def test_a_tombstone_in_the_journal_is_not_queued(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """AMPS: "Only publish messages are added to the queue." A Kafka tombstone (null value)
+    is a delete: consumers never see it, and it does not hold the queue back."""
+    work = journal("Work", partitions=1)
+    put_queues(settings, {"name": "WorkToDo", "underlying_topic": work})
+    produce(settings.bootstrap_servers, work, [b"a", None, b"b"], keys=[b"k", b"k", b"j"])
+    with running_coordinator(settings) as coordinator, Consumers(settings) as pool:
+        worker = pool.subscribe("WorkToDo", max_backlog=5)
+        got = worker.receive(2)
+        worker.ack(got)
+        assert sorted(d.value for d in got) == [b"a", b"b"]
+        assert worker.idle(0.5) == []
+        wait_until(lambda: coordinator.counters["deletes_passed_over"] == 1,
+                   what="the tombstone counted")
+        wait_for_counters(settings, "WorkToDo", enqueued=2, acked=2)
+
+        # Every record is done for the queue, the tombstone included.
+        def recovery_point() -> int:
+            with Store(settings.database_url) as store:
+                return sum(store.load_recovery_points("WorkToDo").values())
+
+        wait_until(lambda: recovery_point() == 3, what="the recovery point past the tombstone")

@@ -76,7 +76,7 @@ class Harness:
                                        {(JOURNAL, 0): 0}, {}, {}, {(JOURNAL, 0): 0}), [], 0.0)
         self.offsets: dict[str, int] = {}
 
-    def _record(self, topic: str, value: bytes, key: bytes | None = None,
+    def _record(self, topic: str, value: bytes | None, key: bytes | None = None,
                 headers: list[tuple[str, bytes | None]] | None = None,
                 partition: int = 0) -> JournalRecord:
         offset = self.offsets.get(topic, 0)
@@ -154,6 +154,22 @@ def test_subscribe_deliver_ack_is_one_plan_each_with_its_batch() -> None:
     assert sorted(b.offset for b in acked.done) == [0, 1]
     assert acked.batch.recovery_points == {("Work", JOURNAL, 0): 2}
     assert _replies(acked) == []  # accepted acks are not answered
+
+
+def test_a_tombstone_in_the_journal_is_passed_over() -> None:
+    """AMPS: "Only publish messages are added to the queue." A record with a null value (a
+    Kafka tombstone, a delete) gets no entry and no event, and does not hold the queue's
+    recovery point back."""
+    h = Harness()
+    records = [*h.publish(1), h._record(JOURNAL, None, b"k"), *h.publish(1)]
+    plan = h.step([h.subscribe("c1", backlog=5), *records], 1.0)
+    leased = _leases(plan)
+    assert [d.bookmark.offset for d in leased] == [0, 2]
+    enqueued = [o for e in plan.events if isinstance(e, ev.EntriesEnqueued) for o in e.offsets]
+    assert enqueued == [0, 2]
+    assert h.core.counters["deletes_passed_over"] == 1
+    acked = h.step([h.ack("c1", leased)], 2.0)
+    assert acked.batch.recovery_points == {("Work", JOURNAL, 0): 3}
 
 
 def test_a_delivery_topic_kafka_refuses_makes_the_subscribe_refused() -> None:

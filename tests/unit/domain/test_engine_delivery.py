@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from layer.domain.engine import EntryAck
+from layer.domain.entries import DELETE
 from layer.domain.events import (
     BacklogFreed,
     EntriesEnqueued,
@@ -68,6 +69,23 @@ def test_the_queue_filter_decides_which_records_become_entries() -> None:
     subscribe(queue, "a", max_backlog=5)
     for lease in leases(queue.dispatch(0.0)):
         settle(queue, lease)
+    assert queue.recovery_points() == {("Work", 0): 4}
+
+
+def test_a_delete_is_not_a_publish_and_never_becomes_an_entry() -> None:
+    """AMPS: "Only publish messages are added to the queue." A Kafka tombstone is a delete;
+    and "Deleting a message from an underlying topic ... does not remove the corresponding
+    messages from the queue"."""
+    queue = engine()
+    offer(queue, [{"n": 0}, DELETE, {"n": 2}, DELETE])
+
+    assert [entry.bookmark.offset for entry in queue.view()] == [0, 2]
+    subscribe(queue, "a", max_backlog=5)
+    got = leases(queue.dispatch(0.0))
+    assert [lease.bookmark.offset for lease in got] == [0, 2]
+    for lease in got:
+        settle(queue, lease)
+    # The deletes are passed over: the recovery point goes past them.
     assert queue.recovery_points() == {("Work", 0): 4}
 
 
