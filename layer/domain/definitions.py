@@ -253,6 +253,10 @@ class QueueDefinition(BaseModel):
     redelivery_backoff: RedeliveryBackoff = RedeliveryBackoff()
     dead_letter_topic: str | None = None
     """None: the coordinator derives one from the topic prefix."""
+    dead_letter_expired: bool | None = None
+    """Whether an entry that leaves by ``expiration`` goes to the dead-letter topic. None:
+    yes when ``dead_letter_topic`` is set (AMPS: the action configured for expired messages
+    publishes them there), no otherwise (AMPS: expiration is a normal way to leave)."""
     shard: int | None = None
     """The shard the queue lives on (beyond AMPS); None: chosen by ``shard_group`` or name."""
     shard_group: str | None = None
@@ -286,6 +290,13 @@ class QueueDefinition(BaseModel):
                 raise ValueError(f"invalid regular expression {topic!r}: {exc}") from None
             return topic
         return _topic_name(topic, "topic name (and contains no regular-expression characters)")
+
+    @property
+    def dead_letters_expired(self) -> bool:
+        """Whether expired entries are dead-lettered (``dead_letter_expired`` resolved)."""
+        if self.dead_letter_expired is not None:
+            return self.dead_letter_expired
+        return self.dead_letter_topic is not None
 
     @field_validator("default_publish_target", "dead_letter_topic", mode="before")
     @classmethod

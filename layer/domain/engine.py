@@ -207,8 +207,9 @@ class _Policy:
             backoff.delay_for if backoff.initial > 0 else None
         )
         # AMPS: expiration is "a normal way for the message to leave the queue, and is not
-        # considered an error"; QueueDefinition has no switch to dead-letter it (yet).
-        self.dead_letter_expired: bool = bool(getattr(definition, "dead_letter_expired", False))
+        # considered an error", unless an action publishes expired messages elsewhere (a
+        # queue's dead_letter_topic; docs/queue-configuration.md).
+        self.dead_letter_expired: bool = definition.dead_letters_expired
 
 
 class QueueEngine:

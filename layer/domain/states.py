@@ -101,8 +101,8 @@ class ExpiryReason(StrEnum):
         """Whether the coordinator writes the entry to the dead-letter topic.
 
         Expiration by age is a normal way to leave a queue in AMPS, not an error, so it is
-        dead-lettered only when the queue asks for it (decided by the engine from the
-        definition); retention has no payload left to write.
+        dead-lettered only when the queue asks for it (``dead_letter_topic`` or
+        ``dead_letter_expired``, decided by the engine); retention has no payload to write.
         """
         return self in (
             ExpiryReason.MAX_DELIVERIES,

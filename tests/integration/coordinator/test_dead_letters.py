@@ -202,3 +202,28 @@ def test_release_with_a_delay_is_not_redelivered_before_the_delay(
         assert abs(released.available_at_ms - released.timestamp_ms - 1500) <= 1  # ms rounding
         assert leased_again.timestamp_ms >= released.available_at_ms
     events.close()
+
+
+def test_an_expired_job_goes_to_failed_jobs(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """The reference: "any expired message from ``Jobs`` will result in a message
+    automatically published to ``FailedJobs``". A queue with a dead_letter_topic dead-letters
+    what `expiration` removes (docs/queue-configuration.md, dead_letter_expired)."""
+    jobs, failed = journal("Jobs"), journal("FailedJobs")
+    jobs_queues(settings, jobs, failed, expiration="2s")
+    with running_coordinator(settings), Consumers(settings) as pool:
+        reviewer = pool.subscribe("FailedJobs")
+        # Nobody takes Jobs: the job ages out of the queue.
+        produce(settings.bootstrap_servers, jobs, [JOB], keys=[b"job-42"], headers=HEADERS,
+                partition=0)
+        (dead,) = reviewer.receive(1, timeout=30)
+        assert (dead.key, dead.value) == (b"job-42", JOB)
+        assert [h for h in dead.headers if not h[0].startswith("qlayer.")] == HEADERS
+        info = parse_dead_letter_headers(dead.headers)
+        assert (info.reason, info.queue, info.delivery_count, info.last_consumer) == (
+            "expiration", "Jobs", 0, None)
+        totals = wait_for_counters(settings, "Jobs", expired=1)
+        assert (totals["expired"], totals["dead_lettered"]) == (1, 1)
+        wait_until(lambda: recovery_points(settings, "Jobs").get((jobs, 0)) == 1,
+                   what="the expired job to leave the queue")

@@ -336,6 +336,23 @@ def test_expiration_removes_unleased_entries_as_a_normal_exit() -> None:
     assert [entry.bookmark.offset for entry in queue.view()] == [1]
 
 
+@pytest.mark.parametrize(("fields", "dead_letter"), [
+    ({}, False),  # no action configured: a normal exit (AMPS)
+    ({"dead_letter_topic": "FailedJobs"}, True),  # the action publishes it there
+    ({"dead_letter_topic": "FailedJobs", "dead_letter_expired": False}, False),
+    ({"dead_letter_expired": True}, True),  # to the coordinator's default topic
+])
+def test_expiration_dead_letters_when_the_queue_has_a_dead_letter_topic(
+        fields: dict[str, object], dead_letter: bool) -> None:
+    """AMPS: "any expired message from Jobs will result in a message automatically published
+    to FailedJobs" once that action is configured; without one, expiration is a normal exit."""
+    queue = engine(expiration="60s", **fields)
+    queue.enqueue([record(0, timestamp=0.0)], 0.0)
+    queue.tick(60.0)
+    [expired] = of_type(queue.drain().events, EntryExpired)
+    assert (expired.reason, expired.dead_letter) == (ExpiryReason.EXPIRATION, dead_letter)
+
+
 def test_a_leased_entry_past_its_expiration_leaves_when_its_lease_ends() -> None:
     queue = engine(expiration="60s", lease_period="30s")
     queue.enqueue([record(0, timestamp=0.0)], 0.0)
