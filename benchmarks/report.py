@@ -487,7 +487,8 @@ def render_scale(data: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data.get("memory", []):
-        budget = ("default (512 MiB)" if r["payload_budget"] == "default"
+        budget = (f"default ({r['payload_budget_bytes'] / 1024 / 1024:,.0f} MiB)"
+                  if r["payload_budget"] == "default"
                   else f"{r['payload_budget_bytes'] / 1024 / 1024:,.0f} MiB")
         held = "yes" if r["payloads_in_memory"] else "no (documents projected)"
         lines.append(

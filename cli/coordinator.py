@@ -41,7 +41,7 @@ def run(
         "for the transaction's commit (docs/coordinator.md)")] = False,
     payload_budget_mb: Annotated[int, typer.Option(
         help="MiB of journal records kept in memory; past it records are re-read from the "
-        "journal when they come up for delivery")] = 512,
+        "journal when they come up for delivery")] = 32,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run a coordinator process until SIGTERM or Ctrl-C.

@@ -3,10 +3,12 @@
 The journal is the store (DESIGN §2): payloads are never copied into PostgreSQL. A record
 read from a journal is held while at least one queue holds it as a live entry (the number of
 holding queues is counted), so it can be delivered, redelivered and dead-lettered without
-reading Kafka again — as long as the held bytes stay within the budget. Past the budget a
-record is still *held* (its entry lives on in the engines, with its position and document)
-but its bytes are dropped; when such an entry comes up for delivery, the coordinator re-reads
-the missing records from the journal in sequential ranges (:class:`RangeReader`).
+reading Kafka again — as long as the held bytes stay within the budget. Past the budget the
+cache keeps nothing at all for a record (its entry lives on in the engines, with its position
+and document: a bookmark per entry here was about 200 bytes per queued message); when such an
+entry comes up for delivery, the coordinator re-reads the records it does not find here from
+the journal in sequential ranges (:class:`RangeReader`). Only entries ask, so a bookmark not
+here is one whose bytes were dropped.
 
 The budget is first come, first kept: the oldest records, which FIFO queues deliver first,
 stay in memory, and memory freed by acknowledged entries takes new records in.
@@ -21,7 +23,10 @@ from typing import Any
 from layer.domain.states import Bookmark
 from layer.kafka import JournalReader, JournalRecord
 
-DEFAULT_PAYLOAD_BUDGET = 512 * 1024 * 1024
+#: 32 MiB: tens of thousands of records in flight, so consumers' backlogs are served from
+#: memory, while a deep queue costs about 100 bytes per message rather than its records'
+#: size (docs/operations.md, "Sizing"). Raise it (`--payload-budget-mb`) to replay less.
+DEFAULT_PAYLOAD_BUDGET = 32 * 1024 * 1024
 
 
 def record_size(record: JournalRecord) -> int:
@@ -31,8 +36,6 @@ def record_size(record: JournalRecord) -> int:
         size += sum(len(k) + len(v or b"") for k, v in record.headers)
     return size
 
-
-_MISSING: Any = object()
 
 
 @dataclass
@@ -48,14 +51,16 @@ class MemoryPool:
 class PayloadCache:
     """Records by bookmark, with the number of queues that still hold each.
 
-    One dict entry per held record: the count of holders is kept apart, and only for the
-    rare record several queues hold (several queues over one journal). Bookkeeping is per
-    queued message, so it is kept small.
+    One dict entry per record whose bytes are kept, none for those past the budget: the count
+    of holders is kept apart, and only for the rare record several queues hold (several
+    queues over one journal). A record dropped past the budget is counted for one holder when
+    it is read again: the first queue done with it frees it, and another that still needs it
+    reads it again — bytes again, never a lost message.
     """
 
     budget: int = DEFAULT_PAYLOAD_BUDGET
-    # Every held bookmark: its record, or None when its bytes were dropped past the budget.
-    _records: dict[Bookmark, JournalRecord | None] = field(default_factory=dict)
+    # The held records whose bytes are kept.
+    _records: dict[Bookmark, JournalRecord] = field(default_factory=dict)
     # Holders beyond the first.
     _extra_holders: dict[Bookmark, int] = field(default_factory=dict)
     bytes: int = 0
@@ -66,13 +71,13 @@ class PayloadCache:
         if bookmark in self._records:
             self._extra_holders[bookmark] = self._extra_holders.get(bookmark, 0) + 1
             return
-        self._records[bookmark] = None
         self.fill(bookmark, record)
 
     def fill(self, bookmark: Bookmark, record: JournalRecord) -> bool:
-        """Keep a held record's bytes if the budget allows; True when kept."""
-        if self._records.get(bookmark, _MISSING) is not None:
-            return False  # not held, or its bytes are already here
+        """Keep the bytes of a record an entry holds (new, or read again) if the budget
+        allows; True when kept."""
+        if bookmark in self._records:
+            return False  # its bytes are already here
         size = record_size(record)
         pool = self.pool
         if self.bytes + size > self.budget or (pool is not None
@@ -90,9 +95,9 @@ class PayloadCache:
         return self._records.get(bookmark)
 
     def missing(self, bookmarks: Iterable[Bookmark]) -> list[Bookmark]:
-        """Those of the bookmarks that are held without their bytes (to be re-read)."""
+        """Those of these entries' bookmarks whose bytes are not here (to be re-read)."""
         records = self._records
-        return [b for b in bookmarks if b in records and records[b] is None]
+        return [b for b in bookmarks if b not in records]
 
     def release(self, bookmark: Bookmark) -> None:
         """One queue is done with the record; the last one frees it."""
@@ -103,8 +108,8 @@ class PayloadCache:
             else:
                 del self._extra_holders[bookmark]
             return
-        record = self._records.pop(bookmark, _MISSING)
-        if record is not _MISSING and record is not None:
+        record = self._records.pop(bookmark, None)
+        if record is not None:
             size = record_size(record)
             self.bytes -= size
             if self.pool is not None:

@@ -17,13 +17,17 @@ def test_records_are_kept_within_the_budget_and_dropped_past_it() -> None:
         cache.hold(Bookmark("orders", 0, offset), _record(offset))
     kept = [o for o in range(5) if cache.get(Bookmark("orders", 0, o)) is not None]
     assert kept == [0, 1, 2]  # first come, first kept
-    assert cache.missing([Bookmark("orders", 0, o) for o in range(6)]) == [
-        Bookmark("orders", 0, 3), Bookmark("orders", 0, 4)]  # 5 was never held
-    assert len(cache) == 5 and cache.dropped == 2
-    # A freed record makes room: a re-read record's bytes are kept again.
+    assert cache.missing([Bookmark("orders", 0, o) for o in range(5)]) == [
+        Bookmark("orders", 0, 3), Bookmark("orders", 0, 4)]
+    # Past the budget nothing at all is kept for a record: its entry knows where it is.
+    assert len(cache) == 3 and cache.dropped == 2
+    # A freed record makes room: a re-read record's bytes are kept again, once.
     cache.release(Bookmark("orders", 0, 0))
     assert cache.fill(Bookmark("orders", 0, 3), _record(3))
-    assert not cache.fill(Bookmark("orders", 0, 9), _record(9))  # not held: not kept
+    assert not cache.fill(Bookmark("orders", 0, 3), _record(3))
+    assert not cache.fill(Bookmark("orders", 0, 4), _record(4))  # no room left
+    cache.release(Bookmark("orders", 0, 4))  # done without its bytes: nothing to free
+    assert cache.bytes == 3 * record_size(_record(0))
 
 
 def test_a_record_several_queues_hold_stays_until_the_last_lets_go() -> None:
