@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey
 from layer.store.tables import COUNTER_NAMES
 
 __all__ = ["WriteBatch"]
+
+# Named tuples built positionally: one per changed entry, on the coordinator's hot path.
+_new: Final = tuple.__new__
 
 
 @dataclass
@@ -61,8 +65,9 @@ class WriteBatch:
         self.outbox_published = max(batch_id, self.outbox_published or 0)
 
     def put_entry(self, row: EntryRow) -> None:
-        key = row.key
-        self.entry_deletes.discard(key)
+        key = _new(EntryKey, (row.queue, row.topic, row.partition, row.offset))
+        if self.entry_deletes:
+            self.entry_deletes.discard(key)
         self.entries[key] = row
 
     def delete_entry(self, key: EntryKey) -> None:

@@ -591,8 +591,10 @@ def _split_passed_entries(batch: WriteBatch) -> tuple[dict[EntryKey, EntryRow], 
     if not batch.recovery_points:
         return batch.entries, batch.entry_deletes
     upserts: dict[EntryKey, EntryRow] = {}
+    points = batch.recovery_points
     for key, row in batch.entries.items():
-        passed_at = batch.recovery_points.get(row.partition_key)
+        # A plain tuple finds a PartitionKey (a named tuple) in the dict: equal and same hash.
+        passed_at = points.get((row.queue, row.topic, row.partition))  # type: ignore[call-overload]
         if passed_at is None or key.offset >= passed_at or row.state not in DONE_STATES:
             upserts[key] = row
     return upserts, batch.entry_deletes
