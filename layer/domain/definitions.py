@@ -90,6 +90,11 @@ def _duration(value: object) -> float:
         raise ValueError(str(exc)) from None
 
 
+#: The largest count a queue may set: delivery and cancel counts, backlogs and depths are
+#: 32-bit integers in PostgreSQL and on the wire (Avro ``int``).
+MAX_COUNT: Final = 2**31 - 1
+
+
 def _count(value: object, *, minimum: int, example: str) -> int:
     """Whole numbers only: YAML ``true`` or ``2.5`` for a count is a mistake, not 1 or 2."""
     if isinstance(value, bool):
@@ -102,6 +107,8 @@ def _count(value: object, *, minimum: int, example: str) -> int:
         raise ValueError(f"must be a whole number (e.g. {example}), got {value!r}")
     if value < minimum:
         raise ValueError(f"must be at least {minimum} (e.g. {example}), got {value}")
+    if value > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT:,} (e.g. {example}), got {value:,}")
     return value
 
 

@@ -194,6 +194,18 @@ def test_limits_are_whole_numbers_from_zero(field: str) -> None:
         assert "0 means unlimited" in message
 
 
+@pytest.mark.parametrize("field", ["max_deliveries", "max_cancels",
+                                   "max_per_subscription_backlog", "target_queue_depth"])
+def test_counts_fit_what_postgresql_and_the_protocol_store(field: str) -> None:
+    """Counts are 32-bit integers in PostgreSQL and on the wire: a larger one is refused
+    when the queue is defined, not when the first write fails."""
+    largest = 2**31 - 1
+    assert getattr(QueueDefinition.from_mapping({"name": "Q", field: largest}), field) == largest
+    [(where, message)] = problems_of({"name": "Q", field: 99999999999999999999999999})
+    assert where == field
+    assert "must be at most 2,147,483,647" in message
+
+
 def test_max_per_subscription_backlog_is_at_least_one() -> None:
     assert problems_of({"name": "Q", "max_per_subscription_backlog": 0}) == [
         ("max_per_subscription_backlog", "must be at least 1 (e.g. 10), got 0")
