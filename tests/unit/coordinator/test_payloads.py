@@ -60,3 +60,27 @@ def test_shard_loops_of_one_process_share_one_budget() -> None:
     assert pool.used == 2 * size
     busy.clear()  # a loop rebuilding gives its bytes back
     assert pool.used == size and len(busy) == 0
+
+
+def test_the_budget_counts_what_a_held_record_really_costs() -> None:
+    """record_size must not undercount: a budget is a bound on the process's memory."""
+    import os
+    import tracemalloc
+
+    from layer.domain.expressions import RawDocument
+
+    count = 20_000
+    cache = PayloadCache(budget=10**12)
+    documents = []  # the engine keeps each entry's unparsed document beside the record
+    tracemalloc.start()
+    try:
+        for i in range(count):
+            r = JournalRecord("journal", i % 8, 1000 + i // 8, str(i).encode(), os.urandom(200),
+                              1_700_000_000_000, [("h", b"v")])
+            cache.hold(Bookmark(r.topic, r.partition, r.offset), r)
+            documents.append(RawDocument(r.value))
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    counted = cache.bytes
+    assert 0.8 * used <= counted <= 1.25 * used, (used, counted)
