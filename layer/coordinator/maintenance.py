@@ -185,6 +185,8 @@ class PartitionCheck:
         if now < self.next_at:
             return
         self.next_at = now + self.interval
+        if not self.core.engines:
+            return  # a shard without queues has no partitions to look for
         listed = self.loader.admin.topics()
         for name, engine in list(self.core.engines.items()):
             points = engine.recovery_points()

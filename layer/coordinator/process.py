@@ -388,19 +388,19 @@ class CoordinatorProcess:
     def _report(self, now: float) -> None:
         """Say which shards this process runs and how far behind each is."""
         self._next_report = now + self.options.report_interval
+        lags: dict[str, tuple[int, int | None]] = {}
+        for slot in self._slots.values():
+            loop = slot.loop
+            if loop.epoch is not None:
+                try:
+                    lag = loop.lag()
+                except QlayerError:
+                    lag = None
+                lags[shard_key(loop.shard)] = (loop.epoch, lag)
         try:
-            self.store.report_process(self.options.owner_id, socket.gethostname(), os.getpid(),
-                                      self.started_at, self.shards, now)
-            for slot in self._slots.values():
-                loop = slot.loop
-                if loop.epoch is not None:
-                    try:
-                        lag = loop.lag()
-                    except QlayerError:
-                        lag = None
-                    self.store.report_shard(shard_key(loop.shard), self.options.owner_id,
-                                            loop.epoch, lag, now)
-            self.store.forget_processes_seen_before(now - FORGET_PROCESSES_AFTER)
+            self.store.report(self.options.owner_id, socket.gethostname(), os.getpid(),
+                              self.started_at, self.shards, lags, now,
+                              now - FORGET_PROCESSES_AFTER)
         except QlayerError as exc:
             self._process_counters["report_failures"] += 1
             log.warning("reporting to the process registry failed: %s", exc)

@@ -182,6 +182,13 @@ REPORT_SHARD: Final = (
             lag=bindparam("the_lag"))
     .returning(ownership.c.epoch)
 )
+# The same for many shards at once (executemany: no RETURNING).
+REPORT_SHARDS: Final = (
+    update(ownership)
+    .where(_holder)
+    .values(heartbeat_at=bindparam("now"), reported_at=bindparam("now"),
+            lag=bindparam("the_lag"))
+)
 
 # First statement of every guarded transaction. The UPDATE row-locks the ownership row until
 # commit, so a takeover (whose upsert must lock the same row) waits for this transaction and

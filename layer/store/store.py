@@ -181,6 +181,27 @@ class Store:
                 "the_started_at": _to_datetime(started_at), "now": _to_datetime(now),
                 "the_shards": sorted(shards)})
 
+    def report(self, owner_id: str, host: str, pid: int, started_at: float,
+               shards: Iterable[int], lags: Mapping[str, tuple[int, int | None]],
+               now: float, forget_before: float) -> None:
+        """A coordinator process's periodic report, in one transaction: it is alive and was
+        assigned ``shards``; the lag of each shard it holds (``lags``: shard -> (epoch, lag);
+        a shard another process holds by now is left alone); and the rows of processes silent
+        since ``forget_before`` go. One commit per report instead of one per shard, each of
+        which the loop had waited for."""
+        moment = _to_datetime(now)
+        with translate_errors("reporting a coordinator process"), self._engine.begin() as conn:
+            conn.execute(sql.REPORT_PROCESS, {
+                "the_owner_id": owner_id, "the_host": host, "the_pid": pid,
+                "the_started_at": _to_datetime(started_at), "now": moment,
+                "the_shards": sorted(shards)})
+            if lags:
+                conn.execute(sql.REPORT_SHARDS, [
+                    {**_holder_params(shard, owner_id, epoch, moment), "the_lag": lag}
+                    for shard, (epoch, lag) in sorted(lags.items())])
+            conn.execute(sql.FORGET_PROCESSES_SEEN_BEFORE,
+                         {"before": _to_datetime(forget_before)})
+
     def forget_process(self, owner_id: str) -> None:
         """A coordinator process stopped cleanly."""
         with translate_errors("forgetting a coordinator process"), self._engine.begin() as conn:

@@ -115,6 +115,19 @@ def test_the_process_registry(store: Store) -> None:
     assert store.processes() == []
 
 
+def test_a_process_reports_itself_and_its_shards_in_one_go(store: Store) -> None:
+    one, two = store.take_shard("1", "p1", T0), store.take_shard("2", "p1", T0)
+    store.take_shard("2", "p2", T0 + 1)  # shard 2 moved on: p1's report must not touch it
+    store.report_process("gone", "host-z", 303, T0, [], T0)
+    store.report("p1", "host-a", 101, T0, [1, 2], {"1": (one, 17), "2": (two, 99)}, T0 + 5,
+                 forget_before=T0 + 1)
+    owners = {o.shard: o for o in store.owners()}
+    assert (owners["1"].owner_id, owners["1"].lag, owners["1"].reported_at) == ("p1", 17, T0 + 5)
+    assert (owners["2"].owner_id, owners["2"].lag) == ("p2", None)
+    assert [(r.owner_id, r.shards, r.seen_at) for r in store.processes()] == [
+        ("p1", (1, 2), T0 + 5)]  # and the silent one is forgotten
+
+
 def test_upgrading_a_version_one_database_places_its_queues(empty_database_url: str) -> None:
     """0003 → 0004: queues get a shard by hash, the single shard's input positions go to the
     shard that reads each partition, and the version-1 ownership row is dropped."""
