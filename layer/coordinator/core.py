@@ -60,6 +60,9 @@ class Plan:
     forwards: list[OutgoingRecord] = field(default_factory=list)
     #: Next offsets of the control and ack partitions read, committed to Kafka at the end.
     input_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Entries whose records a filter needs read again (their documents were projected past
+    #: the memory window without the fields it reads), for `ShardCore.refresh_documents`.
+    wanted_documents: list[Bookmark] = field(default_factory=list)
     stats: LoopStats = field(default_factory=LoopStats)
 
 
@@ -210,6 +213,9 @@ class ShardCore:
                 self.counters["deliveries_resent"] += len(resent)
                 deliveries.extend(resent)
             deliveries.extend(engine.dispatch(now))
+            wanted = engine.documents_wanted()
+            if wanted:
+                plan.wanted_documents.extend(wanted)
             outbox = engine.drain()
             lost = self._lost.pop(name, None)
             if lost:
@@ -311,12 +317,32 @@ class ShardCore:
                 last[r.partition] = r.offset
             admitted = self._admitted_to
             for engine in engines:
-                engine.enqueue(offered, now)
+                engine.enqueue(offered, now, fields)
                 for partition, offset in last.items():
                     key = PartitionKey(engine.name, topic, partition)
                     if offset >= admitted.get(key, 0):
                         admitted[key] = offset + 1
         return fresh
+
+    def refresh_documents(self, records: dict[Bookmark, JournalRecord]) -> int:
+        """Records read again for `Plan.wanted_documents`: each queue over their journal gets
+        their documents projected on every field its expressions read now. Returns how many
+        entries got one."""
+        by_topic: dict[str, dict[Bookmark, JournalRecord]] = {}
+        for bookmark, record in records.items():
+            by_topic.setdefault(bookmark.topic, {})[bookmark] = record
+        refreshed = 0
+        for topic, found in by_topic.items():
+            engines = self._engines_for(topic)
+            if not engines:
+                continue
+            fields = frozenset().union(*(e.fields_needed() for e in engines))
+            docs: dict[Bookmark, object] = {
+                b: project(parse_document(r.value), fields) for b, r in found.items()}
+            for engine in engines:
+                refreshed += engine.refresh_documents(docs, fields)
+        self.counters["documents_reread"] += refreshed
+        return refreshed
 
     def _deliver_at(self, r: JournalRecord) -> int | None:
         """The record's deliver-at time; a malformed header is the producer's mistake, so it

@@ -333,6 +333,10 @@ class ShardLoop:
         out = self._write(plan, reread, writer, batch_ids, now)
         written = clock()
         self.core.settled(plan)
+        if plan.wanted_documents:
+            # Filters that need fields the projections past the memory window did not keep:
+            # their records are read again, and the next iteration decides on them.
+            self.core.refresh_documents(self._read_back(plan.wanted_documents))
         # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
         if plan.input_offsets:
             reader.commit(plan.input_offsets)
@@ -414,16 +418,20 @@ class ShardLoop:
         if not in_flight:
             self._published, self._sent = self._sent, None
 
+    def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
+        """Journal records read again, one sequential range per partition."""
+        if self._range_reader is None:
+            self._range_reader = RangeReader(self.settings.kafka_config(),
+                                             group_id=f"{self.topics.prefix}coordinator-reread")
+        return self._range_reader.read(bookmarks)
+
     def _reread(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Read back the records these entries need whose bytes are not in memory."""
         payloads = self.core.payloads
         missing = payloads.missing(bookmarks)
         if not missing:
             return {}
-        if self._range_reader is None:
-            self._range_reader = RangeReader(self.settings.kafka_config(),
-                                             group_id=f"{self.topics.prefix}coordinator-reread")
-        found = self._range_reader.read(missing)
+        found = self._read_back(missing)
         self.counters["payload_rereads"] += len(found)
         for bookmark, record in found.items():
             payloads.fill(bookmark, record)

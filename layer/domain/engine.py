@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final, NamedTuple
@@ -70,7 +71,13 @@ from layer.domain.events import (
     Outbox,
     Recipient,
 )
-from layer.domain.expressions import Expression, compile_expression, document_of
+from layer.domain.expressions import (
+    Expression,
+    PartialDocument,
+    RawDocument,
+    compile_expression,
+    document_of,
+)
 from layer.domain.states import (
     AckOutcome,
     AckSource,
@@ -102,6 +109,9 @@ _RELEASE: Final = int(AckType.RELEASE)
 _REJECT: Final = int(AckType.REJECT)
 _RENEW: Final = int(AckType.RENEW)
 _NO_FENCE: Final = 1 << 62  # a sequence number no entry reaches
+#: At most this many entries' documents are asked for at once (`documents_wanted`): a filter
+#: over a deep queue past the memory window re-reads the journal in steps of this size.
+MAX_WANTED_DOCUMENTS: Final = 10_000
 # NamedTuple(...) goes through a generated Python __new__; the few records made once per
 # lease or ack are built with tuple.__new__ directly (half the cost; fields in class order).
 _new: Final = tuple.__new__
@@ -282,6 +292,14 @@ class QueueEngine:
         self._events: list[Event] = []
         self._dirty: set[int] = set()
         self._direct_records: list[EntryRecord] = []
+        # Documents projected past the coordinator's memory window (`enqueue`'s `projected`):
+        # from each of these sequence numbers on, a document that is not a `RawDocument` kept
+        # the fields beside it. Changes rarely (when the expressions change), so short.
+        self._projection_seqs: list[int] = []
+        self._projection_fields: list[frozenset[str]] = []
+        # Entries whose projected documents an expression could not be decided on: the
+        # coordinator reads their records again (`documents_wanted`, `refresh_documents`).
+        self._wanted: dict[int, None] = {}
 
     # ------------------------------------------------------------------ reading
     @property
@@ -326,7 +344,8 @@ class QueueEngine:
             if len(found) >= limit:
                 break
             doc = table.docs[seq - base]
-            if expression is not None and not expression.matches(doc):
+            if expression is not None and (not self._covers(seq, doc, expression)
+                                           or not expression.matches(doc)):
                 continue
             touched = self._touched.get(seq)
             found.append(
@@ -411,6 +430,60 @@ class QueueEngine:
                         candidates.append(table.times[seq - table.base] + expiration)
         return min(candidates) if candidates else None
 
+    # ------------------------------------------------------------------ projected documents
+    def _covers(self, seq: int, doc: object, expression: Expression) -> bool:
+        """Whether ``expression`` can be decided on the entry's document: a whole one, or a
+        projection that kept every field the expression reads."""
+        kind = type(doc)
+        if kind is RawDocument:
+            return True
+        if kind is PartialDocument:
+            return expression.covered_by(doc.fields)  # type: ignore[attr-defined]
+        index = bisect_right(self._projection_seqs, seq) - 1
+        return index < 0 or expression.covered_by(self._projection_fields[index])
+
+    def _want(self, seq: int) -> bool:
+        """Ask for the entry's record again; False once enough are asked for this round."""
+        if len(self._wanted) >= MAX_WANTED_DOCUMENTS:
+            return False
+        self._wanted[seq] = None
+        return True
+
+    def documents_wanted(self) -> list[Bookmark]:
+        """Live entries whose documents an expression needs fields of that their projection
+        did not keep (a filter subscribed after they arrived past the memory window). The
+        coordinator reads their records again and calls `refresh_documents`."""
+        if not self._wanted:
+            return []
+        table = self._table
+        state = table.state
+        base = table.base
+        wanted = [table.bookmark(seq) for seq in self._wanted
+                  if seq >= base and state[seq - base] < ACKED]
+        self._wanted.clear()
+        return wanted
+
+    def refresh_documents(self, docs: Mapping[Bookmark, object], fields: frozenset[str]
+                          ) -> int:
+        """Projections of records read again, keeping ``fields`` (what every expression of
+        the queue reads now); consumers look at those entries again. Returns how many live
+        entries got one."""
+        table = self._table
+        refreshed = 0
+        first = -1
+        for bookmark, doc in docs.items():
+            location, seq = table.locate(bookmark)
+            if location is not Location.FOUND or table.state_of(seq) >= ACKED:
+                continue
+            table.docs[seq - table.base] = PartialDocument(document_of(doc), fields)
+            refreshed += 1
+            position = self._order.position(seq)
+            if first < 0 or position < first:
+                first = position
+        if first >= 0:
+            self._rewind(first)
+        return refreshed
+
     # ------------------------------------------------------------------ outbox
     def drain(self) -> Outbox:
         """Take the events and the changed entry states decided since the last drain.
@@ -491,6 +564,12 @@ class QueueEngine:
                 return
         table.trim()
         self._inactive_from = max(self._inactive_from, table.base)
+        seqs = self._projection_seqs
+        if len(seqs) > 1 and seqs[1] <= table.base:
+            # Transitions wholly below the live entries decide nothing any more.
+            drop = bisect_right(seqs, table.base) - 1
+            del seqs[:drop]
+            del self._projection_fields[:drop]
 
     # ------------------------------------------------------------------ restart
     def restore(
@@ -547,15 +626,25 @@ class QueueEngine:
         return count
 
     # ------------------------------------------------------------------ enqueue
-    def enqueue(self, records: Iterable[OfferedRecord], now: float) -> int:
+    def enqueue(self, records: Iterable[OfferedRecord], now: float,
+                projected: frozenset[str] | None = None) -> int:
         """Offer journal records to the queue; returns how many became entries.
 
         Records must come in offset order per partition. A record at an offset already
         offered (a replay, a duplicate) is ignored, and so is a delete (`DELETE`) and one the
         queue's ``filter`` refuses. A record's ``deliver_at`` in the future makes it DELAYED; beyond
         ``target_queue_depth`` it is INACTIVE.
+
+        ``projected``: the documents of these records that are not `RawDocument` are
+        projections keeping only these fields (past the coordinator's memory window). An
+        expression reading other fields is not decided on them: the entry's record is asked
+        for again (`documents_wanted`).
         """
         table = self._table
+        if projected is not None and (not self._projection_fields
+                                      or self._projection_fields[-1] != projected):
+            self._projection_seqs.append(table.end)
+            self._projection_fields.append(projected)
         sources = table.sources_by_name
         queue_filter = self._policy.filter
         accepted: dict[Source, list[int]] = {}
@@ -1009,7 +1098,13 @@ class QueueEngine:
             current = state[slot]
             if current >= ACKED or current == INACTIVE:
                 continue
-            if expression is None or expression.matches(table.docs[slot]):
+            if expression is None:
+                matching.append(base + slot)
+                continue
+            doc = table.docs[slot]
+            # A projection that did not keep the filter's fields cannot be decided: it is
+            # left alone (an admin ack must never take an entry the filter would not).
+            if self._covers(base + slot, doc, expression) and expression.matches(doc):
                 matching.append(base + slot)
         for seq in matching:
             touched = self._touched.get(seq)
@@ -1266,6 +1361,8 @@ class QueueEngine:
         docs = table.docs
         key_head = self._key_head
         matched_at = consumer.position if consumer.position_matched else -1
+        # Documents projected past the memory window may not hold what the filter reads.
+        projected = expression is not None and bool(self._projection_seqs)
         found: list[int] = []
         if self._fifo:
             slot = consumer.position - base
@@ -1290,13 +1387,21 @@ class QueueEngine:
                     if key is not None and key_head[key] != seq:
                         slot += 1
                         continue
-                if (
-                    expression is not None
-                    and seq != matched_at
-                    and not expression.matches(docs[slot])
-                ):
-                    slot += 1
-                    continue
+                if expression is not None and seq != matched_at:
+                    doc = docs[slot]
+                    if projected and not self._covers(seq, doc, expression):
+                        # Undecidable until the record is read again: passed over now, the
+                        # consumer looks again once it is (`refresh_documents` rewinds).
+                        if not self._want(seq):
+                            if not found:
+                                consumer.position = seq
+                                consumer.position_matched = False
+                            return found
+                        slot += 1
+                        continue
+                    if not expression.matches(doc):
+                        slot += 1
+                        continue
                 found.append(seq)
                 consumer.position = seq
                 consumer.position_matched = True
@@ -1312,12 +1417,17 @@ class QueueEngine:
                 if key is not None and key_head[key] != seq:
                     continue
             position = order.position(seq)
-            if (
-                expression is not None
-                and position != matched_at
-                and not expression.matches(docs[slot])
-            ):
-                continue
+            if expression is not None and position != matched_at:
+                doc = docs[slot]
+                if projected and not self._covers(seq, doc, expression):
+                    if not self._want(seq):
+                        if not found:
+                            consumer.position = position
+                            consumer.position_matched = False
+                        return found
+                    continue
+                if not expression.matches(doc):
+                    continue
             found.append(seq)
             consumer.position = position
             consumer.position_matched = True
@@ -1355,6 +1465,12 @@ class QueueEngine:
                 return  # "all current subscribers": wait for at least one
             if table.state[seq - table.base] != AVAILABLE:
                 return  # delayed (deliver-at) barriers wait for their time
+            doc = table.docs[seq - table.base]
+            if self._projection_seqs and not all(
+                    self._covers(seq, doc, c.filter) for c in self._consumers.values()
+                    if c.filter is not None):
+                self._want(seq)
+                return  # its recipients cannot be told before its record is read again
             deliveries.append(self._deliver_barrier(seq, now))
 
     def _deliver_barrier(self, seq: int, now: float) -> BarrierDelivered:

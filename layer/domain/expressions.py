@@ -26,6 +26,7 @@ from layer.domain.errors import ExpressionError
 __all__ = [
     "Document",
     "Expression",
+    "PartialDocument",
     "RawDocument",
     "as_number",
     "compile_expression",
@@ -881,8 +882,11 @@ class Expression:
 
     def evaluate(self, doc: Document) -> object | None:
         """The expression's value for ``doc``; null (None) on any type problem. Never raises."""
-        if type(doc) is RawDocument:
-            doc = doc.value()
+        kind = type(doc)
+        if kind is RawDocument:
+            doc = doc.value()  # type: ignore[attr-defined]
+        elif kind is PartialDocument:
+            doc = doc.doc  # type: ignore[attr-defined]
         try:
             return self._evaluator(doc)
         except Exception:
@@ -897,6 +901,11 @@ class Expression:
     def fields(self) -> frozenset[str]:
         """The paths the expression reads, normalised (``/items[0]`` → ``/items/0``)."""
         return self._fields
+
+    def covered_by(self, fields: frozenset[str]) -> bool:
+        """Whether a projection that kept ``fields`` gives this expression the same value as
+        the whole document (every path it reads was kept)."""
+        return self._fields <= fields
 
     def paths(self) -> frozenset[tuple[str, ...]]:
         """The same paths as segment tuples, for :func:`project`."""
@@ -987,9 +996,31 @@ class RawDocument:
         return self._parsed
 
 
+class PartialDocument:
+    """A projection of a record's document (`project`) that says which fields it kept.
+
+    Past the memory window an entry keeps only the fields its queues' expressions read when
+    the record arrived. A filter that reads other fields cannot be decided on such a
+    projection (it would see null where the record has a value), so the coordinator reads the
+    record again and gives the entry this: the projection for the fields read now, and the
+    set of them, so an expression can tell whether it is `Expression.covered_by` it.
+    """
+
+    __slots__ = ("doc", "fields")
+
+    def __init__(self, doc: Document, fields: frozenset[str]) -> None:
+        self.doc = doc
+        self.fields = fields
+
+
 def document_of(doc: object) -> Document:
-    """The document itself, parsing a `RawDocument`."""
-    return doc.value() if type(doc) is RawDocument else doc
+    """The document itself, parsing a `RawDocument` and unwrapping a `PartialDocument`."""
+    kind = type(doc)
+    if kind is RawDocument:
+        return doc.value()  # type: ignore[attr-defined]
+    if kind is PartialDocument:
+        return doc.doc  # type: ignore[attr-defined]
+    return doc
 
 
 _ABSENT: Final = object()

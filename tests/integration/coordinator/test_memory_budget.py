@@ -100,3 +100,46 @@ def test_past_the_budget_the_fields_expressions_read_are_kept(
         assert coordinator.counters["documents_projected"] > 0
     # Only /keep = 1 entered, all of them, highest /p first (the payloads were re-read whole).
     assert order == sorted(range(1, 200, 2), reverse=True)
+
+
+def test_a_filter_subscribed_after_the_records_passed_the_budget_still_matches_them(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """Past the budget a record keeps only the fields the expressions of its moment read
+    (none here). A consumer filter subscribed later must still see the records' real values:
+    they are read again from the journal, not matched against null (which would starve it,
+    or hand `/region IS NULL` everything)."""
+    import json
+
+    topic = journal("Regions", partitions=2)
+    put_queues(settings, {"name": "Regions", "underlying_topic": topic, "lease_period": "30s"})
+    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "linger.ms": 5})
+    regions = ["EU", "US", "APAC"]
+    for i in range(300):
+        doc = {"region": regions[i % 3], "n": i, "notes": "x" * 500}
+        producer.produce(topic, json.dumps(doc).encode(), key=str(i).encode())
+    assert producer.flush(30) == 0
+    with running_coordinator(settings, payload_budget=10_000) as coordinator:
+        deadline = time.monotonic() + 30
+        while coordinator.counters["journal_records"] < 300 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert coordinator.counters["documents_projected"] > 250
+        eu = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Regions",
+                         max_backlog=50, filter="/region = 'EU'")
+        nulls = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Regions",
+                            max_backlog=50, filter="/region IS NULL")
+        got: list[int] = []
+        try:
+            eu.subscribe()
+            nulls.subscribe()
+            deadline = time.monotonic() + 60
+            while len(got) < 100 and time.monotonic() < deadline:
+                batch = eu.poll(0.2)
+                got.extend(json.loads(d.value or b"{}")["n"] for d in batch)
+                eu.ack(batch)
+            assert nulls.idle(0.5) == [], "no record has a null region"
+        finally:
+            eu.close()
+            nulls.close()
+        assert coordinator.counters["documents_reread"] >= 100
+    assert sorted(got) == list(range(0, 300, 3))

@@ -63,12 +63,15 @@ def _queue(name: str, shard: int, **extra: Any) -> QueueRecord:
 class Harness:
     """A core serving queue Work (shard 0), with the records consumers would write."""
 
-    def __init__(self, *others: QueueRecord, lease_period: str = "30s") -> None:
+    def __init__(self, *others: QueueRecord, lease_period: str = "30s",
+                 payload_budget: int | None = None) -> None:
         work = _queue("Work", 0, lease_period=lease_period)
         self.catalog = Catalog.of(2, [work, *others], [], now=0.0)
         self.admin = FakeTopicAdmin({JOURNAL: 1, TOPICS.control: 2, TOPICS.ack: 2})
         counter = itertools.count()
-        self.core = ShardCore(0, CoordinatorOptions(owner_id="test"), topics=TOPICS,
+        options = CoordinatorOptions(owner_id="test") if payload_budget is None else \
+            CoordinatorOptions(owner_id="test", payload_budget=payload_budget)
+        self.core = ShardCore(0, options, topics=TOPICS,
                               catalog=lambda: self.catalog, admin=self.admin,
                               tokens=lambda: f"tok{next(counter)}", owner_id="test")
         self.core.epoch = 1
@@ -88,10 +91,10 @@ class Harness:
         return [self._record(JOURNAL, json.dumps({"n": start + i}).encode()) for i in range(n)]
 
     def subscribe(self, consumer: str, backlog: int = 2, queue: str = "Work",
-                  regex: bool = False) -> JournalRecord:
+                  regex: bool = False, filter: str | None = None) -> JournalRecord:
         return self._record(TOPICS.control, CODEC.encode_control(Subscribe(
             consumer_id=consumer, session_id=f"s-{consumer}", request_id="r", queue=queue,
-            queue_is_regex=regex, max_backlog=backlog, filter=None,
+            queue_is_regex=regex, max_backlog=backlog, filter=filter,
             delivery_topic=TOPICS.delivery(consumer), session_timeout_ms=600_000,
             client_name="test", client_version="0", sent_at_ms=0)), consumer.encode())
 
@@ -154,6 +157,23 @@ def test_subscribe_deliver_ack_is_one_plan_each_with_its_batch() -> None:
     assert sorted(b.offset for b in acked.done) == [0, 1]
     assert acked.batch.recovery_points == {("Work", JOURNAL, 0): 2}
     assert _replies(acked) == []  # accepted acks are not answered
+
+
+def test_a_filter_subscribed_after_records_passed_the_memory_window_gets_them() -> None:
+    """Past the payload budget a record keeps only the fields the queues' expressions read
+    when it arrived (none here). A filter subscribed later is not decided on null: the records
+    are read again (the loop's I/O, `refresh_documents`) and then matched."""
+    h = Harness(payload_budget=0)
+    published = h.publish(5)
+    h.step(published, 1.0)
+    assert h.core.counters["documents_projected"] == 5
+    plan = h.step([h.subscribe("c1", backlog=5, filter="/n >= 3")], 2.0)
+    assert _leases(plan) == []
+    assert plan.wanted_documents == [Bookmark(JOURNAL, 0, o) for o in range(5)]
+    records = {Bookmark(r.topic, r.partition, r.offset): r for r in published}
+    assert h.core.refresh_documents(records) == 5
+    assert [d.bookmark.offset for d in _leases(h.step([], 3.0))] == [3, 4]
+    assert h.core.counters["documents_reread"] == 5
 
 
 def test_a_tombstone_in_the_journal_is_passed_over() -> None:
