@@ -8,10 +8,16 @@ STAMP := $(VENV)/.qlayer-installed
 
 .PHONY: install demo test lint typecheck unit integration acceptance bench bench-scale clean
 
-$(STAMP): pyproject.toml
+NATIVE_SOURCES := native/Cargo.toml native/pyproject.toml $(wildcard native/src/*.rs)
+
+# The native shard core (native/, Rust with PyO3) is built with maturin by pip; it needs cargo
+# (rustup) on PATH. The Python core is the reference and runs without it (--core python).
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@command -v cargo >/dev/null || { echo "cargo not found: install Rust (https://rustup.rs) to build native/" >&2; exit 1; }
+	$(PY) -m pip install --quiet ./native
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -19,6 +19,7 @@ import argparse
 import cProfile
 import itertools
 import json
+import os
 import pstats
 import statistics
 import subprocess
@@ -54,6 +55,7 @@ from layer.store.store import _split_passed_entries, runs_of  # noqa: E402
 TOPICS = TopicNames("bench.")
 JOURNAL = "orders"
 CONSUMERS = 4
+CORE = os.environ.get("QLAYER_CORE", "auto")
 PARTITIONS = 4
 
 
@@ -67,7 +69,7 @@ class Bench:
         catalog = Catalog.of(1, [work], [], now=0.0)
         admin = FakeTopicAdmin({JOURNAL: PARTITIONS, TOPICS.control: 1, TOPICS.ack: 1})
         counter = itertools.count()
-        self.core = ShardCore(0, CoordinatorOptions(owner_id="bench"), topics=TOPICS,
+        self.core = ShardCore(0, CoordinatorOptions(owner_id="bench", core=CORE), topics=TOPICS,
                               catalog=lambda: catalog, admin=admin,
                               tokens=lambda: f"{next(counter):032x}", owner_id="bench")
         self.core.epoch = 1

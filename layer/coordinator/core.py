@@ -27,10 +27,10 @@ from layer.coordinator.sessions import Session
 from layer.coordinator.translate import add_outbox, lost_to_retention
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
-from layer.domain.engine import QueueEngine
 from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, parse_document, project
+from layer.domain.native import AnyEngine, new_engine
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import Codec, Event, ProtocolError, TopicNames, parse_deliver_at
@@ -109,6 +109,8 @@ class ShardCore:
         self.codec = Codec()
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.epoch = 0
+        #: Whether the queues' engines are the native port (`CoordinatorOptions.core`).
+        self.native = options.native_core
         self.acks = Acks(self)
         self.control = Control(self)
         self.payloads = PayloadCache(options.payload_budget, pool=memory)
@@ -116,13 +118,13 @@ class ShardCore:
 
     def reset(self) -> None:
         """Forget everything (a rebuild): nothing here outlives a failure."""
-        self.engines: dict[str, QueueEngine] = {}
+        self.engines: dict[str, AnyEngine] = {}
         self.versions: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
         self.payloads.clear()
         self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
         self.known_topics: set[str] = set()
-        self._queues_by_topic: dict[str, list[QueueEngine]] = {}
+        self._queues_by_topic: dict[str, list[AnyEngine]] = {}
         self.persisted_points: dict[PartitionKey, int] = {}
         # Per partition of each queue: the next offset not admitted yet, and what is stored of
         # it. A restart re-admits [recovery point, stored admitted_to) without counting those
@@ -260,7 +262,7 @@ class ShardCore:
             self.payloads.release(bookmark)
 
     # ------------------------------------------------------------------ journal records
-    def _engines_for(self, topic: str) -> list[QueueEngine]:
+    def _engines_for(self, topic: str) -> list[AnyEngine]:
         engines = self._queues_by_topic.get(topic)
         if engines is None:
             engines = [e for e in self.engines.values() if e.definition.matches_topic(topic)]
@@ -389,8 +391,9 @@ class ShardCore:
         name = definition.name
         session_of = {row.consumer_id: row.session_id for row in rows}
         session_of.update((s.consumer_id, s.session_id) for s in self.sessions.values())
-        engine = QueueEngine(definition, tokens=self.tokens,
-                             session_timeout=self.options.default_session_timeout)
+        engine = new_engine(definition, tokens=self.tokens,
+                            session_timeout=self.options.default_session_timeout,
+                            native=self.native)
         starts = dict(state.starts)
         entries = [entry_record(row, session_of) for row in state.entries]
         engine.restore(entries, starts)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from layer.coordinator.payloads import DEFAULT_PAYLOAD_BUDGET
 
-__all__ = ["CoordinatorOptions", "LeaseTokens", "LoopStats", "default_owner_id"]
+__all__ = ["CORES", "CoordinatorOptions", "LeaseTokens", "LoopStats", "default_owner_id"]
 
 
 def default_owner_id() -> str:
@@ -55,6 +55,27 @@ class CoordinatorOptions:
     #: Allocations between cyclic garbage collections, set for the process by `run()`
     #: (Python's default is 700); 0 leaves the process's setting alone.
     gc_threshold: int = 100_000
+    #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
+    #: reference) or ``auto`` (native when the extension is installed).
+    core: str = "python"
+
+    def __post_init__(self) -> None:
+        if self.core not in CORES:
+            raise ValueError(f"core must be one of {', '.join(CORES)}, got {self.core!r}")
+
+    @property
+    def native_core(self) -> bool:
+        """Whether shards run the native core (``native`` requires the extension)."""
+        from layer.domain.native import native_available
+
+        if self.core == "native" and not native_available():
+            raise RuntimeError("core 'native' needs the qlayer_native extension: run "
+                               "`make install` (or `pip install ./native`)")
+        return self.core == "native" or (self.core == "auto" and native_available())
+
+
+#: The shard cores a coordinator can run (`CoordinatorOptions.core`).
+CORES = ("auto", "native", "python")
 
 
 @dataclass
@@ -77,6 +98,9 @@ class LeaseTokens:
     The same source as ``secrets.token_hex(16)``, without a system call per lease: drawing
     each token alone was a fortieth of the coordinator's time.
     """
+
+    #: The native engine draws tokens of this kind itself, from the same OS source.
+    os_random = True
 
     def __init__(self, block: int = 4096) -> None:
         self._block = block

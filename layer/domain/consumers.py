@@ -54,19 +54,36 @@ class BacklogShare:
     thread, so a share needs no lock.
     """
 
-    __slots__ = ("members",)
+    __slots__ = ("_native", "members")
 
     def __init__(self) -> None:
         self.members: list[Consumer] = []
+        self._native: object | None = None
+
+    def native_share(self) -> object:
+        """The same share for native engines (`layer.domain.native`), made on first use:
+        the native engines keep their members' limits and leases there."""
+        if self._native is None:
+            import qlayer_native
+
+            self._native = qlayer_native.Share()
+        return self._native
 
     def room(self) -> int:
+        if self._native is not None:
+            return int(self._native.room())  # type: ignore[attr-defined]
         members = self.members
         if not members:
             return 0
         return min(m.limit for m in members) - sum(len(m.leases) for m in members)
 
+    def queue_count(self) -> int:
+        """How many queues' consumers take part (Python and native engines alike)."""
+        native = 0 if self._native is None else int(self._native.member_count)  # type: ignore[attr-defined]
+        return len(self.members) + native
+
     def __repr__(self) -> str:
-        return f"BacklogShare({len(self.members)} queues, room={self.room()})"
+        return f"BacklogShare({self.queue_count()} queues, room={self.room()})"
 
 
 class Consumer:

@@ -9,19 +9,28 @@ from layer.domain.definitions import QueueDefinition
 from layer.domain.engine import EntryAck, QueueEngine, random_tokens
 from layer.domain.entries import OfferedRecord
 from layer.domain.events import EntryLeased, Event
+from layer.domain.native import NativeQueueEngine
 from layer.domain.states import AckOutcome, AckType, Bookmark
 
 TOPIC = "Work"
 
+#: Which engine the tests get: the Python reference or the native port (tests/unit/domain/
+#: conftest.py runs every engine test with both).
+IMPLEMENTATION = ["python"]
 
-def engine(seed: int = 7, session_timeout: float = 1e6, **fields: object) -> QueueEngine:
+
+def engine(seed: int = 7, session_timeout: float = 1e6, implementation: str | None = None,
+           **fields: object) -> QueueEngine:
     """A queue ``Q`` over journal ``Work`` with the given definition fields.
 
     Sessions never time out unless a test asks for it (``session_timeout``).
+    ``implementation`` ("python" or "native") overrides `IMPLEMENTATION`.
     """
     fields.setdefault("max_per_subscription_backlog", 100)
     definition = QueueDefinition.model_validate({"name": "Q", "underlying_topic": TOPIC, **fields})
-    return QueueEngine(
+    chosen = implementation or IMPLEMENTATION[0]
+    kind = NativeQueueEngine if chosen == "native" else QueueEngine
+    return kind(  # type: ignore[return-value]
         definition, tokens=random_tokens(random.Random(seed)), session_timeout=session_timeout
     )
 

@@ -8,6 +8,7 @@ queue's engine keeps its own consumer record; the records share one `BacklogShar
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,8 @@ from layer.domain.consumers import BacklogShare
 from layer.domain.engine import QueueEngine
 
 from .engine_helpers import engine, leases, offer, settle
+
+pytestmark = pytest.mark.usefixtures("engine_implementation")
 
 
 def subscribe_shared(queues: list[QueueEngine], share: BacklogShare, max_backlog: int) -> None:
@@ -67,7 +70,7 @@ def test_leaving_one_queue_takes_it_out_of_the_share() -> None:
     subscribe_shared([first, second], share, max_backlog=3)
     assert len(leases(first.dispatch(0.0))) == 3
     first.unsubscribe("regex", 0.0)  # its leases are broken, its record leaves the share
-    assert len(share.members) == 1
+    assert share.queue_count() == 1
     assert len(leases(second.dispatch(0.0))) == 3
 
 

@@ -11,6 +11,8 @@ from layer.domain.states import AckOutcome, EntryState, LeaveReason
 
 from .engine_helpers import bm, by_consumer, engine, leases, of_type, offer, settle, subscribe
 
+pytestmark = pytest.mark.usefixtures("engine_implementation")
+
 
 def test_max_backlog_defaults_to_one_and_is_capped_by_the_queue() -> None:
     queue = engine(max_per_subscription_backlog=5)

@@ -32,6 +32,8 @@ from .engine_helpers import (
     subscribe,
 )
 
+pytestmark = pytest.mark.usefixtures("engine_implementation")
+
 
 def test_entries_are_delivered_oldest_first() -> None:
     queue = engine()

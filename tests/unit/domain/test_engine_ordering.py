@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from layer.domain.engine import EntryAck
 from layer.domain.entries import priority_rank
 from layer.domain.events import BarrierDelivered, EntryAcked, EntryLeased, Recipient
@@ -22,6 +24,8 @@ from .engine_helpers import (
     settle,
     subscribe,
 )
+
+pytestmark = pytest.mark.usefixtures("engine_implementation")
 
 # --------------------------------------------------------------------------- priority
 

@@ -4,10 +4,14 @@ the filter sees the real value once it comes back."""
 
 from __future__ import annotations
 
+import pytest
+
 from layer.domain.engine import MAX_WANTED_DOCUMENTS
 from layer.domain.expressions import RawDocument, parse_document, project
 
 from .engine_helpers import bm, engine, leases, offsets_of, record, settle, subscribe
+
+pytestmark = pytest.mark.usefixtures("engine_implementation")
 
 REGIONS = ["EU", "US", "EU", None, "US", "EU"]
 

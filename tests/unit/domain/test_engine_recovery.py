@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from layer.domain.engine import QueueEngine
 from layer.domain.entries import EntryRecord
 from layer.domain.events import EntryLeased, LeaseBroken
 from layer.domain.states import AckOutcome, AckType, EntryState
 
 from .engine_helpers import bm, engine, leases, of_type, offer, record, settle, subscribe
+
+pytestmark = pytest.mark.usefixtures("engine_implementation")
 
 
 def test_the_recovery_point_is_the_lowest_offset_not_done_per_partition() -> None:

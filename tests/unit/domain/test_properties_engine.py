@@ -87,10 +87,12 @@ class EngineMachine(RuleBasedStateMachine):
 
     fields: ClassVar[dict[str, object]] = {}
     barrier_every: ClassVar[int] = 0  # 0: no barrier messages offered
+    implementation: ClassVar[str] = "python"  # or "native": the same checks on the port
 
     def __init__(self) -> None:
         super().__init__()
-        self.queue: QueueEngine = engine(session_timeout=SESSION_TIMEOUT, **self.fields)
+        self.queue: QueueEngine = engine(session_timeout=SESSION_TIMEOUT,
+                                         implementation=self.implementation, **self.fields)
         self.at_most_once = self.fields.get("semantics") == "at-most-once"
         self.keyed = bool(self.fields.get("key_groups"))
         self.now = 0.0
@@ -424,7 +426,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.drain()
         points = self.queue.recovery_points()
         self.now += late
-        self.queue = engine(seed=len(self.arrival), session_timeout=SESSION_TIMEOUT, **self.fields)
+        self.queue = engine(seed=len(self.arrival), session_timeout=SESSION_TIMEOUT,
+                            implementation=self.implementation, **self.fields)
         self.restarted = True
         self.queue.restore(self.store.values(), points)
         if self.at_most_once:
@@ -552,7 +555,10 @@ class TargetDepth(EngineMachine):
     }
 
 
-def _case(machine: type[EngineMachine]) -> type:
+def _case(machine: type[EngineMachine], implementation: str = "python") -> type:
+    if implementation != "python":
+        machine = type(f"{machine.__name__}Native", (machine,),
+                       {"implementation": implementation})
     case = machine.TestCase
     case.settings = MACHINE_SETTINGS
     return case
@@ -565,3 +571,12 @@ TestAtMostOnce = _case(AtMostOnce)
 TestKeyGroups = _case(KeyGroups)
 TestBarriers = _case(Barriers)
 TestTargetDepth = _case(TargetDepth)
+
+# The same machines on the native engine (layer/domain/native.py).
+TestAtLeastOnceLimitsNative = _case(AtLeastOnceLimits, "native")
+TestRoundRobinPriorityBackoffNative = _case(RoundRobinPriorityBackoff, "native")
+TestFastPermissiveNative = _case(FastPermissive, "native")
+TestAtMostOnceNative = _case(AtMostOnce, "native")
+TestKeyGroupsNative = _case(KeyGroups, "native")
+TestBarriersNative = _case(Barriers, "native")
+TestTargetDepthNative = _case(TargetDepth, "native")
