@@ -42,6 +42,10 @@ def run(
     payload_budget_mb: Annotated[int, typer.Option(
         help="MiB of journal records kept in memory; past it records are re-read from the "
         "journal when they come up for delivery")] = 32,
+    core: Annotated[str, typer.Option(
+        envvar="QLAYER_CORE",
+        help="Which shard core decides: native (the Rust port, built by make install), "
+        "python (the reference), or auto (native when installed)")] = "auto",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run a coordinator process until SIGTERM or Ctrl-C.
@@ -51,8 +55,16 @@ def run(
     one per shard. A process with no shard is a hot standby. `qlayer coordinators` shows who
     runs what.
     """
-    from layer.coordinator.options import CoordinatorOptions, default_owner_id
+    from layer.coordinator.options import CORES, CoordinatorOptions, default_owner_id
     from layer.coordinator.process import CoordinatorProcess
+    from layer.domain.native import native_available
+
+    if core not in CORES:
+        raise typer.BadParameter(f"must be one of {', '.join(CORES)}", param_hint="--core")
+    if core == "native" and not native_available():
+        raise typer.BadParameter("the native core is not installed: run `make install` (or "
+                                 "`pip install ./native`), or use --core python",
+                                 param_hint="--core")
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -63,5 +75,8 @@ def run(
                                  instance_id=instance_id,
                                  default_session_timeout=session_timeout,
                                  transactional=transactions,
-                                 payload_budget=payload_budget_mb * 1024 * 1024)
+                                 payload_budget=payload_budget_mb * 1024 * 1024,
+                                 core=core)
+    logging.getLogger("layer.coordinator").info(
+        "shard core: %s", "native" if options.native_core else "python (the reference)")
     CoordinatorProcess(settings, options).run()

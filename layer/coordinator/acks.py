@@ -146,6 +146,8 @@ class Acks:
         engines = self.core.engines
         if self.deferred or (r.headers is not None and forwarded_hops(r.headers) > 0):
             return None
+        if self.core.lane is not None:
+            return self._accept_native(r, record, now, replies)
         run: dict[str, list[tuple[int, EntryAck]]] = {}
         shapes: list[tuple[str, str, int, int, str]] = []
         accept = AckType.ACCEPT
@@ -179,6 +181,50 @@ class Acks:
                 self.core.counters["acks_deferred_for_replay"] += len(self.deferred) - waiting
                 self.deferred_from.setdefault((r.topic, r.partition), r.offset)
         return len(shapes)
+
+    def _accept_native(self, r: JournalRecord, record: AcceptRecord, now: float,
+                       replies: list[OutgoingRecord]) -> int | None:
+        """`_accept` for native engines: each group applied by its engine at once, items made
+        only for the offsets that are refused or wait for the replay."""
+        engines = self.core.engines
+        for g in record.groups:
+            offsets, leases = g.offsets, g.leases
+            if g.queue not in engines or not self._topic_ok(g.topic) \
+                    or not 0 <= g.partition <= _MAX_PARTITION \
+                    or (offsets and (min(offsets) < 0 or max(offsets) > _MAX_OFFSET)) \
+                    or not all(leases):
+                return None
+        accept = AckType.ACCEPT
+        items: list[AckItem] = []
+        outcomes: list[ItemOutcome | None] = []
+        applied = total = 0
+        for g in record.groups:
+            engine = engines[g.queue]
+            at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
+            total += len(g.offsets)
+            odd = engine.core.accept(  # type: ignore[union-attr]
+                g.topic, g.partition, g.offsets, g.leases, now)
+            applied += len(g.offsets) - len(odd)
+            for i, outcome in odd:
+                if outcome == "restoring":
+                    outcomes.append(None)  # the replay has not reached it: it waits
+                else:
+                    result = AckOutcome(outcome)
+                    if at_most_once and result is AckOutcome.ALREADY_DONE:
+                        applied += 1  # done on delivery: nothing failed (see `_apply_run`)
+                        continue
+                    outcomes.append((_ACK_STATUS[result], None, result.value))
+                items.append(AckItem(g.queue, f"{g.topic}/{g.partition}/{g.offsets[i]}",
+                                     g.leases[i], accept))
+        if applied:
+            self.core.counters["ack_ok"] += applied
+        if items:
+            waiting = len(self.deferred)
+            self._answer(record.consumer_id, record.session_id, items, outcomes, now, replies)
+            if len(self.deferred) > waiting:
+                self.core.counters["acks_deferred_for_replay"] += len(self.deferred) - waiting
+                self.deferred_from.setdefault((r.topic, r.partition), r.offset)
+        return total
 
     def _topic_ok(self, topic: str) -> bool:
         known = self._topics_ok.get(topic)

@@ -16,10 +16,12 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from layer.coordinator.acks import Acks
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
+from layer.coordinator.lane import NativeLane
 from layer.coordinator.options import CoordinatorOptions, LoopStats
 from layer.coordinator.payloads import MemoryPool, PayloadCache, record_size
 from layer.coordinator.ports import TopicAdmin
@@ -113,7 +115,10 @@ class ShardCore:
         self.native = options.native_core
         self.acks = Acks(self)
         self.control = Control(self)
-        self.payloads = PayloadCache(options.payload_budget, pool=memory)
+        #: The native batch paths (native engines only): records in, rows, events and
+        #: delivery batches out, without Python objects per message.
+        self.lane: NativeLane | None = None
+        self.payloads: PayloadCache | Any = PayloadCache(options.payload_budget, pool=memory)
         self.reset()
 
     def reset(self) -> None:
@@ -122,7 +127,11 @@ class ShardCore:
         self.versions: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
         self.payloads.clear()
-        self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
+        if self.native:
+            self.lane = NativeLane(self)
+            self.payloads = self.lane.payloads
+        else:
+            self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
         self.known_topics: set[str] = set()
         self._queues_by_topic: dict[str, list[AnyEngine]] = {}
         self.persisted_points: dict[PartitionKey, int] = {}
@@ -181,8 +190,14 @@ class ShardCore:
             self.control.on_record(r, now, batch, replies)
             offsets[(r.topic, r.partition)] = r.offset + 1
         stats.journal_records = len(journal)
-        plan.fresh = self._enqueue(journal, now) if journal else {}
-        self._decide(plan, now)
+        lane = self.lane
+        if lane is not None:
+            if journal:
+                lane.enqueue(journal, now)
+            lane.decide(plan, now)
+        else:
+            plan.fresh = self._enqueue(journal, now) if journal else {}
+            self._decide(plan, now)
         # One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
         # changed nothing stored (at-most-once acks, refused items) do not make a
@@ -260,6 +275,8 @@ class ShardCore:
         """The plan was carried out: the bytes of the entries it finished can go."""
         for bookmark in plan.done:
             self.payloads.release(bookmark)
+        if self.lane is not None:
+            self.lane.settle()
 
     # ------------------------------------------------------------------ journal records
     def _engines_for(self, topic: str) -> list[AnyEngine]:
@@ -421,12 +438,16 @@ class ShardCore:
         self._persisted_admitted.update(state.admitted)
         self._counted_from[name] = {(k.topic, k.partition): v for k, v in state.admitted.items()}
         self._queues_by_topic.clear()
+        if self.lane is not None:
+            self.lane.forget_topics()
         return starts
 
     def add_partitions(self, name: str, starts: dict[tuple[str, int], int]) -> None:
         """Journal partitions (or topics) the queue's underlying topic matches since."""
         self.engines[name].restore([], starts)
         self._queues_by_topic.clear()
+        if self.lane is not None:
+            self.lane.forget_topics()
 
     def drop_queue(self, name: str, keep_sessions: bool = False) -> None:
         self.engines.pop(name)
@@ -436,6 +457,8 @@ class ShardCore:
                 del known[key]
         self._counted_from.pop(name, None)
         self._queues_by_topic.clear()
+        if self.lane is not None:
+            self.lane.forget_topics()
         if keep_sessions:
             return
         for session in self.sessions.values():

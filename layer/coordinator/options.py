@@ -57,7 +57,7 @@ class CoordinatorOptions:
     gc_threshold: int = 100_000
     #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
     #: reference) or ``auto`` (native when the extension is installed).
-    core: str = "python"
+    core: str = "auto"
 
     def __post_init__(self) -> None:
         if self.core not in CORES:

@@ -154,8 +154,10 @@ class Output:
         def record_time_of(b: Bookmark) -> int | None:
             return _timestamp_ms(fresh.get(b))
 
-        # Items in order: encoded bytes, or a run being filled (encoded at the end).
-        items: list[bytes | _Run] = []
+        # Items in order: encoded bytes, or a run being filled (encoded at the end). The
+        # native lane's come first: with native engines, they are all of the queues' events.
+        lane = self.core.lane
+        items: list[bytes | _Run] = list(lane.event_items()) if lane is not None else []
         runs: dict[tuple[object, ...], _Run] = {}
         # Per entry (queue, bookmark): the index in `items` of its latest event.
         latest: dict[tuple[str, Bookmark], int] = {}
@@ -212,7 +214,22 @@ class Output:
     def deliveries(self, deliveries: list[ev.Delivery],
                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
         """One record per delivery for sessions that read records (protocol 1), one delivery
-        batch per session and iteration for those that read batches (protocol 3)."""
+        batch per session and iteration for those that read batches (protocol 3).
+
+        With native engines the lane encodes the batches of their deliveries; what it leaves
+        (record-format sessions, barriers with such a recipient) and ``deliveries`` (resent
+        leases) go here first, so a barrier's record precedes the leases dispatched after it."""
+        lane = self.core.lane
+        if lane is None:
+            return self._deliveries(deliveries, reread)
+        batches, rest, packed = lane.deliveries(reread, self.max_batch_bytes)
+        out = self._deliveries(deliveries + rest, reread)
+        out.extend(batches)
+        self.delivered += packed
+        return out
+
+    def _deliveries(self, deliveries: list[ev.Delivery],
+                    reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
         out: list[OutgoingRecord] = []
         batches: dict[str, _Batch] = {}
         encoded = self._encoded

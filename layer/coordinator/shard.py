@@ -306,7 +306,8 @@ class ShardLoop:
         # Records whose bytes were dropped past the memory budget are read again, in
         # sequential ranges, before anything is written.
         reread = self._reread([e.bookmark for e in plan.expired]
-                              + [d.bookmark for d in plan.deliveries])
+                              + [d.bookmark for d in plan.deliveries]
+                              + (self.core.lane.missing() if self.core.lane is not None else []))
         dead_letters: list[OutgoingRecord] = []
         for e in plan.expired:
             dead_letters.extend(self.output.dead_letter(e, now, reread))

@@ -48,10 +48,10 @@ try:  # the extension is built by `make install` (native/); the Python engine wo
 except ImportError:  # pragma: no cover - exercised where the extension is not built
     _native = None
 
-__all__ = ["AnyEngine", "NativeQueueEngine", "native_available", "new_engine"]
+__all__ = ["API", "AnyEngine", "NativeQueueEngine", "native_available", "new_engine"]
 
 #: What the native engine builds its Python answers from (the reference's own types).
-_API: Final = types.SimpleNamespace(
+API: Final = types.SimpleNamespace(
     Bookmark=Bookmark,
     EntryRecord=EntryRecord,
     Outbox=_events.Outbox,
@@ -115,7 +115,7 @@ class NativeQueueEngine:
         # OS-random tokens are drawn natively (as `LeaseTokens` draws them); any other source
         # (a test's seeded one) is called.
         native_tokens = bool(getattr(tokens, "os_random", False))
-        self._core = _native.NativeEngine(policy, _API, tokens, session_timeout, native_tokens)
+        self._core = _native.NativeEngine(policy, API, tokens, session_timeout, native_tokens)
 
     @property
     def name(self) -> str:

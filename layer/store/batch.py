@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey
 from layer.store.tables import COUNTER_NAMES
+
+if TYPE_CHECKING:
+    from layer.store.store import EntryRun
 
 __all__ = ["WriteBatch"]
 
@@ -30,6 +33,9 @@ class WriteBatch:
 
     entries: dict[EntryKey, EntryRow] = field(default_factory=dict)
     entry_deletes: set[EntryKey] = field(default_factory=set)
+    #: Rows the native core grouped into runs already (`put_runs`): entries no other write
+    #: of the batch touches (one drain of their queue per iteration).
+    runs: list[EntryRun] = field(default_factory=list)
     recovery_points: dict[PartitionKey, int] = field(default_factory=dict)
     # partition -> the next offset not yet admitted (see `recovery_points.admitted_to`)
     admitted: dict[PartitionKey, int] = field(default_factory=dict)
@@ -69,6 +75,12 @@ class WriteBatch:
         if self.entry_deletes:
             self.entry_deletes.discard(key)
         self.entries[key] = row
+
+    def put_runs(self, runs: list[EntryRun], singles: list[EntryRow]) -> None:
+        """Rows of the native core: runs formed already, and rows of their own."""
+        self.runs.extend(runs)
+        for row in singles:
+            self.put_entry(row)
 
     def delete_entry(self, key: EntryKey) -> None:
         self.entries.pop(key, None)
@@ -124,6 +136,7 @@ class WriteBatch:
         self.forgotten_queues.add(queue)
         for key in [key for key in self.entries if key.queue == queue]:
             del self.entries[key]
+        self.runs = [run for run in self.runs if run.queue != queue]
         self.entry_deletes = {key for key in self.entry_deletes if key.queue != queue}
         for pkey in [pkey for pkey in self.recovery_points if pkey.queue == queue]:
             del self.recovery_points[pkey]
@@ -142,6 +155,7 @@ class WriteBatch:
         """Number of row writes collected (a forgotten queue counts as one)."""
         return (
             len(self.entries)
+            + len(self.runs)
             + len(self.entry_deletes)
             + len(self.recovery_points)
             + len(self.consumers)

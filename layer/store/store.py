@@ -250,6 +250,7 @@ class Store:
             upserts, deletes = _split_passed_entries(batch)
             statements += _delete_entries(conn, deletes)
             runs, singles = runs_of(upserts.values())
+            runs.extend(batch.runs)
             statements += _insert_runs(conn, runs, moment)
             statements += _upsert_entries(conn, singles, moment)
             statements += _upsert_recovery_points(conn, batch.recovery_points, batch.admitted,
@@ -272,7 +273,7 @@ class Store:
         return CommitResult(
             epoch=epoch,
             statements=statements,
-            entries_written=len(upserts),
+            entries_written=len(upserts) + sum(len(run.offsets) for run in batch.runs),
             entries_deleted=len(deletes),
             entries_pruned=pruned,
             rows_written=len(runs) + len(singles),

@@ -2,225 +2,23 @@
 //! ported line by line, behind the same Python interface (`layer.domain.native` wraps it).
 //! The Python engine is the reference; tests run both on the same inputs and compare.
 
+mod convert;
 mod engine;
+mod lane;
 mod ordered;
 mod random;
 mod table;
 mod types;
+mod wire;
 
+use convert::Api;
 use engine::{AckIn, Engine, Fairness, Offered, Policy, PyHooks, Share, Tokens};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use lane::{Lane, Payloads};
 use std::sync::Arc;
 use types::*;
-
-/// The Python classes and enum members the compatible interface builds its answers from.
-struct Api {
-    bookmark: Py<PyAny>,
-    entry_record: Py<PyAny>,
-    outbox: Py<PyAny>,
-    view_entry: Py<PyAny>,
-    consumer_info: Py<PyAny>,
-    queue_stats: Py<PyAny>,
-    recipient: Py<PyAny>,
-    ev: [Py<PyAny>; 14],
-    states: Vec<Py<PyAny>>,
-    ack_source: Py<PyAny>,
-    expiry_reason: Py<PyAny>,
-    leave_reason: Py<PyAny>,
-    ack_outcome: Py<PyAny>,
-    unknown_consumer: Py<PyAny>,
-    document_of: Py<PyAny>,
-}
-
-const EV_NAMES: [&str; 14] = [
-    "EntriesEnqueued",
-    "EntryDelayed",
-    "EntryLeased",
-    "EntryAcked",
-    "EntryReleased",
-    "LeaseRenewed",
-    "LeaseExpired",
-    "LeaseBroken",
-    "EntryExpired",
-    "BarrierDelivered",
-    "BacklogFreed",
-    "ConsumerSubscribed",
-    "ConsumerReplaced",
-    "ConsumerLeft",
-];
-
-impl Api {
-    fn load(py: Python<'_>, api: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let get = |name: &str| -> PyResult<Py<PyAny>> { Ok(api.getattr(name)?.unbind()) };
-        let ev = EV_NAMES.map(|n| api.getattr(n).map(|o| o.unbind()));
-        let mut events = Vec::with_capacity(14);
-        for e in ev {
-            events.push(e?);
-        }
-        let state_enum = api.getattr("EntryState")?;
-        let mut states = vec![py.None()];
-        for i in 1..=6 {
-            states.push(state_enum.call1((i,))?.unbind());
-        }
-        Ok(Self {
-            bookmark: get("Bookmark")?,
-            entry_record: get("EntryRecord")?,
-            outbox: get("Outbox")?,
-            view_entry: get("ViewEntry")?,
-            consumer_info: get("ConsumerInfo")?,
-            queue_stats: get("QueueStats")?,
-            recipient: get("Recipient")?,
-            ev: events.try_into().map_err(|_| PyValueError::new_err("event classes"))?,
-            states,
-            ack_source: get("AckSource")?,
-            expiry_reason: get("ExpiryReason")?,
-            leave_reason: get("LeaveReason")?,
-            ack_outcome: get("AckOutcome")?,
-            unknown_consumer: get("UnknownConsumerError")?,
-            document_of: get("document_of")?,
-        })
-    }
-
-    fn bm<'py>(&self, py: Python<'py>, bm: &Bm) -> PyResult<Bound<'py, PyAny>> {
-        self.bookmark.bind(py).call1((&*bm.topic, bm.partition, bm.offset))
-    }
-
-    fn name(n: &Option<Name>) -> Option<&str> {
-        n.as_deref()
-    }
-
-    fn event<'py>(&self, py: Python<'py>, queue: &str, e: &Ev) -> PyResult<Bound<'py, PyAny>> {
-        let cls = |i: usize| self.ev[i].bind(py);
-        match e {
-            Ev::Enqueued { topic, partition, offsets, at } => {
-                cls(0).call1((queue, &**topic, *partition, PyTuple::new(py, offsets)?, *at))
-            }
-            Ev::Delayed { bm, until, at } => cls(1).call1((queue, self.bm(py, bm)?, *until, *at)),
-            Ev::Leased { bm, consumer_id, delivery_topic, token, deadline, delivery_count, at } => {
-                cls(2).call1((
-                    queue,
-                    self.bm(py, bm)?,
-                    &**consumer_id,
-                    &**delivery_topic,
-                    &**token,
-                    *deadline,
-                    *delivery_count,
-                    *at,
-                ))
-            }
-            Ev::Acked { bm, consumer_id, source, at, delivery_count } => cls(3).call1((
-                queue,
-                self.bm(py, bm)?,
-                Self::name(consumer_id),
-                self.ack_source.bind(py).call1((source.as_str(),))?,
-                *at,
-                *delivery_count,
-            )),
-            Ev::Released { bm, consumer_id, cancel_count, available_at, at } => cls(4).call1((
-                queue,
-                self.bm(py, bm)?,
-                &**consumer_id,
-                *cancel_count,
-                *available_at,
-                *at,
-            )),
-            Ev::Renewed { bm, consumer_id, deadline, at } => {
-                cls(5).call1((queue, self.bm(py, bm)?, &**consumer_id, *deadline, *at))
-            }
-            Ev::LeaseExpired { bm, consumer_id, available_at, at } => {
-                cls(6).call1((queue, self.bm(py, bm)?, &**consumer_id, *available_at, *at))
-            }
-            Ev::LeaseBroken { bm, consumer_id, reason, at } => cls(7).call1((
-                queue,
-                self.bm(py, bm)?,
-                &**consumer_id,
-                self.leave_reason.bind(py).call1((reason.as_str(),))?,
-                *at,
-            )),
-            Ev::Expired {
-                bm,
-                reason,
-                dead_letter,
-                delivery_count,
-                cancel_count,
-                consumer_id,
-                detail,
-                at,
-            } => cls(8).call1((
-                queue,
-                self.bm(py, bm)?,
-                self.expiry_reason.bind(py).call1((reason.as_str(),))?,
-                *dead_letter,
-                *delivery_count,
-                *cancel_count,
-                Self::name(consumer_id),
-                detail.as_deref(),
-                *at,
-            )),
-            Ev::Barrier { bm, recipients, at } => {
-                let mut rs = Vec::with_capacity(recipients.len());
-                for (c, t) in recipients {
-                    rs.push(self.recipient.bind(py).call1((&**c, &**t))?);
-                }
-                cls(9).call1((queue, self.bm(py, bm)?, PyTuple::new(py, rs)?, *at))
-            }
-            Ev::BacklogFreed { bm, consumer_id, at } => {
-                cls(10).call1((queue, self.bm(py, bm)?, &**consumer_id, *at))
-            }
-            Ev::Subscribed { consumer_id, session_id, max_backlog, filter, delivery_topic, at } => {
-                cls(11).call1((
-                    queue,
-                    &**consumer_id,
-                    &**session_id,
-                    *max_backlog,
-                    filter.as_deref(),
-                    &**delivery_topic,
-                    *at,
-                ))
-            }
-            Ev::Replaced { consumer_id, session_id, max_backlog, filter, delivery_topic, at } => {
-                cls(12).call1((
-                    queue,
-                    &**consumer_id,
-                    &**session_id,
-                    *max_backlog,
-                    filter.as_deref(),
-                    &**delivery_topic,
-                    *at,
-                ))
-            }
-            Ev::Left { consumer_id, session_id, reason, broken, at } => cls(13).call1((
-                queue,
-                &**consumer_id,
-                &**session_id,
-                self.leave_reason.bind(py).call1((reason.as_str(),))?,
-                *broken,
-                *at,
-            )),
-        }
-    }
-
-    fn record<'py>(&self, py: Python<'py>, r: &Rec) -> PyResult<Bound<'py, PyAny>> {
-        let reason = match r.reason {
-            Some(reason) => Some(self.expiry_reason.bind(py).call1((reason.as_str(),))?),
-            None => None,
-        };
-        self.entry_record.bind(py).call1((
-            self.bm(py, &r.bm)?,
-            self.states[r.state as usize].bind(py),
-            r.delivery_count,
-            r.cancel_count,
-            r.consumer_id.as_deref(),
-            r.session_id.as_deref(),
-            r.token.as_deref(),
-            r.deadline,
-            r.available_at,
-            reason,
-        ))
-    }
-}
 
 fn read_bm(b: &Bound<'_, PyAny>) -> PyResult<(String, i64, i64)> {
     let t = b.cast::<PyTuple>()?;
@@ -261,6 +59,8 @@ fn opt_py(v: Bound<'_, PyAny>) -> Option<Py<PyAny>> {
 struct NativeEngine {
     core: Engine,
     api: Api,
+    /// What `drain_pending` took, for `absorb_into` (the core drains every queue first).
+    pending: Option<(Vec<Ev>, Vec<Rec>)>,
 }
 
 #[pymethods]
@@ -311,7 +111,11 @@ impl NativeEngine {
         } else {
             Tokens::Python(tokens)
         };
-        Ok(Self { core: Engine::new(p, hooks, tokens, session_timeout), api: Api::load(py, api)? })
+        Ok(Self {
+            core: Engine::new(p, hooks, tokens, session_timeout),
+            api: Api::load(py, api)?,
+            pending: None,
+        })
     }
 
     #[getter]
@@ -620,12 +424,255 @@ impl NativeEngine {
         }
         Ok(out)
     }
+
+    /// `dispatch`, the deliveries kept in the lane for `Lane.encode_deliveries`; returns how
+    /// many there are.
+    fn dispatch_into(&mut self, py: Python<'_>, lane: &Bound<'_, Lane>, now: f64) -> PyResult<usize> {
+        let deliveries = self.core.dispatch(py, now)?;
+        let n = deliveries.len();
+        let queue = self.core.policy.name.clone();
+        lane.borrow_mut().deliveries.extend(deliveries.into_iter().map(|d| (queue.clone(), d)));
+        Ok(n)
+    }
+
+    /// `drain`, kept here for `absorb_into` (the reference drains every queue before it
+    /// acts on any outbox).
+    fn drain_pending(&mut self) {
+        let (mut events, mut records) = self.core.drain();
+        if let Some((e, r)) = self.pending.take() {
+            let mut all_e = e;
+            all_e.append(&mut events);
+            let mut all_r = r;
+            all_r.append(&mut records);
+            events = all_e;
+            records = all_r;
+        }
+        self.pending = Some((events, records));
+    }
+
+    /// `drain` into the lane (rows, events, held payloads, done entries); returns the
+    /// counters to add and the events the core acts on (dead letters, consumers that left).
+    #[pyo3(signature = (lane, counted_from, passed, sessions))]
+    fn absorb_into<'py>(
+        &mut self,
+        py: Python<'py>,
+        lane: &Bound<'py, Lane>,
+        counted_from: Option<&Bound<'py, PyDict>>,
+        passed: Option<&Bound<'py, PyDict>>,
+        sessions: &Bound<'py, PyDict>,
+    ) -> PyResult<(Vec<(&'static str, i64)>, Bound<'py, PyList>)> {
+        let read = |d: Option<&Bound<'py, PyDict>>| -> PyResult<rustc_hash::FxHashMap<(String, i64), i64>> {
+            let mut out = rustc_hash::FxHashMap::default();
+            if let Some(d) = d {
+                for (k, v) in d.iter() {
+                    let (topic, partition): (String, i64) = k.extract()?;
+                    out.insert((topic, partition), v.extract()?);
+                }
+            }
+            Ok(out)
+        };
+        let counted = read(counted_from)?;
+        let passed = read(passed)?;
+        let (events, records) = match self.pending.take() {
+            Some(p) => p,
+            None => self.core.drain(),
+        };
+        let queue = self.core.policy.name.clone();
+        let absorbed = lane.borrow_mut().absorb(py, &queue, events, records, &counted, &passed, sessions)?;
+        let specials = PyList::empty(py);
+        for e in &absorbed.specials {
+            specials.append(self.api.event(py, &queue, e)?)?;
+        }
+        Ok((absorbed.counts, specials))
+    }
+
+    /// ACCEPT of one AcceptRecord group: (index, outcome) of the items not applied, where the
+    /// outcome is an `AckOutcome` value or "restoring" (a restored lease whose record the
+    /// replay has not reached: the item waits).
+    fn accept(&mut self, py: Python<'_>, topic: &str, partition: i64, offsets: Vec<i64>,
+              leases: Vec<String>, now: f64) -> PyResult<Vec<(usize, &'static str)>> {
+        let items: Vec<AckIn> = offsets
+            .iter()
+            .zip(leases)
+            .map(|(&offset, lease)| AckIn {
+                topic: topic.to_string(),
+                partition,
+                offset,
+                token: Some(lease),
+                kind: types::ACCEPT,
+                delay: None,
+                reason: None,
+            })
+            .collect();
+        let outcomes = self.core.ack(py, items, now)?;
+        let mut odd = Vec::new();
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            if outcome == Outcome::Applied {
+                continue;
+            }
+            if outcome == Outcome::UnknownBookmark
+                && self.core.restoring_has(&Bm::new(self.core.intern(topic), partition, offsets[i]))
+            {
+                odd.push((i, "restoring"));
+            } else {
+                odd.push((i, outcome.as_str()));
+            }
+        }
+        Ok(odd)
+    }
+}
+
+/// `ShardCore._enqueue` for native engines: journal records offered to the engines of their
+/// topics, documents the record values themselves (a `RawDocument` once an expression reads
+/// one) within the payload budget's ``room`` and ``project(topic, value) -> (doc, fields)``
+/// past it, deliver-at times from ``deliver_at(record)`` for records with headers, and each
+/// record kept in the lane for this step. Returns (deletes, projected, and per topic and
+/// partition the last offset offered).
+#[pyfunction]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn enqueue(
+    py: Python<'_>,
+    lane: &Bound<'_, Lane>,
+    records: &Bound<'_, PyList>,
+    engines_for: &Bound<'_, PyAny>,
+    now: f64,
+    room: i64,
+    project: &Bound<'_, PyAny>,
+    deliver_at: &Bound<'_, PyAny>,
+    delete: &Bound<'_, PyAny>,
+) -> PyResult<(i64, i64, Vec<(String, i64, i64)>)> {
+    let mut topics: Vec<(String, Vec<usize>)> = Vec::new();
+    {
+        let mut index: rustc_hash::FxHashMap<String, usize> = rustc_hash::FxHashMap::default();
+        let mut last: Option<(String, usize)> = None;
+        for (i, r) in records.iter().enumerate() {
+            let t = r.cast::<PyTuple>()?;
+            let topic = t.get_item(0)?;
+            let topic = topic.cast::<pyo3::types::PyString>()?.to_str()?;
+            if let Some((name, at)) = &last {
+                if name == topic {
+                    topics[*at].1.push(i);
+                    continue;
+                }
+            }
+            let at = match index.get(topic) {
+                Some(&at) => at,
+                None => {
+                    topics.push((topic.to_string(), Vec::new()));
+                    index.insert(topic.to_string(), topics.len() - 1);
+                    topics.len() - 1
+                }
+            };
+            topics[at].1.push(i);
+            last = Some((topic.to_string(), at));
+        }
+    }
+    let (mut deletes, mut projected) = (0i64, 0i64);
+    let mut room = room;
+    let mut lasts = Vec::new();
+    for (topic, indexes) in topics {
+        let engines = engines_for.call1((topic.as_str(),))?;
+        let engines = engines.cast::<PyList>()?;
+        if engines.is_empty() {
+            continue;
+        }
+        let mut keyed = false;
+        for e in engines.iter() {
+            keyed |= e.cast::<NativeEngine>()?.borrow().core.policy.key_groups;
+        }
+        let name = lane.borrow_mut().intern(&topic);
+        let mut fields: Option<Py<PyAny>> = None;
+        let mut offered: Vec<Offered> = Vec::with_capacity(indexes.len());
+        let mut last: Vec<(i64, i64)> = Vec::new();
+        for i in indexes {
+            let r = records.get_item(i)?;
+            let t = r.cast::<PyTuple>()?;
+            let partition: i64 = t.get_item(1)?.extract()?;
+            let offset: i64 = t.get_item(2)?.extract()?;
+            match last.iter_mut().find(|(p, _)| *p == partition) {
+                Some(entry) => entry.1 = offset,
+                None => last.push((partition, offset)),
+            }
+            let key_obj = t.get_item(3)?;
+            let key: Option<Arc<[u8]>> = if keyed && !key_obj.is_none() {
+                Some(Arc::from(key_obj.extract::<Vec<u8>>()?))
+            } else {
+                None
+            };
+            let value = t.get_item(4)?;
+            if value.is_none() {
+                // A tombstone is a delete, not a publish: no queue gets an entry for it.
+                deletes += 1;
+                offered.push(Offered {
+                    topic: name.clone(),
+                    partition,
+                    offset,
+                    key,
+                    doc: delete.clone().unbind(),
+                    timestamp: None,
+                    deliver_at: None,
+                });
+                continue;
+            }
+            let headers = t.get_item(6)?;
+            let at: Option<i64> = if !headers.is_none() && headers.len()? > 0 {
+                deliver_at.call1((&r,))?.extract()?
+            } else {
+                None
+            };
+            room -= lane::record_size(t)?;
+            let doc = if room >= 0 {
+                value.unbind()
+            } else {
+                projected += 1;
+                let (doc, f): (Py<PyAny>, Py<PyAny>) = project.call1((topic.as_str(), value))?.extract()?;
+                fields = Some(f);
+                doc
+            };
+            let ts: i64 = t.get_item(5)?.extract()?;
+            offered.push(Offered {
+                topic: name.clone(),
+                partition,
+                offset,
+                key,
+                doc,
+                timestamp: if ts > 0 { Some(ts as f64 / 1000.0) } else { None },
+                deliver_at: at.map(|ms| ms as f64 / 1000.0),
+            });
+            lane.borrow_mut().hold_fresh(Bm::new(name.clone(), partition, offset), r.unbind());
+        }
+        for e in engines.iter() {
+            let engine = e.cast::<NativeEngine>()?;
+            let mut engine = engine.borrow_mut();
+            if let Some(f) = &fields {
+                engine.core.note_projection(py, f.clone_ref(py))?;
+            }
+            let copy: Vec<Offered> = offered
+                .iter()
+                .map(|o| Offered {
+                    topic: o.topic.clone(),
+                    partition: o.partition,
+                    offset: o.offset,
+                    key: o.key.clone(),
+                    doc: o.doc.clone_ref(py),
+                    timestamp: o.timestamp,
+                    deliver_at: o.deliver_at,
+                })
+                .collect();
+            engine.core.enqueue(py, copy, now)?;
+        }
+        lasts.extend(last.into_iter().map(|(p, o)| (topic.clone(), p, o)));
+    }
+    Ok((deletes, projected, lasts))
 }
 
 #[pymodule]
 fn qlayer_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(enqueue, m)?)?;
     m.add_class::<NativeEngine>()?;
     m.add_class::<Share>()?;
+    m.add_class::<Lane>()?;
+    m.add_class::<Payloads>()?;
     m.add("MAX_WANTED_DOCUMENTS", engine::MAX_WANTED_DOCUMENTS)?;
     Ok(())
 }

@@ -69,8 +69,10 @@ class Harness:
         self.catalog = Catalog.of(2, [work, *others], [], now=0.0)
         self.admin = FakeTopicAdmin({JOURNAL: 1, TOPICS.control: 2, TOPICS.ack: 2})
         counter = itertools.count()
-        options = CoordinatorOptions(owner_id="test") if payload_budget is None else \
-            CoordinatorOptions(owner_id="test", payload_budget=payload_budget)
+        # The Python core, whose plans these tests read; the native one is held to it by
+        # tests/unit/coordinator/test_native_core.py.
+        options = CoordinatorOptions(owner_id="test", core="python") if payload_budget is None \
+            else CoordinatorOptions(owner_id="test", core="python", payload_budget=payload_budget)
         self.core = ShardCore(0, options, topics=TOPICS,
                               catalog=lambda: self.catalog, admin=self.admin,
                               tokens=lambda: f"tok{next(counter)}", owner_id="test")
