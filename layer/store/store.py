@@ -29,6 +29,7 @@ from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
+from layer.store.pipeline import CompiledCache, Executor, Result, executor_for
 from layer.store.rows import (
     ConsumerRow,
     EntryKey,
@@ -106,6 +107,8 @@ class Store:
             # SQLAlchemy then drops the stale pool, so the next call reconnects.
             self._engine = create_engine(engine_or_url)
             self._owns_engine = True
+        # The commit path's statements, compiled once (`layer/store/pipeline.py`).
+        self._compiled: CompiledCache = {}
 
     @property
     def engine(self) -> Engine:
@@ -238,6 +241,8 @@ class Store:
             translate_errors(f"committing a batch for shard {shard!r}"),
             self._engine.begin() as conn,
         ):
+            # The guard alone first: it locks the shard's ownership row (a takeover waits for
+            # this transaction), and a fenced coordinator sends nothing else.
             holder = conn.execute(
                 sql.GUARD,
                 _holder_params(shard, owner_id, epoch, moment),
@@ -246,30 +251,34 @@ class Store:
             if holder is None:
                 # Raising inside `begin()` rolls back; nothing of the batch was sent yet.
                 raise FencedError(shard, owner_id, epoch)
-            statements += self._forget(conn, batch.forgotten_queues)
-            upserts, deletes = _split_passed_entries(batch)
-            statements += _delete_entries(conn, deletes)
-            runs, singles = runs_of(upserts.values())
-            runs.extend(batch.runs)
-            statements += _insert_runs(conn, runs, moment)
-            statements += _upsert_entries(conn, singles, moment)
-            statements += _upsert_recovery_points(conn, batch.recovery_points, batch.admitted,
-                                                  moment)
-            pruned = _prune_below(conn, batch.recovery_points)
-            statements += 2 if batch.recovery_points else 0  # the prunes
-            statements += _write_consumers(conn, batch)
-            statements += _increment_counters(conn, batch.counters, moment)
-            statements += _mark_purged(conn, batch.purges_done)
-            statements += _upsert_input_positions(conn, shard, batch.input_positions, moment)
-            outbox_batch_ids: list[int] = []
-            if batch.outbox_published is not None:
-                conn.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
-                                                    "published": batch.outbox_published})
-                statements += 1
-            for events in batch.outbox:  # one, but for iterations with very many events
-                outbox_batch_ids.append(conn.execute(sql.INSERT_OUTBOX, {
-                    "the_shard": shard, "events": events, "now": moment}).scalar_one())
-                statements += 1
+            # The rest in one round trip (`layer/store/pipeline.py`).
+            outbox: list[Result] = []
+            with executor_for(conn, self._compiled) as ex:
+                statements += self._forget(ex, batch.forgotten_queues)
+                upserts, deletes = _split_passed_entries(batch)
+                statements += _delete_entries(ex, deletes)
+                runs, singles = runs_of(upserts.values())
+                runs.extend(batch.runs)
+                statements += _insert_runs(ex, runs, moment)
+                statements += _upsert_entries(ex, singles, moment)
+                statements += _upsert_recovery_points(ex, batch.recovery_points, batch.admitted,
+                                                      moment)
+                pruned_rows = _prune_below(ex, batch.recovery_points)
+                statements += 2 if batch.recovery_points else 0  # the prunes
+                statements += _write_consumers(ex, batch)
+                statements += _increment_counters(ex, batch.counters, moment)
+                statements += _mark_purged(ex, batch.purges_done)
+                statements += _upsert_input_positions(ex, shard, batch.input_positions, moment)
+                if batch.outbox_published is not None:
+                    ex.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
+                                                      "published": batch.outbox_published})
+                    statements += 1
+                for events in batch.outbox:  # one, but for iterations with very many events
+                    outbox.append(ex.execute(sql.INSERT_OUTBOX, {
+                        "the_shard": shard, "events": events, "now": moment}))
+                    statements += 1
+            pruned = pruned_rows.rowcount if pruned_rows is not None else 0
+            outbox_batch_ids = [int(result.scalar_one()) for result in outbox]
         return CommitResult(
             epoch=epoch,
             statements=statements,
@@ -295,7 +304,7 @@ class Store:
             conn.execute(sql.DELETE_PUBLISHED, {"the_shard": shard, "published": published})
 
     @staticmethod
-    def _forget(conn: Connection, queue_names: set[str]) -> int:
+    def _forget(conn: Executor, queue_names: set[str]) -> int:
         if not queue_names:
             return 0
         names = sorted(queue_names)
@@ -674,7 +683,7 @@ def runs_of(rows: Iterable[EntryRow], smallest: int = 2
     return runs, singles
 
 
-def _insert_runs(conn: Connection, runs: list[EntryRun], moment: datetime) -> int:
+def _insert_runs(conn: Executor, runs: list[EntryRun], moment: datetime) -> int:
     if not runs:
         return 0
     runs = sorted(runs, key=lambda run: (run.key[:3], run.offsets[0]))
@@ -700,7 +709,7 @@ def _insert_runs(conn: Connection, runs: list[EntryRun], moment: datetime) -> in
     return 1
 
 
-def _delete_entries(conn: Connection, keys: Iterable[EntryKey]) -> int:
+def _delete_entries(conn: Executor, keys: Iterable[EntryKey]) -> int:
     ordered = sorted(keys)
     if not ordered:
         return 0
@@ -708,7 +717,7 @@ def _delete_entries(conn: Connection, keys: Iterable[EntryKey]) -> int:
     return 1
 
 
-def _upsert_entries(conn: Connection, rows: Iterable[EntryRow], moment: datetime) -> int:
+def _upsert_entries(conn: Executor, rows: Iterable[EntryRow], moment: datetime) -> int:
     ordered = sorted(rows, key=lambda row: row.key)
     if not ordered:
         return 0
@@ -734,7 +743,7 @@ def _upsert_entries(conn: Connection, rows: Iterable[EntryRow], moment: datetime
 
 
 def _upsert_recovery_points(
-    conn: Connection, points: Mapping[PartitionKey, int], admitted: Mapping[PartitionKey, int],
+    conn: Executor, points: Mapping[PartitionKey, int], admitted: Mapping[PartitionKey, int],
     moment: datetime,
 ) -> int:
     """Recovery points, each with its admitted position when the batch has one (the stored
@@ -750,7 +759,7 @@ def _upsert_recovery_points(
     return 1
 
 
-def _upsert_input_positions(conn: Connection, shard: str,
+def _upsert_input_positions(conn: Executor, shard: str,
                             positions: Mapping[tuple[str, int], int], moment: datetime) -> int:
     if not positions:
         return 0
@@ -765,17 +774,19 @@ def _upsert_input_positions(conn: Connection, shard: str,
     return 1
 
 
-def _prune_below(conn: Connection, points: Mapping[PartitionKey, int]) -> int:
+def _prune_below(conn: Executor, points: Mapping[PartitionKey, int]) -> Result | None:
+    """The prunes; the second one's result says how many entry rows went (read it once the
+    statements have run)."""
     if not points:
-        return 0
+        return None
     ordered = sorted(points.items())
     params = _columns([key for key, _ in ordered], ("queue", "topic", "partition"))
     params["offset"] = [offset for _, offset in ordered]
     conn.execute(sql.PRUNE_RUNS_BELOW_RECOVERY_POINTS, params)
-    return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params).rowcount
+    return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params)
 
 
-def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
+def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
     statements = 0
     if batch.consumer_deletes:
         conn.execute(sql.DELETE_CONSUMERS, {"consumer_ids": sorted(batch.consumer_deletes)})
@@ -821,7 +832,7 @@ def _write_consumers(conn: Connection, batch: WriteBatch) -> int:
 
 
 def _increment_counters(
-    conn: Connection, counters: Mapping[str, Mapping[str, int]], moment: datetime
+    conn: Executor, counters: Mapping[str, Mapping[str, int]], moment: datetime
 ) -> int:
     touched = sorted(queue for queue, counts in counters.items() if any(counts.values()))
     if not touched:
@@ -834,7 +845,7 @@ def _increment_counters(
     return 1
 
 
-def _mark_purged(conn: Connection, purges: Mapping[str, float]) -> int:
+def _mark_purged(conn: Executor, purges: Mapping[str, float]) -> int:
     if not purges:
         return 0
     ordered = sorted(purges.items())
