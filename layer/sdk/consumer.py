@@ -827,20 +827,24 @@ class QueueConsumer:
                     f"consumer {self._consumer_id} is closed; its leases were broken and "
                     f"{message.bookmark} will be redelivered"
                 )
-            if message.is_barrier:
+            fields = message._lease_fields
+            if fields[7]:
                 return  # barrier deliveries need no acknowledgement (protocol §6)
-            if not self._active or message.session_id != self._session_id:
+            if not self._active or message._session_id != self._session_id:
                 failure = AckFailure(message.queue, str(message.bookmark), ack_type,
                                      AckStatus.LEASE_LOST,
                                      f"its session {message.session_id} has ended")
             else:
-                item = AckItem(queue=message.queue, bookmark=str(message.bookmark),
-                               lease=message.lease, type=ack_type, delay_ms=delay_ms,
-                               reason=reason)
                 first = len(self._batcher) == 0
-                acceptable = (message._batched and ack_type is AckType.ACCEPT
-                              and "," not in message.lease)
-                if self._batcher.add(item, time.monotonic(), acceptable):
+                if message._batched and ack_type is AckType.ACCEPT and "," not in fields[4]:
+                    # The common case, as plain values: it travels in an AcceptRecord.
+                    due = self._batcher.add_accept(fields[:5], time.monotonic())
+                else:
+                    item = AckItem(queue=message.queue, bookmark=str(message.bookmark),
+                                   lease=message.lease, type=ack_type, delay_ms=delay_ms,
+                                   reason=reason)
+                    due = self._batcher.add(item, time.monotonic())
+                if due:
                     self._send_acks_locked()
                 elif first:
                     self._cond.notify_all()  # the background thread now has a deadline
@@ -916,12 +920,12 @@ class QueueConsumer:
             # One AcceptRecord for every ACCEPT of batch-delivered messages: per queue and
             # journal partition, the offsets and their tokens (protocol 3).
             groups: dict[tuple[str, str, int], tuple[list[int], list[str]]] = {}
-            for item in accepts:
-                topic, partition, offset = item.bookmark.rsplit("/", 2)
-                offsets, leases = groups.setdefault((item.queue, topic, int(partition)),
-                                                    ([], []))
-                offsets.append(int(offset))
-                leases.append(item.lease)
+            for queue, topic, partition, offset, lease in accepts:
+                group = groups.get((queue, topic, partition))
+                if group is None:
+                    group = groups[(queue, topic, partition)] = ([], [])
+                group[0].append(offset)
+                group[1].append(lease)
             accept = AcceptRecord(
                 consumer_id=self._consumer_id, session_id=session_id, sent_at_ms=_now_ms(),
                 groups=tuple(AcceptGroup(queue=q, topic=t, partition=p, offsets=tuple(o),

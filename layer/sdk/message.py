@@ -62,8 +62,10 @@ class Message:
 
     __slots__ = (
         "_batched",
-        "_info",
+        "_bookmark",
         "_lease_expires_at",
+        "_lease_fields",
+        "_session_id",
         "_settled",
         "_settler",
         "_timestamp",
@@ -88,7 +90,15 @@ class Message:
         self.headers = headers
         self._timestamp = timestamp
         self._timestamp_ms: int | None = None  # from a record: made a datetime on first read
-        self._info = info
+        b = info.bookmark
+        # The lease as plain values (queue, topic, partition, offset, lease, expiry in ms,
+        # delivery count, barrier): the objects around them are made when first read, since a
+        # consumer makes a message per delivery and most are only acked.
+        self._lease_fields: tuple[str, str, int, int, str, int, int, bool] = (
+            info.queue, b.topic, b.partition, b.offset, info.lease, info.lease_expires_ms,
+            info.delivery_count, info.barrier)
+        self._bookmark: Bookmark | None = b
+        self._session_id = info.session_id
         # Made on first read: two datetimes per message were a tenth of a consumer's time.
         self._lease_expires_at: datetime | None = None
         self._settler = settler
@@ -120,14 +130,18 @@ class Message:
     def from_batch(cls, entry: BatchEntry, *, consumer_id: str, session_id: str,
                    settler: Settler) -> Message:
         """Build a message from one entry of a delivery batch (protocol 3)."""
-        info = DeliveryInfo(queue=entry.queue,
-                            bookmark=Bookmark(entry.topic, entry.partition, entry.offset),
-                            lease=entry.lease, lease_expires_ms=entry.lease_expires_ms,
-                            delivery_count=entry.delivery_count, barrier=entry.barrier,
-                            consumer_id=consumer_id, session_id=session_id)
-        message = cls(key=entry.key, value=entry.value, headers=entry.headers, timestamp=None,
-                      info=info, settler=settler)
+        message = cls.__new__(cls)
+        message.key = entry.key
+        message.value = entry.value
+        message.headers = entry.headers
+        message._timestamp = None
         message._timestamp_ms = entry.timestamp_ms
+        message._lease_fields = entry[:8]  # queue ... barrier, in `BatchEntry`'s order
+        message._bookmark = None
+        message._session_id = session_id
+        message._lease_expires_at = None
+        message._settler = settler
+        message._settled = None
         message._batched = True
         return message
 
@@ -152,26 +166,29 @@ class Message:
     @property
     def topic(self) -> str:
         """The journal the record was published to."""
-        return self._info.bookmark.topic
+        return self._lease_fields[1]
 
     @property
     def partition(self) -> int:
-        return self._info.bookmark.partition
+        return self._lease_fields[2]
 
     @property
     def offset(self) -> int:
-        return self._info.bookmark.offset
+        return self._lease_fields[3]
 
     # --- the lease ----------------------------------------------------------------------------
 
     @property
     def queue(self) -> str:
-        return self._info.queue
+        return self._lease_fields[0]
 
     @property
     def bookmark(self) -> Bookmark:
         """``topic/partition/offset`` of the record: the entry's identity (``str()`` it)."""
-        return self._info.bookmark
+        if self._bookmark is None:
+            fields = self._lease_fields
+            self._bookmark = Bookmark(fields[1], fields[2], fields[3])
+        return self._bookmark
 
     @property
     def timestamp(self) -> datetime | None:
@@ -183,28 +200,28 @@ class Message:
     @property
     def lease(self) -> str:
         """The lease token the coordinator checks on acknowledgement."""
-        return self._info.lease
+        return self._lease_fields[4]
 
     @property
     def lease_expires_at(self) -> datetime:
         """The lease deadline (UTC, the coordinator's clock); moved by :meth:`renew`."""
         if self._lease_expires_at is None:
-            self._lease_expires_at = from_epoch_ms(self._info.lease_expires_ms)
+            self._lease_expires_at = from_epoch_ms(self._lease_fields[5])
         return self._lease_expires_at
 
     @property
     def delivery_count(self) -> int:
         """1 on the first delivery, 2 on the first redelivery, ..."""
-        return self._info.delivery_count
+        return self._lease_fields[6]
 
     @property
     def is_barrier(self) -> bool:
         """A barrier message: delivered to every consumer, needs no acknowledgement."""
-        return self._info.barrier
+        return self._lease_fields[7]
 
     @property
     def session_id(self) -> str | None:
-        return self._info.session_id
+        return self._session_id
 
     @property
     def settled(self) -> AckType | None:

@@ -20,11 +20,31 @@ pub const REJECT: i64 = 3;
 pub const RENEW: i64 = 4;
 
 /// Where a journal record lives: the identity of an entry.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug)]
 pub struct Bm {
     pub topic: Name,
     pub partition: i64,
     pub offset: i64,
+}
+
+// The offset tells bookmarks apart almost always: compared first, and the topic (an interned
+// name, the same allocation nearly always) by address before by content; hashed without the
+// topic (equal bookmarks still hash alike). Bookmarks are the keys of every lease map.
+impl PartialEq for Bm {
+    fn eq(&self, other: &Self) -> bool {
+        self.offset == other.offset
+            && self.partition == other.partition
+            && (Arc::ptr_eq(&self.topic, &other.topic) || *self.topic == *other.topic)
+    }
+}
+
+impl Eq for Bm {}
+
+impl std::hash::Hash for Bm {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_i64(self.offset);
+        state.write_i64(self.partition);
+    }
 }
 
 impl Bm {

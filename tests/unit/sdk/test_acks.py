@@ -67,7 +67,7 @@ def test_split_sends_accepts_of_batched_messages_apart_and_the_rest_in_order() -
     batcher.add(accept[2], 0.0)  # an ACCEPT of a record-form delivery stays an item
     items, accepts = batcher.split()
     assert items == [[release, renew], [accept[2]]]
-    assert accepts == [accept[0], accept[1]]
+    assert accepts == [("Q", "t", 0, 0, "tok0"), ("Q", "t", 0, 1, "tok1")]
     assert len(batcher) == 0 and batcher.split() == ([], [])
 
 
@@ -77,3 +77,18 @@ def test_without_batched_messages_split_is_batches() -> None:
     for item in items:
         batcher.add(item, 0.0)
     assert batcher.split() == ([items[:2], items[2:]], [])
+
+
+def test_accepts_given_as_values_travel_apart_and_count_toward_the_batch() -> None:
+    batcher = AckBatcher(max_items=3, max_delay=1.0)
+    release = AckItem("Q", "t/0/9", "tok9", AckType.RELEASE, delay_ms=5)
+    assert not batcher.add_accept(("Q", "t", 0, 1, "tok1"), 0.0)
+    assert not batcher.add(release, 0.5)
+    assert batcher.due_at() == 1.0, "the oldest of either kind sets the deadline"
+    assert batcher.add_accept(("Q", "t", 1, 2, "tok2"), 0.6), "three waiting: a full batch"
+    assert batcher.split() == ([[release]], [("Q", "t", 0, 1, "tok1"), ("Q", "t", 1, 2, "tok2")])
+    # Drained (a session that ended), they come back as items, after the others.
+    batcher.add(release, 2.0)
+    batcher.add_accept(("Q", "t", 0, 3, "tok3"), 2.0)
+    assert [(i.bookmark, i.type) for i in batcher.drain()] == [
+        ("t/0/9", AckType.RELEASE), ("t/0/3", AckType.ACCEPT)]
