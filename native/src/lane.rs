@@ -902,26 +902,25 @@ impl Lane {
             topic: Name,
             consumer: Vec<u8>,
             session: Vec<u8>,
-            entries: Vec<Vec<u8>>,
-            size: usize,
-            packed: usize,
+            buf: Vec<u8>,
+            count: usize,
         }
         let mut batches: Vec<Batch> = Vec::new();
         let mut batch_of: FxHashMap<Name, usize> = FxHashMap::default();
         let deliveries = std::mem::take(&mut self.deliveries);
         let mut packed = 0usize;
         let close = |b: &mut Batch, records: &Bound<'py, PyList>| -> PyResult<()> {
-            if b.entries.is_empty() {
+            if b.count == 0 {
                 return Ok(());
             }
-            let value = wire::batch(&b.entries);
+            wire::batch_finish(&mut b.buf, b.count);
             let headers = PyList::new(py, [
                 ("qlayer.batch", PyBytes::new(py, b"1")),
                 ("qlayer.session", PyBytes::new(py, &b.session)),
             ])?;
-            records.append(outgoing.call1(py, (&*b.topic, PyBytes::new(py, &value), PyBytes::new(py, &b.consumer), headers))?)?;
-            b.entries.clear();
-            b.size = 0;
+            records.append(outgoing.call1(py, (&*b.topic, PyBytes::new(py, &b.buf), PyBytes::new(py, &b.consumer), headers))?)?;
+            b.buf.truncate(wire::BATCH_HEAD);
+            b.count = 0;
             Ok(())
         };
         let session_of = |consumer: &str| -> PyResult<Option<(String, bool)>> {
@@ -968,38 +967,42 @@ impl Lane {
                 python.append(self.to_python(py, &queue, &d)?)?;
                 continue;
             }
+            // The record's bytes are borrowed, not copied, until they go into the batch.
             let r = record.bind(py).cast::<PyTuple>()?;
             let key_obj = r.get_item(3)?;
             let value_obj = r.get_item(4)?;
-            let key: Option<Vec<u8>> = if key_obj.is_none() { None } else { Some(key_obj.extract()?) };
-            let value: Option<Vec<u8>> = if value_obj.is_none() { None } else { Some(value_obj.extract()?) };
+            let key: Option<&[u8]> = if key_obj.is_none() { None } else { Some(key_obj.cast::<PyBytes>()?.as_bytes()) };
+            let value: Option<&[u8]> = if value_obj.is_none() { None } else { Some(value_obj.cast::<PyBytes>()?.as_bytes()) };
             let ts: i64 = r.get_item(5)?.extract()?;
+            let timestamp = if ts > 0 { Some(ts) } else { None };
             let headers_obj = r.get_item(6)?;
-            let mut headers: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::new();
+            let mut header_items: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = Vec::new();
             if !headers_obj.is_none() {
                 for h in headers_obj.try_iter()? {
                     let h = h?;
-                    let name: String = h.get_item(0)?.extract()?;
-                    if self.delivery_keys.contains(&name) {
+                    let name = h.get_item(0)?;
+                    if self.delivery_keys.contains(name.cast::<pyo3::types::PyString>()?.to_str()?) {
                         continue;
                     }
-                    let v = h.get_item(1)?;
-                    headers.push((name.into_bytes(), if v.is_none() { None } else { Some(v.extract()?) }));
+                    header_items.push((name, h.get_item(1)?));
                 }
+            }
+            let mut headers: Vec<(&[u8], Option<&[u8]>)> = Vec::with_capacity(header_items.len());
+            for (name, v) in &header_items {
+                let name = name.cast::<pyo3::types::PyString>()?.to_str()?.as_bytes();
+                let v = if v.is_none() { None } else { Some(v.cast::<PyBytes>()?.as_bytes()) };
+                headers.push((name, v));
             }
             for (consumer, topic, session) in targets {
                 let (session, _) = session.expect("batch sessions only");
-                let mut entry = Vec::with_capacity(64 + value.as_ref().map_or(0, |v| v.len()));
-                match &d {
-                    Ev::Leased { token, deadline, delivery_count, .. } => wire::batch_entry(
-                        &mut entry, queue.as_bytes(), bm.topic.as_bytes(), bm.partition, bm.offset,
-                        token.as_bytes(), wire::ms(*deadline), *delivery_count, false,
-                        if ts > 0 { Some(ts) } else { None }, key.as_deref(), value.as_deref(), &headers),
-                    _ => wire::batch_entry(
-                        &mut entry, queue.as_bytes(), bm.topic.as_bytes(), bm.partition, bm.offset,
-                        b"", 0, 1, true, if ts > 0 { Some(ts) } else { None }, key.as_deref(),
-                        value.as_deref(), &headers),
-                }
+                let (lease, expires, count, barrier): (&[u8], i64, i64, bool) = match &d {
+                    Ev::Leased { token, deadline, delivery_count, .. } => {
+                        (token.as_bytes(), wire::ms(*deadline), *delivery_count, false)
+                    }
+                    _ => (b"", 0, 1, true),
+                };
+                let size = wire::batch_entry_len(queue.as_bytes(), bm.topic.as_bytes(), lease,
+                                                 key, value, &headers);
                 let index = match batch_of.get(&consumer) {
                     Some(&i) => i,
                     None => {
@@ -1007,21 +1010,21 @@ impl Lane {
                             topic,
                             consumer: consumer.as_bytes().to_vec(),
                             session: session.into_bytes(),
-                            entries: Vec::new(),
-                            size: 0,
-                            packed: 0,
+                            buf: wire::batch_start(64 * 1024),
+                            count: 0,
                         });
                         batch_of.insert(consumer.clone(), batches.len() - 1);
                         batches.len() - 1
                     }
                 };
                 let b = &mut batches[index];
-                if !b.entries.is_empty() && b.size + entry.len() > max_bytes {
+                if b.count > 0 && b.buf.len() - wire::BATCH_HEAD + size > max_bytes {
                     close(b, &records)?;
                 }
-                b.size += entry.len();
-                b.entries.push(entry);
-                b.packed += 1;
+                wire::batch_entry(&mut b.buf, queue.as_bytes(), bm.topic.as_bytes(), bm.partition,
+                                  bm.offset, lease, expires, count, barrier, timestamp, key, value,
+                                  &headers);
+                b.count += 1;
                 packed += 1;
             }
         }

@@ -96,6 +96,14 @@ fn bytes32(out: &mut Vec<u8>, data: Option<&[u8]>) {
     }
 }
 
+/// The encoded size of a batch message (`batch_entry`'s output).
+pub fn batch_entry_len(queue: &[u8], topic: &[u8], lease: &[u8], key: Option<&[u8]>,
+                       value: Option<&[u8]>, headers: &[(&[u8], Option<&[u8]>)]) -> usize {
+    2 + queue.len() + 2 + topic.len() + 12 + 2 + lease.len() + 21
+        + 4 + key.map_or(0, |k| k.len()) + 4 + value.map_or(0, |v| v.len()) + 2
+        + headers.iter().map(|(n, v)| 2 + n.len() + 4 + v.map_or(0, |v| v.len())).sum::<usize>()
+}
+
 /// One message of a batch (`batch.encode_entry`).
 #[allow(clippy::too_many_arguments)]
 pub fn batch_entry(
@@ -111,7 +119,7 @@ pub fn batch_entry(
     timestamp_ms: Option<i64>,
     key: Option<&[u8]>,
     value: Option<&[u8]>,
-    headers: &[(Vec<u8>, Option<Vec<u8>>)],
+    headers: &[(&[u8], Option<&[u8]>)],
 ) {
     str16(out, queue);
     str16(out, topic);
@@ -127,21 +135,22 @@ pub fn batch_entry(
     out.extend_from_slice(&(headers.len() as u16).to_be_bytes());
     for (name, value) in headers {
         str16(out, name);
-        bytes32(out, value.as_deref());
+        bytes32(out, *value);
     }
 }
 
-/// A batch record's value around its encoded messages.
-pub fn batch(entries: &[Vec<u8>]) -> Vec<u8> {
-    let size: usize = entries.iter().map(|e| e.len()).sum();
-    let mut out = Vec::with_capacity(BATCH_HEAD + size);
+/// A batch record's value being filled: its header, then messages (`batch_entry`), then
+/// `finish` writes the count.
+pub fn batch_start(capacity: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(BATCH_HEAD + capacity);
     out.extend_from_slice(BATCH_MAGIC);
     out.push(BATCH_VERSION);
-    out.extend_from_slice(&(entries.len() as u32).to_be_bytes());
-    for e in entries {
-        out.extend_from_slice(e);
-    }
+    out.extend_from_slice(&0u32.to_be_bytes());
     out
+}
+
+pub fn batch_finish(out: &mut [u8], count: usize) {
+    out[3..7].copy_from_slice(&(count as u32).to_be_bytes());
 }
 
 #[cfg(test)]
