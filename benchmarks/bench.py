@@ -16,7 +16,9 @@ Every system gets the same journal (4 partitions), the same message count, paylo
   records produced beforehand; its own nMsg.sec figure (it times consumption only).
 - qlayer-alo / qlayer-amo: qlayer through the SDK (QueueConsumer, ack every message) on an
   at-least-once and an at-most-once queue; the coordinator runs in its own process so its CPU
-  time and peak RSS are its own.
+  time and peak RSS are its own, with its default shard core (native when built).
+- qlayer-alo-python: qlayer-alo with the coordinator's Python core (`--core python`, the
+  reference): the native core's before/after in every run.
 
 Throughput cell: the consumers (and relay/coordinator) start, a warm-up batch goes through,
 then each repetition produces N records as fast as possible and the figure is N / (first
@@ -226,14 +228,15 @@ def qlayer_worker(bootstrap: str, prefix: str, queue: str, done: Any, ready: Any
     _finish(samples, latencies)
 
 
-def coordinator_process(settings: dict[str, str], conn: Any) -> None:
+def coordinator_process(settings: dict[str, str], conn: Any, core: str = "auto") -> None:
     """The coordinator alone in a process, answering "counters" and "stop" on a pipe."""
     import threading
 
     from layer.coordinator.options import CoordinatorOptions
     from layer.coordinator.process import CoordinatorProcess as Coordinator
 
-    coordinator = Coordinator(Settings(**settings), CoordinatorOptions(refresh_interval=0.5))
+    coordinator = Coordinator(Settings(**settings),
+                              CoordinatorOptions(refresh_interval=0.5, core=core))
     thread = threading.Thread(target=coordinator.run, kwargs={"install_signals": False},
                               daemon=True)
     thread.start()
@@ -372,9 +375,11 @@ class Harness:
                                     "max_per_subscription_backlog": self.plan.max_backlog},
                             time.time())
             pipe, child = CTX.Pipe()
+            core = "python" if cell.system == "qlayer-alo-python" else "auto"
             coord = CTX.Process(target=coordinator_process,
                                 args=({"bootstrap_servers": self.bootstrap,
-                                       "database_url": database, "topic_prefix": prefix}, child))
+                                       "database_url": database, "topic_prefix": prefix}, child,
+                                      core))
             coord.start()
             layer_pid = coord.pid
             time.sleep(2.0)  # the coordinator owns the shard before consumers subscribe
@@ -581,7 +586,7 @@ def ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-SYSTEMS = ("relay", "share-ck", "share-tool", "qlayer-alo", "qlayer-amo")
+SYSTEMS = ("relay", "share-ck", "share-tool", "qlayer-alo", "qlayer-amo", "qlayer-alo-python")
 LATENCY_SYSTEMS = ("relay", "share-ck", "qlayer-alo", "qlayer-amo")
 
 

@@ -29,6 +29,7 @@ LABELS = {
     "share-tool": "share group, ShareConsumerPerformance",
     "qlayer-alo": "qlayer at-least-once",
     "qlayer-amo": "qlayer at-most-once",
+    "qlayer-alo-python": "qlayer at-least-once, Python core",
 }
 
 #: The loop's own frames, left out of "qlayer's own functions" (they include everything).
