@@ -84,11 +84,16 @@ class Plan:
     latency_seconds: float
     latency_size: int
     latency_consumers: int
-    #: Each qlayer consumer's max_backlog (and the queue's max_per_subscription_backlog): the
-    #: messages it may hold unacknowledged. 2,000 is the in-flight allowance of one
-    #: share-partition in Kafka 4.x (`group.share.partition.max.record.locks`), so both queue
-    #: systems may keep as much work on the way.
+    #: The messages in flight (leased, unacknowledged) per journal partition: 2,000 is the
+    #: in-flight allowance of one share-partition in Kafka 4.x
+    #: (`group.share.partition.max.record.locks`). A share group over the 4-partition journal
+    #: may so have 8,000 in flight whatever its consumer count; qlayer's consumers share the
+    #: same total (`max_backlog` = 2,000 × 4 / consumers each, and the queue's
+    #: max_per_subscription_backlog), so both queue systems keep as much work on the way.
     max_backlog: int = 2000
+
+    def backlog_per_consumer(self, consumers: int) -> int:
+        return self.max_backlog * PARTITIONS // consumers
 
 
 QUICK = Plan(messages=20_000, warmup=2_000, repetitions=3, sizes=(200, 1024),
@@ -372,7 +377,8 @@ class Harness:
             semantics = "at-most-once" if cell.system == "qlayer-amo" else "at-least-once"
             store.put_queue(queue, {"name": queue, "underlying_topic": journal,
                                     "semantics": semantics, "lease_period": "60s",
-                                    "max_per_subscription_backlog": self.plan.max_backlog},
+                                    "max_per_subscription_backlog":
+                                        self.plan.backlog_per_consumer(cell.consumers)},
                             time.time())
             pipe, child = CTX.Pipe()
             core = "python" if cell.system == "qlayer-alo-python" else "auto"
@@ -385,7 +391,8 @@ class Harness:
             time.sleep(2.0)  # the coordinator owns the shard before consumers subscribe
             procs += [CTX.Process(target=qlayer_worker, args=(self.bootstrap, prefix, queue, done,
                                                               ready, stop, latencies,
-                                                              self.plan.max_backlog))
+                                                              self.plan.backlog_per_consumer(
+                                                                  cell.consumers)))
                       for _ in range(cell.consumers)]
         for p in procs:
             p.start()
@@ -603,7 +610,9 @@ def main() -> None:
     parser.add_argument("--consumer-counts", help="override the consumer counts, e.g. 1,4")
     parser.add_argument("--no-latency", action="store_true", help="skip the latency cells")
     parser.add_argument("--max-backlog", type=int,
-                        help="each qlayer consumer's max_backlog (default 2000)")
+                        help="messages in flight per journal partition (default 2000, a "
+                             "share-partition's allowance); each of N qlayer consumers gets "
+                             "this × 4 / N as its max_backlog")
     args = parser.parse_args()
     plan = FULL if args.full else QUICK
     if args.messages or args.repetitions:
