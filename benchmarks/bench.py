@@ -460,10 +460,7 @@ class Harness:
             result["loop_us_per_message"] = {
                 phase: round((counters_after.get(f"us_{phase}", 0)
                               - counters_before.get(f"us_{phase}", 0)) / messages, 1)
-                for phase in ("polling", "deciding", "committing", "encoding", "writing",
-                              "landing")}
-            # Whether the write-out (committing, writing) ran beside the loop (pipelined).
-            result["pipelined"] = bool(counters_after.get("pipelined_iterations", 0))
+                for phase in ("polling", "deciding", "committing", "encoding", "writing")}
         if rows_before is not None and store is not None:
             result["rows_per_message"] = round(
                 (database_rows(database) - rows_before) / messages, 3)

@@ -241,26 +241,22 @@ def loop_phases(cells: list[dict[str, Any]]) -> list[str]:
     rows = [c for c in cells if c.get("loop_us_per_message")]
     if not rows:
         return []
-    phases = ("polling", "deciding", "encoding", "landing", "committing", "writing")
+    phases = ("polling", "deciding", "committing", "encoding", "writing")
     lines = ["", "## The coordinator loop, phase by phase (wall µs per message)", "",
              "From the coordinator's own counters over the measured repetitions: waiting for "
              "input (`polling`), applying acks and journal records and deciding "
-             "(`deciding`), building deliveries and events (`encoding`), waiting for the "
-             "previous iteration's write-out (`landing`), the PostgreSQL transaction "
-             "(`committing`) and handing the records to the producer (`writing`; not waited "
-             "for, unless the coordinator runs with `--transactions`). With the pipelined "
-             "write-out (the default) the last two run on their own thread while the loop "
-             "decides the next iteration, so the loop's wall time is the first four; run "
-             "serially it is all six. That sum is the inverse of what one coordinator can "
-             "sustain at that batch size.", "",
-             "| system | size | consumers | " + " | ".join(phases) + " | loop |",
+             "(`deciding`), the PostgreSQL transaction (`committing`), building deliveries "
+             "and events (`encoding`), handing them to the producer (`writing`; not waited "
+             "for, unless the coordinator runs with `--transactions`). The sum is the loop's "
+             "wall time per message, the inverse of what one coordinator can sustain at that "
+             "batch size.", "",
+             "| system | size | consumers | " + " | ".join(phases) + " | sum |",
              "|---|---:|---:|" + "---:|" * (len(phases) + 1)]
     for c in rows:
         loop = c["loop_us_per_message"]
-        own = phases[:4] if c.get("pipelined") else phases
         lines.append(f"| {LABELS.get(c['system'], c['system'])} | {c['size']} | "
                      f"{c['consumers']} | " + " | ".join(_fmt(loop.get(p), 1) for p in phases)
-                     + f" | {_fmt(sum(loop.get(p, 0) for p in own), 1)} |")
+                     + f" | {_fmt(sum(loop.get(p, 0) for p in phases), 1)} |")
     return lines
 
 

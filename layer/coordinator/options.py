@@ -58,9 +58,6 @@ class CoordinatorOptions:
     #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
     #: reference) or ``auto`` (native when the extension is installed).
     core: str = "auto"
-    #: Write an iteration out (PostgreSQL, then Kafka) on a thread of its own while the next
-    #: iteration is decided (docs/coordinator.md); off with Kafka transactions.
-    pipelined: bool = True
 
     def __post_init__(self) -> None:
         if self.core not in CORES:

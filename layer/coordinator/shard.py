@@ -35,7 +35,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore
@@ -109,11 +108,6 @@ class ShardLoop:
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
-        # The pipelined write-out (`_hand_over`): its thread, the iteration in flight and the
-        # input offsets to commit once it has landed.
-        self._pool: ThreadPoolExecutor | None = None
-        self._job: Future[tuple[tuple[int, ...], int, int, int]] | None = None
-        self._job_offsets: dict[tuple[str, int], int] = {}
 
     @property
     def engines(self) -> dict[str, object]:
@@ -145,7 +139,6 @@ class ShardLoop:
     def release(self, now: float) -> None:
         """Hand the shard over at once (revocation, clean stop): its OWNERSHIP_LOST events
         written, best effort, and its row released."""
-        self._settle_write_out()
         if self._writer is not None and self._sent is not None:
             # Batches sent without waiting: known to be written once the producer is empty.
             try:
@@ -218,10 +211,6 @@ class ShardLoop:
                   coordinator_epoch=self.epoch, queue=name) for name in self.core.engines)
 
     def _close_clients(self) -> None:
-        if self._job is not None and not self._job.done():
-            self._settle_write_out()  # it uses the writer: let it finish first
-        self._job = None
-        self._job_offsets = {}
         for closer in (self._reader, self._writer, self._range_reader):
             if closer is not None:
                 try:
@@ -309,9 +298,7 @@ class ShardLoop:
         started = clock()
         records = reader.poll(self.options.max_batch, self.options.poll_timeout
                               if poll_timeout is None else poll_timeout)
-        # The previous write-out's results if it is done, and the delivery reports of what
-        # earlier iterations sent, served without waiting.
-        self._land(reader, block=False)
+        # Delivery reports of what earlier iterations sent, served without waiting.
         self._confirm(writer, now)
         polled = clock()
         plan = self.core.step(records, now, batch, replies)
@@ -340,10 +327,6 @@ class ShardLoop:
         if published is not None and not plan.batch.is_empty():
             plan.batch.published(published)
         decided = clock()
-        if self._pipelined:
-            self._hand_over(plan, reread, writer, reader, now)
-            self._after(plan, reader, group_offsets, now, started, polled, decided)
-            return stats
         batch_ids = self._commit(plan, now)
         if plan.batch.outbox_published is not None:
             self._published = None  # deleted from the outbox by that transaction
@@ -371,124 +354,6 @@ class ShardLoop:
         self.counters["us_encoding"] += out
         group_offsets.run_once(now)
         return stats
-
-    # ------------------------------------------------------------------ pipelined write-out
-    # With the native core the loop's own work per message is small, and the PostgreSQL
-    # transaction and the Kafka sends were a third of its wall time, spent waiting. So the
-    # write-out of iteration N (commit, then its deliveries, replies and event batch) runs on
-    # a thread of its own while the loop polls and decides iteration N + 1; N + 1's write-out
-    # starts only once N's has landed, so PostgreSQL and Kafka see the iterations in order,
-    # and Postgres before Kafka holds within each. A failed write-out fails the next
-    # iteration: the shard is rebuilt from what was committed, dropping what was decided
-    # behind it (never written). Input offsets are committed to Kafka once their iteration
-    # has landed. Kafka transactions (`--transactions`) keep the loop serial.
-
-    @property
-    def _pipelined(self) -> bool:
-        return self.options.pipelined and not self.options.transactional
-
-    def _hand_over(self, plan: Plan, reread: dict[Bookmark, JournalRecord],
-                   writer: RecordWriter, reader: JournalReader, now: float) -> None:
-        """Encode the iteration's records here, then write it out on the write-out thread,
-        once the previous write-out has landed."""
-        started = time.perf_counter()
-        stats, output = plan.stats, self.output
-        out = output.deliveries(plan.deliveries, reread)
-        stats.deliveries = output.delivered
-        self.counters["delivery_records"] += len(out)
-        stats.replies = len(plan.replies)
-        out.extend(output.answerable(plan.replies))
-        encoded = time.perf_counter()
-        # The records hold their bytes now: the entries the plan finished can let go of them.
-        self.core.settled(plan)
-        self._land(reader, block=True)
-        landed = time.perf_counter()
-        if plan.batch.outbox_published is not None:
-            self._published = None  # deleted from the outbox by that transaction
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix=f"shard-{self.shard}-write-out")
-        assert self.epoch is not None
-        self._job = self._pool.submit(self._write_out, plan.batch, out, writer, self.epoch, now)
-        self._job_offsets = plan.input_offsets
-        self.counters["us_encoding"] += int((encoded - started) * 1e6)
-        self.counters["us_landing"] += int((landed - encoded) * 1e6)
-        self.counters["pipelined_iterations"] += 1
-
-    def _write_out(self, batch: WriteBatch, out: list[OutgoingRecord], writer: RecordWriter,
-                   epoch: int, now: float) -> tuple[tuple[int, ...], int, int, int]:
-        """The write-out thread: commit, then send. Returns the outbox batch ids, the
-        statements, and the µs committing and writing took."""
-        started = time.perf_counter()
-        batch_ids: tuple[int, ...] = ()
-        statements = 0
-        if not batch.is_empty():
-            result = self.store.commit(batch, self.key, self.options.owner_id, epoch, now)
-            batch_ids, statements = result.outbox_batch_ids, result.statements
-        committed = time.perf_counter()
-        encode = self.core.codec.encode_event_batch
-        out.extend(OutgoingRecord(self.topics.events, encode(batch_id, self.shard, events),
-                                  self._event_key)
-                   for batch_id, events in zip(batch_ids, batch.outbox, strict=True))
-        if out:
-            writer.send(out)
-        written = time.perf_counter()
-        return (batch_ids, statements, int((committed - started) * 1e6),
-                int((written - committed) * 1e6))
-
-    def _land(self, reader: JournalReader | None, block: bool) -> None:
-        """The previous write-out's results (waiting for it when ``block``): its outbox
-        batches are sent, its input offsets can be committed to Kafka. Its failure is raised
-        here (a fenced shard gives up its ownership first)."""
-        job = self._job
-        if job is None or (not block and not job.done()):
-            return
-        self._job = None
-        offsets, self._job_offsets = self._job_offsets, {}
-        try:
-            batch_ids, statements, committing, writing = job.result()
-        except FencedError:
-            self._lose_ownership("fenced: another coordinator took the shard over")
-            raise
-        if statements:
-            self.counters["statements"] += statements
-            self.counters["transactions"] += 1
-        self.counters["us_committing"] += committing
-        self.counters["us_writing"] += writing
-        if batch_ids:
-            if self._sent is None:
-                self._sent_at = time.monotonic()
-            self._sent = batch_ids[-1]
-        # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
-        if offsets and reader is not None:
-            reader.commit(offsets)
-
-    def _settle_write_out(self) -> None:
-        """Wait for the write-out in flight (stopping or rebuilding the shard); its failure is
-        only logged then: what it did not commit is not stored, and is decided again."""
-        job, self._job = self._job, None
-        self._job_offsets = {}
-        if job is None:
-            return
-        try:
-            job.result(timeout=60)
-        except Exception as exc:
-            log.warning("shard %d: the last write-out failed while stopping: %s", self.shard,
-                        exc)
-
-    def _after(self, plan: Plan, reader: JournalReader,
-               group_offsets: GroupOffsets, now: float, started: float, polled: float,
-               decided: float) -> None:
-        stats = plan.stats
-        if plan.wanted_documents:
-            self.core.refresh_documents(self._read_back(plan.wanted_documents))
-        self.counters["iterations"] += 1
-        self.counters["journal_records"] += stats.journal_records
-        self.counters["deliveries"] += stats.deliveries
-        self.counters["ack_items"] += stats.ack_items
-        self.counters["us_polling"] += int((polled - started) * 1e6)
-        self.counters["us_deciding"] += int((decided - polled) * 1e6)
-        group_offsets.run_once(now)
 
     def _commit(self, plan: Plan, now: float) -> tuple[int, ...]:
         """One guarded transaction for everything decided; returns its outbox batches' ids."""
