@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/cpu_share.py [--bootstrap-servers ...] [--database-url ...]
 
-Runs one qlayer at-least-once throughput cell (1 KiB, 4 consumers, 2 × 80,000 messages) with
+Runs one qlayer at-least-once throughput cell (1 KiB, 4 consumers, 40 × 20,000 messages: each
+repetition fits the coordinator's default payload budget, as in `make bench`) with
 benchmarks/bench.py and, in the middle of it, reads the CPU ticks of every process involved
 from /proc twice, some seconds apart: the coordinator, the SDK consumers, the harness (which
 produces the journal), the Kafka broker and PostgreSQL, and the machine's idle time. Writes
@@ -92,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     argv = [sys.executable, "benchmarks/bench.py", "--bootstrap-servers", args.bootstrap_servers,
             "--database-url", args.database_url, "--systems", "qlayer-alo", "--sizes", "1024",
-            "--consumer-counts", "4", "--messages", "80000", "--repetitions", "2",
+            "--consumer-counts", "4", "--messages", "20000", "--repetitions", "40",
             "--no-latency", "--output", "/tmp/qlayer-cpu-share-cell.json"]
     bench = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True)
@@ -113,6 +114,7 @@ def main() -> None:
               for name in before if not name.startswith("_")}
     shares["idle"] = round(100 * (after["_idle"] - before["_idle"]) / total, 1)
     result: dict[str, Any] = {
+        "version": 2,
         "command": "python benchmarks/cpu_share.py", "argv": argv[1:], "machine": machine(),
         "window_seconds": args.window, "clock_ticks_per_second": hz,
         "percent_of_machine": shares, "cell": cell,

@@ -1,14 +1,14 @@
 #!/bin/bash
 # Profile the coordinator with py-spy during a qlayer at-least-once throughput cell (1 KiB, 4
-# consumers, 2 × 80,000 messages); the raw profile goes to benchmarks/results/coordinator-profile.txt,
+# consumers, 30 × 20,000 messages, each within the payload budget); the raw profile goes to benchmarks/results/coordinator-profile.txt,
 # which benchmarks/report.py summarises in docs/benchmarks.md. Extra arguments go to bench.py
 # (e.g. --bootstrap-servers ... --database-url ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=benchmarks/results/coordinator-profile.txt
-$PY benchmarks/bench.py --systems qlayer-alo --sizes 1024 --consumer-counts 4 --messages 80000 \
-    --repetitions 2 --no-latency --output benchmarks/results/coordinator-profile.json "$@" &
+$PY benchmarks/bench.py --systems qlayer-alo --sizes 1024 --consumer-counts 4 --messages 20000 \
+    --repetitions 30 --no-latency --output benchmarks/results/coordinator-profile.json "$@" &
 BENCH=$!
 COORDINATOR=""
 # The coordinator is the first process the harness spawns (the consumers follow 2 s later).
@@ -24,7 +24,7 @@ for _ in $(seq 1 100); do
     sleep 0.2
 done
 # Past the coordinator's start, the consumers' subscriptions and the warm-up: the repetitions.
-sleep 9
+sleep 12
 .venv/bin/py-spy record -p "$COORDINATOR" -d 12 -f raw -o "$OUT"
 wait "$BENCH"
 echo "written to $OUT"

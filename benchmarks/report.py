@@ -226,7 +226,7 @@ def render(data: dict[str, Any], profile: Path | None = None) -> str:
     if profile is not None and profile.exists():
         lines += ["", "## Where the coordinator spends its time (qlayer at-least-once)", "",
                   "`benchmarks/profile_coordinator.sh`: py-spy on the coordinator process during "
-                  "an at-least-once throughput cell (1 KiB, 4 consumers, 2 × 80,000 messages); "
+                  "an at-least-once throughput cell (1 KiB, 4 consumers, 30 × 20,000 messages); "
                   "raw profile in `benchmarks/results/coordinator-profile.txt`.", ""]
         lines += profile_summary(profile)
     lines += ["", METHOD]
@@ -362,17 +362,8 @@ def limits(cpu_share_path: Path) -> list[str]:
         coordinator = share["percent_of_machine"].get("coordinator", 0.0)
         lines += [
             "",
-            f"The machine is {idle:.0f} % idle on average and the coordinator uses "
-            f"{2 * coordinator:.0f} % of one core. Its loop is serial (poll, decide, commit to "
-            "PostgreSQL, produce), and the phase table above "
-            "splits its time. Overlapping the PostgreSQL and Kafka phases with the next "
-            "iteration on a second thread was tried, and so were smaller polls and (as a "
-            "measurement) writing no events at all. None moved the rate beyond the noise "
-            "(`benchmarks/experiments/README.md`). The GIL serialises the Python part of the "
-            "writes, and the loop is closed: the acks that let the next leases go come only "
-            "after the previous deliveries were written, fetched and processed. What bounds "
-            "qlayer here is the work per message on two shared cores, not one wait that could "
-            "be hidden.", ""]
+            f"The machine is {idle:.0f} % idle and the coordinator uses "
+            f"{2 * coordinator:.0f} % of one core.", ""]
     lines += [NEXT_STEPS]
     return lines
 
@@ -381,32 +372,36 @@ SPEED_WORK = """Coordinator v2, part 2 (issue 13) changed the shapes around each
 acks are stored as runs (*PG rows / msg* fell from about 2.1 to 0.06), a consumer gets one
 delivery record per iteration carrying many messages (`delivery batches`), ACCEPTs come back
 many per record (`AcceptRecord`), and an iteration's events are one EventBatch record through a
-PostgreSQL outbox, with the events of many entries as one `EventRun` item. The coordinator's
-CPU per message fell from 58–74 µs to about 20 (the before/after tables above; the loop's
-*deciding* phase from 30–47 to 11–20 µs). The loop no longer waits on Kafka: deliveries, replies
-and event batches are sent without waiting for the broker (their reports are checked next
-iteration), Kafka transactions are opt-in (`--transactions`), and an idle round waits on the
-input of the shards that serve queues rather than napping (`docs/coordinator.md`). Consumers
-here hold up to 2,000 unacknowledged messages each, the in-flight allowance of one Kafka
-share-partition, where an earlier plan allowed 500 (`--max-backlog` of `bench.py`).
+PostgreSQL outbox, with the events of many entries as one `EventRun` item. The loop no longer
+waits on Kafka, and a transaction's statements after its guard go in one round trip. Then the
+per-message work moved to a native core (`native/`, Rust; [native-core.md](native-core.md)):
+the coordinator's CPU per message fell from 58–74 µs before part 2 to 17–22 µs with the Python
+core and 8–11 µs with the native one (the tables above, `qlayer-alo-python` beside
+`qlayer-alo` in one run). The SDK consumer makes its message objects lazily and buffers
+batch-delivered ACCEPTs as plain values. A qlayer consumer holds, with the others, the
+in-flight allowance a share group has over the journal (2,000 per partition)."""
 
-What bounds the rate now is the loop itself: one thread, about 22–29 µs of wall time per
-message (the phase table: *deciding* 11–20, the PostgreSQL commit 2.5–8, encoding 2–3), which is
-the inverse of the rates measured. The raw relay spends 2–3 µs per message, so the ratio moves
-with how fast the machine's Kafka is at that moment more than with qlayer (the relay measured
-60,000–300,000 acked/s across runs on this machine). Running the write-out (PostgreSQL, then
-Kafka) on a second thread beside the next iteration was measured again and was slower: a GIL
-convoy (`benchmarks/experiments/README.md`, section 4)."""
+NEXT_STEPS = """**What bounds it now.** Not one process: the coordinator is a fifth of the machine, and
+the machine is nearly busy. Per message, qlayer moves the journal record, a delivery (batched),
+an ack (batched) and its events through the broker, which makes the broker the largest user of
+the two cores; four Python consumers that each build a message and ack it are the next; the
+coordinator and PostgreSQL follow. The relay's consumers only read and commit batches, and a
+share group's work is all inside the broker. The loop's own phases (the table above) show the
+PostgreSQL commit as its largest wait: writing the leases (their tokens are half the bytes) and
+deleting them again once acked.
 
-NEXT_STEPS = """**What is next.** To reach half the relay on one coordinator the loop needs well
-under 15 µs per message, which the profile below does not find in Python: the engine step, applying
-acks, building a row per changed entry and encoding deliveries are each a few µs. That is the
-issue's item 7, the per-message hot path (engine step, event encoding, ack application) in a
-native core behind `ShardCore.step`, with the Python core kept as the reference and the same
-property tests run against both (a Rust probe measured 0.7 µs per message for that work). It
-would also make the pipelined write-out pay, since deciding would no longer hold the GIL, as
-would one round trip per transaction (a server-side function taking the batch's arrays).
-Meanwhile more coordinator processes (part 1) spread shards over more cores."""
+**What would move it**, each measured or estimated on this machine:
+- lease tokens derived from one random base per lease batch (stored once per run instead of 33
+  bytes per message): a third of the commit's time in a micro-benchmark;
+- the journal's records handed to the native core without a Python tuple each (the polling
+  phase), and a native decoder for delivery batches in the SDK (optional, as the SDK needs
+  nothing but Kafka);
+- deciding without the GIL (native code that holds no Python object on its hot path), which
+  would let the write-out run beside the loop: tried three times and slower each time while
+  the deciding holds the GIL (`benchmarks/experiments/README.md`, sections 1, 4 and 5);
+- more coordinator processes on more cores: two processes carry 1.97× what one does
+  ([benchmarks-shards.md](benchmarks-shards.md)), which is the way to scale past one machine's
+  worth of one process."""
 
 
 METHOD = """## How each figure is measured
@@ -622,18 +617,21 @@ def render_core(runs: list[dict[str, Any]]) -> str:
              "store rows grouped into runs, delivery batches) for 1 KiB messages to four "
              "consumers, acks as AcceptRecords, no Kafka and no PostgreSQL. It isolates the "
              "Python the coordinator runs per message; the end-to-end figures above add the "
-             "clients, the broker and PostgreSQL. Median of three runs each, the two trees "
-             "measured one after the other in one session (while the test suite ran, so "
-             "compare the ratio, not the absolute figures) on "
-             f"{runs[-1]['machine'].get('cpu', 'this machine')}.", "",
-             "| tree | µs/msg | " + " | ".join(runs[-1]["phases_us_per_msg"]) + " |",
+             "clients, the broker and PostgreSQL. The process runs with the coordinator's "
+             "garbage-collector settings. Median of three runs each, the two measured one "
+             "after the other in one session (`QLAYER_CORE=python`, then `native`; compare "
+             "the ratio, not the absolute figures) on "
+             f"{runs[-1]['machine'].get('cpu', 'this machine')}. With the native core the "
+             "events and the rows are made inside the step.", "",
+             "| core | µs/msg | " + " | ".join(runs[-1]["phases_us_per_msg"]) + " |",
              "|---|---:|" + "---:|" * len(runs[-1]["phases_us_per_msg"])]
     for run in runs:
         phases = run["phases_us_per_msg"]
         lines.append(f"| {run['label'] or run['commit']} ({run['commit']}) | "
                      f"{run['median_us_per_msg']:.1f} | "
                      + " | ".join(f"{v:.1f}" for v in phases.values()) + " |")
-    lines += ["", f"Command: `{runs[-1]['command']}`.", ""]
+    lines += ["", "Commands: " + ", ".join(f"`QLAYER_CORE=... {run['command']}`"
+                                           for run in runs) + ".", ""]
     return "\n".join(lines)
 
 

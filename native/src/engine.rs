@@ -1230,6 +1230,52 @@ impl Engine {
         Ok(results)
     }
 
+    /// ACCEPT of many leases of one journal partition (an AcceptRecord group): `ack` for
+    /// items of one kind, without an item each. Returns (index, outcome) of those not applied.
+    pub fn accept_many(&mut self, py: Python<'_>, topic: &str, partition: i64, offsets: &[i64],
+                       tokens: &[&str], now: f64) -> PyResult<Vec<(usize, Outcome)>> {
+        let name = self.table.topic_name(topic);
+        let strict = self.policy.strict;
+        let mut odd = Vec::new();
+        for (i, (&offset, &token)) in offsets.iter().zip(tokens).enumerate() {
+            let seq = name
+                .as_ref()
+                .and_then(|n| self.leased.get(&Bm::new(n.clone(), partition, offset)).copied());
+            let Some(seq) = seq else {
+                let item = AckIn {
+                    topic: topic.to_string(),
+                    partition,
+                    offset,
+                    token: Some(token.to_string()),
+                    kind: ACCEPT,
+                    delay: None,
+                    reason: None,
+                };
+                let outcome = self.ack_unleased(py, &item, now)?;
+                if outcome != Outcome::Applied {
+                    odd.push((i, outcome));
+                }
+                continue;
+            };
+            let (holder, slot_only) = {
+                let t = &self.touched[&seq];
+                (t.token.as_deref() == Some(token), t.slot_only)
+            };
+            if slot_only {
+                if strict && !holder {
+                    odd.push((i, Outcome::WrongToken));
+                } else {
+                    self.free_slot(py, seq, now);
+                }
+            } else if holder || !strict {
+                self.accept(py, seq, now)?;
+            } else {
+                odd.push((i, Outcome::WrongToken));
+            }
+        }
+        Ok(odd)
+    }
+
     fn ack_unleased(&mut self, py: Python<'_>, item: &AckIn, now: f64) -> PyResult<Outcome> {
         let strict = self.policy.strict;
         let seq = match self.table.locate(&item.topic, item.partition, item.offset) {

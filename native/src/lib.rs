@@ -490,26 +490,19 @@ impl NativeEngine {
     /// outcome is an `AckOutcome` value or "restoring" (a restored lease whose record the
     /// replay has not reached: the item waits).
     fn accept(&mut self, py: Python<'_>, topic: &str, partition: i64, offsets: Vec<i64>,
-              leases: Vec<String>, now: f64) -> PyResult<Vec<(usize, &'static str)>> {
-        let items: Vec<AckIn> = offsets
-            .iter()
-            .zip(leases)
-            .map(|(&offset, lease)| AckIn {
-                topic: topic.to_string(),
-                partition,
-                offset,
-                token: Some(lease),
-                kind: types::ACCEPT,
-                delay: None,
-                reason: None,
-            })
-            .collect();
-        let outcomes = self.core.ack(py, items, now)?;
-        let mut odd = Vec::new();
-        for (i, outcome) in outcomes.into_iter().enumerate() {
-            if outcome == Outcome::Applied {
-                continue;
-            }
+              leases: &Bound<'_, PyAny>, now: f64) -> PyResult<Vec<(usize, &'static str)>> {
+        let leases: Vec<Bound<'_, PyAny>> = leases.try_iter()?.collect::<PyResult<_>>()?;
+        let mut tokens: Vec<&str> = Vec::with_capacity(leases.len());
+        for lease in &leases {
+            tokens.push(lease.cast::<pyo3::types::PyString>()?.to_str()?);
+        }
+        if tokens.len() != offsets.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} offsets but {} leases", offsets.len(), tokens.len())));
+        }
+        let outcomes = self.core.accept_many(py, topic, partition, &offsets, &tokens, now)?;
+        let mut odd = Vec::with_capacity(outcomes.len());
+        for (i, outcome) in outcomes {
             if outcome == Outcome::UnknownBookmark
                 && self.core.restoring_has(&Bm::new(self.core.intern(topic), partition, offsets[i]))
             {
