@@ -381,8 +381,8 @@ core and 8–11 µs with the native one (the tables above, `qlayer-alo-python` b
 batch-delivered ACCEPTs as plain values. A qlayer consumer holds, with the others, the
 in-flight allowance a share group has over the journal (2,000 per partition)."""
 
-NEXT_STEPS = """**What bounds it now.** Not one process: the coordinator is a fifth of the machine, and
-the machine is nearly busy. Per message, qlayer moves the journal record, a delivery (batched),
+NEXT_STEPS = """**What bounds it now.** Not one process: the coordinator is a fifth of the machine,
+and the machine is nearly busy. Per message, qlayer moves the journal record, a delivery (batched),
 an ack (batched) and its events through the broker, which makes the broker the largest user of
 the two cores; four Python consumers that each build a message and ack it are the next; the
 coordinator and PostgreSQL follow. The relay's consumers only read and commit batches, and a
