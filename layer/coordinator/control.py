@@ -106,7 +106,7 @@ class Control:
                                                    SessionEndReason.UNKNOWN_SESSION, now,
                                                    "no such session: subscribe again"))
                 return
-            for name in session.queues:
+            for name in session.every_queue:
                 self.core.engines[name].heartbeat(message.consumer_id, now, message.session_id)
             batch.heartbeat(message.consumer_id, now)
         elif isinstance(message, Unsubscribe):
@@ -114,7 +114,7 @@ class Control:
             if session is None or session.session_id != message.session_id:
                 self.core.counters["unknown_session_unsubscribes"] += 1
                 return
-            for name in session.queues:
+            for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
             del self.core.sessions[message.consumer_id]
             batch.delete_consumer(message.consumer_id, message.session_id)
@@ -215,10 +215,16 @@ class Control:
                    "subscription reads queues of one shard only: give them one shard_group "
                    "in their queue files (docs/coordinator.md, 'One backlog')")
             return
-        if m.queue_is_regex:
-            session.share = (existing.share if existing is not None
-                             and kind is RequestKind.REPLACE and existing.share is not None
-                             else BacklogShare())
+        old = existing.queues if existing is not None else []
+        replacing = kind is RequestKind.REPLACE and existing is not None
+        # A replace that takes the subscription off a queue keeps its leases there (AMPS
+        # "Replacing Queue Subscriptions"), and they keep counting against its backlog: the
+        # queues it drains and the new ones share one backlog.
+        leaving = [n for n in old if n not in names] if replacing else []
+        if m.queue_is_regex or leaving or (replacing and existing is not None
+                                           and existing.draining):
+            session.share = (existing.share if existing is not None and replacing
+                             and existing.share is not None else BacklogShare())
         if not names:
             refuse(SubscribeStatus.UNKNOWN_QUEUE,
                    f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}")
@@ -231,15 +237,25 @@ class Control:
             # fail this record's iteration forever. The consumer may subscribe again.
             refuse(SubscribeStatus.INVALID_REQUEST, f"cannot use delivery_topic: {exc}")
             return
-        old = existing.queues if existing is not None else []
-        for name in old:
-            if name not in names:
-                self.core.engines[name].unsubscribe(m.consumer_id, now)
+        if replacing and existing is not None:
+            for name in leaving:
+                self.core.engines[name].retire(m.consumer_id, now, session.share)
+            # Queues it already drained from, still holding leases, and not subscribed again.
+            session.draining = [n for n in existing.draining + leaving
+                                if n not in names and n in self.core.engines]
+        else:
+            for name in old:
+                if name not in names:
+                    self.core.engines[name].unsubscribe(m.consumer_id, now)
+            if existing is not None:
+                for name in existing.draining:
+                    if name in self.core.engines:
+                        self.core.engines[name].unsubscribe(m.consumer_id, now)
         grants = []
         for name in names:
             engine = self.core.engines[name]
             event: ev.ConsumerSubscribed | ev.ConsumerReplaced
-            if kind is RequestKind.REPLACE and name in old:
+            if replacing and (name in old or name in (existing.draining if existing else [])):
                 event = engine.replace(m.consumer_id, now, max_backlog=m.max_backlog,
                                        filter=m.filter or None, delivery_topic=m.delivery_topic,
                                        share=session.share)
@@ -273,13 +289,19 @@ class Control:
 
     def on_consumer_left(self, e: ev.ConsumerLeft, batch: WriteBatch,
                           replies: list[OutgoingRecord], now: float) -> None:
-        """An engine dropped a consumer (session timeout): drop it everywhere, tell it."""
-        if e.reason is not LeaveReason.SESSION_TIMEOUT:
-            return
+        """An engine dropped a consumer: a session timeout ends the session everywhere (and
+        tells the consumer); a consumer that drained a queue a replace took it off has left
+        that queue."""
         session = self.core.sessions.get(e.consumer_id)
         if session is None or session.session_id != e.session_id:
             return
-        for name in session.queues:
+        if e.reason is LeaveReason.REPLACED:
+            if e.queue in session.draining:
+                session.draining.remove(e.queue)
+            return
+        if e.reason is not LeaveReason.SESSION_TIMEOUT:
+            return
+        for name in session.every_queue:
             if name != e.queue:
                 self.core.engines[name].unsubscribe(e.consumer_id, now, LeaveReason.SESSION_TIMEOUT)
         replies.append(self.session_ended(e.consumer_id, e.session_id,

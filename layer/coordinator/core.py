@@ -464,6 +464,8 @@ class ShardCore:
         for session in self.sessions.values():
             if name in session.queues:
                 session.queues.remove(name)
+            if name in session.draining:
+                session.draining.remove(name)
 
     def resubscribe(self, name: str, now: float) -> None:
         """A rebuilt queue gets the sessions it had."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from layer.domain.consumers import BacklogShare
 from layer.store.rows import ConsumerRow
@@ -29,6 +29,14 @@ class Session:
     share: BacklogShare | None = None
     #: How its deliveries are written: ``batch`` (protocol 3) or ``record`` (one per message).
     delivery_format: str = "record"
+    #: Queues a replace took the subscription off, where its consumer still holds leases
+    #: (`QueueEngine.retire`): heartbeats and the session's end reach them too.
+    draining: list[str] = field(default_factory=list)
+
+    @property
+    def every_queue(self) -> list[str]:
+        """The queues the session is subscribed to, then those it still drains."""
+        return self.queues + [q for q in self.draining if q not in self.queues]
 
     def matches(self, queue: str) -> bool:
         if self.is_regex:

@@ -41,6 +41,7 @@ _LEASE_END = {
     LeaveReason.SESSION_TIMEOUT: LeaseEndReason.SESSION_TIMED_OUT,
     LeaveReason.SESSION_REPLACED: LeaseEndReason.UNSUBSCRIBED,
     LeaveReason.EVICTED: LeaseEndReason.EVICTED,
+    LeaveReason.REPLACED: LeaseEndReason.UNSUBSCRIBED,  # none: it leaves holding no lease
 }
 
 _LEAVE_EVENT = {
@@ -48,6 +49,7 @@ _LEAVE_EVENT = {
     LeaveReason.SESSION_TIMEOUT: EventType.CONSUMER_TIMED_OUT,
     LeaveReason.SESSION_REPLACED: EventType.CONSUMER_UNSUBSCRIBED,
     LeaveReason.EVICTED: EventType.CONSUMER_EVICTED,
+    LeaveReason.REPLACED: EventType.CONSUMER_UNSUBSCRIBED,
 }
 
 

@@ -70,12 +70,15 @@ class BacklogShare:
         return self._native
 
     def room(self) -> int:
+        """The smallest limit of the members still subscribed, less the leases every member
+        holds (a member a replace took off its queue still holds its leases there: AMPS
+        "does not ... adjust the number of currently-unacknowledged messages")."""
         if self._native is not None:
             return int(self._native.room())  # type: ignore[attr-defined]
-        members = self.members
-        if not members:
+        limits = [m.limit for m in self.members if not m.draining]
+        if not limits:
             return 0
-        return min(m.limit for m in members) - sum(len(m.leases) for m in members)
+        return min(limits) - sum(len(m.leases) for m in self.members)
 
     def queue_count(self) -> int:
         """How many queues' consumers take part (Python and native engines alike)."""
@@ -98,6 +101,7 @@ class Consumer:
     __slots__ = (
         "consumer_id",
         "delivery_topic",
+        "draining",
         "filter",
         "last_seen",
         "leases",
@@ -140,6 +144,9 @@ class Consumer:
         self.position = position
         # True when the entry at ``position`` is known to match ``filter``.
         self.position_matched = False
+        #: A replace took the subscription off this queue: it takes nothing new and leaves
+        #: once its leases here are settled or ended (`QueueEngine.retire`).
+        self.draining = False
         self.share = share
         if share is not None:
             share.members.append(self)
@@ -151,7 +158,9 @@ class Consumer:
 
     def room(self) -> int:
         """How many more entries it may take now: its own limit, and its subscription's
-        shared backlog when it has one."""
+        shared backlog when it has one (none while it drains)."""
+        if self.draining:
+            return 0
         own = self.limit - len(self.leases)
         share = self.share
         if share is not None and own > 0:

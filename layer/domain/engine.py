@@ -924,6 +924,7 @@ class QueueEngine:
         consumer.limit = effective_backlog(max_backlog, self._policy.max_per_subscription_backlog)
         consumer.requested_backlog = max_backlog
         consumer.filter = expression
+        consumer.draining = False  # subscribed to this queue again
         if delivery_topic is not None:
             consumer.delivery_topic = delivery_topic
         if share is not consumer.share:
@@ -946,6 +947,26 @@ class QueueEngine:
         )
         self._events.append(event)
         return event
+
+    def retire(self, consumer_id: str, now: float, share: BacklogShare | None = None) -> bool:
+        """A replace took the consumer's subscription off this queue (AMPS "Replacing Queue
+        Subscriptions": it "does not break message leases or adjust the number of
+        currently-unacknowledged messages"). The consumer keeps its leases here, which its
+        holder may settle as before and nobody else is offered until they are settled or end;
+        it takes nothing new, barriers included; its leases keep counting against
+        ``share``, the subscription's backlog; and once it holds none it leaves (`tick`,
+        ConsumerLeft with reason ``replaced``). False if the consumer is unknown."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            return False
+        consumer.draining = True
+        consumer.last_seen = max(consumer.last_seen, now)
+        if share is not consumer.share:
+            consumer.leave_share()
+            if share is not None:
+                consumer.share = share
+                share.members.append(consumer)
+        return True
 
     def heartbeat(self, consumer_id: str, now: float, session_id: str | None = None) -> bool:
         """Keep a consumer's session alive; False if the engine does not know that session
@@ -1128,6 +1149,8 @@ class QueueEngine:
         for consumer in list(self._consumers.values()):
             if now >= consumer.last_seen + consumer.session_timeout:
                 self._leave(consumer, LeaveReason.SESSION_TIMEOUT, now)
+        for consumer in [c for c in self._consumers.values() if c.draining and not c.leases]:
+            self._leave(consumer, LeaveReason.REPLACED, now)
 
     def _expire_due_leases(self, now: float) -> None:
         due: list[Touched] = []
@@ -1461,14 +1484,14 @@ class QueueEngine:
                 return  # an earlier entry is still in the queue
             if self._policy.at_most_once and any(t.seq < seq for t in self._leased.values()):
                 return  # an earlier at-most-once delivery is not acknowledged yet
-            if not self._consumers:
+            if all(c.draining for c in self._consumers.values()):
                 return  # "all current subscribers": wait for at least one
             if table.state[seq - table.base] != AVAILABLE:
                 return  # delayed (deliver-at) barriers wait for their time
             doc = table.docs[seq - table.base]
             if self._projection_seqs and not all(
                     self._covers(seq, doc, c.filter) for c in self._consumers.values()
-                    if c.filter is not None):
+                    if c.filter is not None and not c.draining):
                 self._want(seq)
                 return  # its recipients cannot be told before its record is read again
             deliveries.append(self._deliver_barrier(seq, now))
@@ -1480,7 +1503,7 @@ class QueueEngine:
         recipients = tuple(
             Recipient(c.consumer_id, c.delivery_topic)
             for c in self._consumers.values()
-            if c.filter is None or c.filter.matches(doc)
+            if not c.draining and (c.filter is None or c.filter.matches(doc))
         )
         table.state[seq - table.base] = ACKED
         bookmark = table.bookmark(seq)

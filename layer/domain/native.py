@@ -201,6 +201,9 @@ class NativeQueueEngine:
             consumer_id, now, max_backlog, expression, text, delivery_topic, _share(share))
         return event
 
+    def retire(self, consumer_id: str, now: float, share: BacklogShare | None = None) -> bool:
+        return bool(self._core.retire(consumer_id, now, _share(share)))
+
     def heartbeat(self, consumer_id: str, now: float, session_id: str | None = None) -> bool:
         return bool(self._core.heartbeat(consumer_id, now, session_id))
 

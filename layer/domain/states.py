@@ -118,6 +118,9 @@ class LeaveReason(StrEnum):
     SESSION_TIMEOUT = "session-timeout"
     SESSION_REPLACED = "session-replaced"  # the same consumer id subscribed with a new session
     EVICTED = "evicted"  # an operator removed the consumer (qlayer consumers evict)
+    #: A replace took the subscription off the queue; it stayed until its leases there were
+    #: settled or ended (AMPS: a replace "does not break message leases").
+    REPLACED = "replaced"
 
 
 class Bookmark(NamedTuple):

@@ -57,7 +57,8 @@ pub struct PyHooks {
 #[pyclass(module = "qlayer_native")]
 #[derive(Default)]
 pub struct Share {
-    members: FxHashMap<u64, (i64, i64)>,
+    /// id -> (limit, leases held, draining: its limit no longer counts, its leases do)
+    members: FxHashMap<u64, (i64, i64, bool)>,
     next: u64,
 }
 
@@ -68,13 +69,14 @@ impl Share {
         Self::default()
     }
 
-    /// min(members' limits) less the leases they hold together; 0 without members.
+    /// min(the subscribed members' limits) less the leases every member holds; 0 without
+    /// subscribed members.
     pub fn room(&self) -> i64 {
-        if self.members.is_empty() {
+        let Some(limit) = self.members.values().filter(|(_, _, d)| !*d).map(|(l, _, _)| *l).min()
+        else {
             return 0;
-        }
-        let limit = self.members.values().map(|(l, _)| *l).min().unwrap_or(0);
-        limit - self.members.values().map(|(_, h)| *h).sum::<i64>()
+        };
+        limit - self.members.values().map(|(_, h, _)| *h).sum::<i64>()
     }
 
     #[getter]
@@ -88,18 +90,18 @@ impl Share {
 }
 
 impl Share {
-    fn join(&mut self, limit: i64, held: i64) -> u64 {
+    fn join(&mut self, limit: i64, held: i64, draining: bool) -> u64 {
         let id = self.next;
         self.next += 1;
-        self.members.insert(id, (limit, held));
+        self.members.insert(id, (limit, held, draining));
         id
     }
     fn leave(&mut self, id: u64) {
         self.members.remove(&id);
     }
-    fn set(&mut self, id: u64, limit: i64, held: i64) {
+    fn set(&mut self, id: u64, limit: i64, held: i64, draining: bool) {
         if let Some(m) = self.members.get_mut(&id) {
-            *m = (limit, held);
+            *m = (limit, held, draining);
         }
     }
 }
@@ -119,10 +121,15 @@ pub struct Consumer {
     pub position: Pos,
     pub position_matched: bool,
     pub share: Option<(Py<Share>, u64)>,
+    /// A replace took the subscription off this queue (`Engine::retire`).
+    pub draining: bool,
 }
 
 impl Consumer {
     pub fn room(&self, py: Python<'_>) -> i64 {
+        if self.draining {
+            return 0;
+        }
         let own = self.limit - self.leases.len() as i64;
         if let Some((share, _)) = &self.share {
             if own > 0 {
@@ -134,7 +141,7 @@ impl Consumer {
 
     fn sync_share(&self, py: Python<'_>) {
         if let Some((share, id)) = &self.share {
-            share.borrow_mut(py).set(*id, self.limit, self.leases.len() as i64);
+            share.borrow_mut(py).set(*id, self.limit, self.leases.len() as i64, self.draining);
         }
     }
 
@@ -986,9 +993,10 @@ impl Engine {
             position,
             position_matched: false,
             share: None,
+            draining: false,
         };
         if let Some(share) = share {
-            let id = share.borrow_mut(py).join(limit, 0);
+            let id = share.borrow_mut(py).join(limit, 0, false);
             consumer.share = Some((share, id));
         }
         self.next_order += 1;
@@ -1042,6 +1050,7 @@ impl Engine {
         let consumer = self.consumers.get_mut(consumer_id).expect("consumer");
         consumer.limit = limit;
         consumer.requested_backlog = max_backlog;
+        consumer.draining = false; // subscribed to this queue again
         let (filter_obj, filter_text) = match filter {
             Some((e, t)) => (Some(e), Some(t)),
             None => (None, None),
@@ -1059,7 +1068,7 @@ impl Engine {
         if !same_share {
             consumer.leave_share(py);
             if let Some(share) = share {
-                let id = share.borrow_mut(py).join(limit, consumer.leases.len() as i64);
+                let id = share.borrow_mut(py).join(limit, consumer.leases.len() as i64, false);
                 consumer.share = Some((share, id));
             }
         }
@@ -1077,6 +1086,28 @@ impl Engine {
         };
         self.events.push(event.clone());
         Ok(event)
+    }
+
+    /// `retire`: a replace took the subscription off this queue; the consumer keeps its
+    /// leases (counting against ``share``), takes nothing new, and leaves once it holds none.
+    pub fn retire(&mut self, py: Python<'_>, consumer_id: &Name, now: f64, share: Option<Py<Share>>) -> bool {
+        let Some(consumer) = self.consumers.get_mut(consumer_id) else { return false };
+        consumer.draining = true;
+        consumer.last_seen = consumer.last_seen.max(now);
+        let same = match (&consumer.share, &share) {
+            (Some((a, _)), Some(b)) => a.is(b),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            consumer.leave_share(py);
+            if let Some(share) = share {
+                let id = share.borrow_mut(py).join(consumer.limit, consumer.leases.len() as i64, true);
+                consumer.share = Some((share, id));
+            }
+        }
+        consumer.sync_share(py);
+        true
     }
 
     pub fn heartbeat(&mut self, consumer_id: &str, now: f64, session_id: Option<&str>) -> bool {
@@ -1379,6 +1410,15 @@ impl Engine {
             if due {
                 self.leave(py, &id, Leave::SessionTimeout, now);
             }
+        }
+        let drained: Vec<Name> = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| c.draining && c.leases.is_empty())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in drained {
+            self.leave(py, &id, Leave::Replaced, now);
         }
         Ok(())
     }
@@ -1849,7 +1889,7 @@ impl Engine {
             if self.policy.at_most_once && self.leased.values().any(|s| self.touched[s].seq < seq) {
                 return Ok(());
             }
-            if self.consumers.is_empty() {
+            if self.consumers.values().all(|c| c.draining) {
                 return Ok(());
             }
             if self.table.state[self.table.slot(seq)] != AVAILABLE {
@@ -1858,7 +1898,7 @@ impl Engine {
             if !self.projection_seqs.is_empty() {
                 let doc = self.document(py, self.table.slot(seq))?;
                 let mut all = true;
-                for c in self.consumers.values() {
+                for c in self.consumers.values().filter(|c| !c.draining) {
                     if let Some(f) = &c.filter {
                         if !covers_with(py, &self.hooks, &self.projection_seqs,
                                         &self.projection_fields, seq, &doc, f)? {
@@ -1883,7 +1923,7 @@ impl Engine {
         let mut recipients = Vec::new();
         {
             let doc = self.document(py, slot)?;
-            for c in self.consumers.values() {
+            for c in self.consumers.values().filter(|c| !c.draining) {
                 let takes = match &c.filter {
                     None => true,
                     Some(f) => call_matches(py, f, &doc)?,

@@ -405,7 +405,7 @@ fn available_ms(at: Option<f64>) -> Option<i64> {
 
 fn lease_end(reason: Leave) -> &'static str {
     match reason {
-        Leave::Unsubscribed | Leave::SessionReplaced => "unsubscribed",
+        Leave::Unsubscribed | Leave::SessionReplaced | Leave::Replaced => "unsubscribed",
         Leave::SessionTimeout => "session_timed_out",
         Leave::Evicted => "evicted",
     }
@@ -413,7 +413,7 @@ fn lease_end(reason: Leave) -> &'static str {
 
 fn leave_event(reason: Leave) -> &'static str {
     match reason {
-        Leave::Unsubscribed | Leave::SessionReplaced => "CONSUMER_UNSUBSCRIBED",
+        Leave::Unsubscribed | Leave::SessionReplaced | Leave::Replaced => "CONSUMER_UNSUBSCRIBED",
         Leave::SessionTimeout => "CONSUMER_TIMED_OUT",
         Leave::Evicted => "CONSUMER_EVICTED",
     }

@@ -371,6 +371,11 @@ impl NativeEngine {
         self.api.event(py, &queue, &e)
     }
 
+    #[pyo3(signature = (consumer_id, now, share=None))]
+    fn retire(&mut self, py: Python<'_>, consumer_id: &str, now: f64, share: Option<Py<Share>>) -> bool {
+        self.core.retire(py, &Arc::from(consumer_id), now, share)
+    }
+
     #[pyo3(signature = (consumer_id, now, session_id=None))]
     fn heartbeat(&mut self, consumer_id: &str, now: f64, session_id: Option<&str>) -> bool {
         self.core.heartbeat(consumer_id, now, session_id)

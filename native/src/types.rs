@@ -117,6 +117,7 @@ pub enum Leave {
     SessionTimeout,
     SessionReplaced,
     Evicted,
+    Replaced,
 }
 
 impl Leave {
@@ -126,6 +127,7 @@ impl Leave {
             Leave::SessionTimeout => "session-timeout",
             Leave::SessionReplaced => "session-replaced",
             Leave::Evicted => "evicted",
+            Leave::Replaced => "replaced",
         }
     }
 
@@ -135,6 +137,7 @@ impl Leave {
             "session-timeout" => Leave::SessionTimeout,
             "session-replaced" => Leave::SessionReplaced,
             "evicted" => Leave::Evicted,
+            "replaced" => Leave::Replaced,
             _ => return None,
         })
     }

@@ -29,6 +29,7 @@ from layer.protocol import (
     Codec,
     Event,
     Heartbeat,
+    Replace,
     Subscribe,
     SubscribeResult,
     SubscribeStatus,
@@ -165,6 +166,26 @@ class RawConsumer:
                     self.subscribed = reply.status is SubscribeStatus.OK
                     return reply
         raise TimeoutError(f"no SubscribeResult for {self.consumer_id} within {timeout}s")
+
+    def replace(self, queue: str, *, max_backlog: int | None = None,
+                filter: str | None = None, timeout: float = 30.0) -> SubscribeResult:
+        """Replace this session's subscription (another queue, backlog or filter) and wait
+        for the answer."""
+        request_id = uuid.uuid4().hex
+        self.queue, self.max_backlog, self.filter = queue, max_backlog, filter
+        self._send_control(Replace(
+            consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
+            queue=queue, queue_is_regex=self.queue_is_regex, max_backlog=max_backlog,
+            filter=filter, delivery_topic=self.delivery_topic,
+            sent_at_ms=int(time.time() * 1000)))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._early.extend(self._read(0.2))
+            for reply in self.replies:
+                if isinstance(reply, SubscribeResult) and reply.request_id == request_id:
+                    return reply
+        raise TimeoutError(f"no SubscribeResult for {self.consumer_id}'s replace within "
+                           f"{timeout}s")
 
     def poll(self, timeout: float = 0.5) -> list[Delivered]:
         """Deliveries that arrived; heartbeats on the way, as a real consumer would."""

@@ -159,6 +159,17 @@ class Twins(RuleBasedStateMachine):
     def replace(self, consumer: str, backlog: int | None, filter: str | None) -> None:
         self.both("replace", consumer, self.now, max_backlog=backlog, filter=filter)
 
+    @rule(consumer=st.sampled_from(CONSUMERS), shared=st.booleans())
+    def retire(self, consumer: str, shared: bool) -> None:
+        """A replace took the subscription off the queue (it keeps its leases)."""
+        share_py = share_native = None
+        if shared:
+            if self.shares is None:
+                self.shares = (BacklogShare(), BacklogShare())
+            share_py, share_native = self.shares
+        assert (self.python.retire(consumer, self.now, share_py)
+                == self.native.retire(consumer, self.now, share_native))
+
     @rule(consumer=st.sampled_from(CONSUMERS), same_session=st.booleans())
     def heartbeat(self, consumer: str, same_session: bool) -> None:
         session = f"{consumer}-{self.sessions.get(consumer, 0)}" if same_session else "other"
