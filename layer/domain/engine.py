@@ -132,8 +132,10 @@ def random_tokens(rng: random.Random) -> TokenSource:
 class EntryAck(NamedTuple):
     """One acknowledgement item: which entry, with which lease token, and what to do.
 
-    ``delay`` (seconds) applies to RELEASE only: None uses the queue's redelivery back-off,
-    0 makes the entry available at once. ``reason`` is the REJECT reason for the dead letter.
+    ``delay`` (seconds): for RELEASE how long the entry stays unavailable (None uses the
+    queue's redelivery back-off, 0 makes it available at once); for RENEW the lease's new
+    length from now (None: the queue's lease period). ``reason`` is the REJECT reason for the
+    dead letter.
     """
 
     bookmark: Bookmark
@@ -1028,7 +1030,7 @@ class QueueEngine:
                 if strict and not holder:
                     append(AckOutcome.WRONG_TOKEN)
                 elif kind == _RENEW:
-                    self._renew(touched, now)
+                    self._renew(touched, delay, now)
                     append(AckOutcome.APPLIED)
                 else:
                     self._free_slot(touched, now)
@@ -1053,7 +1055,7 @@ class QueueEngine:
                     append(AckOutcome.WRONG_TOKEN)
             elif kind == _RENEW:
                 if holder:
-                    self._renew(touched, now)
+                    self._renew(touched, delay, now)
                     append(AckOutcome.APPLIED)
                 else:
                     append(AckOutcome.WRONG_TOKEN)
@@ -1161,14 +1163,18 @@ class QueueEngine:
                 break
             due.append(touched)
         restored = self._restored_deadlines
+        popped: set[int] = set()
         while restored and restored[0][0] <= now:
             _, seq = heapq.heappop(restored)
             touched_or_none = self._touched.get(seq)
             if (
                 touched_or_none is not None
                 and touched_or_none.restored
+                and touched_or_none.deadline <= now  # not renewed since it was pushed
                 and touched_or_none.bookmark in self._leased
+                and seq not in popped  # pushed twice (renewed twice with a length)
             ):
+                popped.add(seq)
                 due.append(touched_or_none)
         for touched in due:
             if touched.slot_only:
@@ -1725,13 +1731,20 @@ class QueueEngine:
         self._drop_lease(touched)
         self._expire(touched.seq, ExpiryReason.REJECTED, reason, consumer_id, now)
 
-    def _renew(self, touched: Touched, now: float) -> None:
-        """LEASED → LEASED with a later deadline (RENEW)."""
-        touched.deadline = now + self._policy.lease_period
-        touched.restored = False
-        # Re-inserting keeps ``_leased`` in deadline order.
+    def _renew(self, touched: Touched, extend: float | None, now: float) -> None:
+        """LEASED → LEASED with a new deadline (RENEW): the queue's lease period from now, or
+        ``extend`` seconds from now (SQS ChangeMessageVisibility; it may also shorten it)."""
         del self._leased[touched.bookmark]
         self._leased[touched.bookmark] = touched
+        if extend is None or extend == self._policy.lease_period:
+            touched.deadline = now + self._policy.lease_period
+            # Re-inserting keeps ``_leased`` in deadline order.
+            touched.restored = False
+        else:
+            # Out of deadline order: timed by the heap restored leases use.
+            touched.deadline = now + extend
+            touched.restored = True
+            heapq.heappush(self._restored_deadlines, (touched.deadline, touched.seq))
         if not touched.slot_only:
             self._dirty.add(touched.seq)
         self._events.append(

@@ -18,6 +18,7 @@ from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 
 __all__ = [
+    "MAX_RENEW_MS",
     "AcceptGroup",
     "AcceptRecord",
     "AckItem",
@@ -48,6 +49,9 @@ __all__ = [
     "ack_item_problem",
     "ack_item_shape_problem",
 ]
+
+#: The longest lease a RENEW may ask for (``delay_ms``), as SQS bounds a visibility timeout.
+MAX_RENEW_MS = 12 * 3600 * 1000
 
 
 # --- enums -----------------------------------------------------------------------------------
@@ -260,9 +264,15 @@ def ack_item_shape_problem(item: AckItem) -> str | None:
     if not item.lease:
         return "lease token is empty"
     if item.delay_ms is not None:
-        if item.type is not AckType.RELEASE:
-            return f"delay_ms is only allowed with RELEASE, not {item.type.name}"
-        if item.delay_ms < 0:
+        if item.type is AckType.RENEW:
+            # Protocol 4: the lease's new length. SQS's ChangeMessageVisibility bounds it the
+            # same way (at most 12 hours); ending a lease now is RELEASE's job.
+            if not 1 <= item.delay_ms <= MAX_RENEW_MS:
+                return (f"delay_ms of a RENEW must be between 1 and {MAX_RENEW_MS} "
+                        f"(12 hours), got {item.delay_ms}")
+        elif item.type is not AckType.RELEASE:
+            return f"delay_ms is only allowed with RELEASE and RENEW, not {item.type.name}"
+        elif item.delay_ms < 0:
             return f"delay_ms must not be negative (got {item.delay_ms})"
     if item.reason is not None and item.type is not AckType.REJECT:
         return f"reason is only allowed with REJECT, not {item.type.name}"

@@ -851,7 +851,8 @@ class QueueConsumer:
         if failure is not None:
             self._report_failures([failure])
 
-    def _renew(self, message: Message, timeout: float | None) -> datetime:
+    def _renew(self, message: Message, timeout: float | None,
+               extend_ms: int | None = None) -> datetime:
         self._check_open()
         wait = self._subscribe_timeout if timeout is None else timeout
         key = (message.queue, str(message.bookmark))
@@ -862,7 +863,8 @@ class QueueConsumer:
                     "a barrier message has no lease" if message.is_barrier
                     else f"its session {message.session_id} has ended")])
             self._batcher.add(AckItem(queue=message.queue, bookmark=key[1], lease=message.lease,
-                                      type=AckType.RENEW), time.monotonic())
+                                      type=AckType.RENEW, delay_ms=extend_ms),
+                              time.monotonic())
             self._send_acks_locked()  # the caller is waiting for the answer
         self._renewals[key] = None
         try:

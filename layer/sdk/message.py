@@ -21,7 +21,7 @@ from layer.protocol.headers import (
     header_value,
     parse_delivery_headers,
 )
-from layer.protocol.records import AckType
+from layer.protocol.records import MAX_RENEW_MS, AckType
 from layer.sdk.errors import MessageSettledError
 
 __all__ = ["Message", "Settler", "delay_ms", "from_epoch_ms"]
@@ -34,7 +34,8 @@ class Settler(Protocol):
         self, message: Message, ack_type: AckType, delay_ms: int | None, reason: str | None
     ) -> None: ...
 
-    def _renew(self, message: Message, timeout: float | None) -> datetime: ...
+    def _renew(self, message: Message, timeout: float | None,
+               extend_ms: int | None = None) -> datetime: ...
 
 
 def from_epoch_ms(epoch_ms: int) -> datetime:
@@ -50,6 +51,17 @@ def delay_ms(delay: float | timedelta | None) -> int | None:
     if not seconds >= 0:  # also refuses NaN
         raise ValueError(f"release delay must be zero or more seconds, got {delay!r}")
     return round(seconds * 1000)
+
+
+def renew_ms(extend: float | timedelta | None) -> int | None:
+    """A renewal's length (seconds or a timedelta) in whole milliseconds; None stays None."""
+    if extend is None:
+        return None
+    seconds = extend.total_seconds() if isinstance(extend, timedelta) else float(extend)
+    ms = round(seconds * 1000) if seconds == seconds else 0  # NaN is refused below
+    if not 1 <= ms <= MAX_RENEW_MS:
+        raise ValueError(f"extend must be more than 0 and at most 12 hours, got {extend!r}")
+    return ms
 
 
 class Message:
@@ -246,8 +258,15 @@ class Message:
         """The entry cannot be processed: it is dead-lettered with ``reason`` (REJECT)."""
         self._settle(AckType.REJECT, None, reason)
 
-    def renew(self, timeout: float | None = None) -> datetime:
-        """Extend the lease by the queue's lease period; returns the new deadline.
+    def renew(self, timeout: float | None = None, *,
+              extend: float | timedelta | None = None) -> datetime:
+        """Extend the lease; returns the new deadline (the coordinator's clock).
+
+        By default the lease ends one lease period of the queue from now; with ``extend``
+        (seconds or a timedelta, more than 0 and at most 12 hours) it ends that long from now
+        instead, longer or shorter than the lease period, like SQS's
+        ChangeMessageVisibility. Needs a protocol-4 coordinator; an older one refuses an
+        ``extend`` (``LeaseLostError`` with status INVALID) and keeps the lease as it was.
 
         Waits for the coordinator's answer (up to ``timeout`` seconds, default the consumer's
         ``subscribe_timeout``). Raises ``LeaseLostError`` when the lease is already gone and
@@ -258,7 +277,7 @@ class Message:
                 f"message {self.bookmark} was already settled ({self._settled.name}); "
                 "only a held lease can be renewed"
             )
-        deadline = self._settler._renew(self, timeout)
+        deadline = self._settler._renew(self, timeout, renew_ms(extend))
         self._lease_expires_at = deadline
         return deadline
 

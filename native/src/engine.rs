@@ -1217,7 +1217,7 @@ impl Engine {
                 if strict && !holder {
                     Outcome::WrongToken
                 } else if kind == RENEW {
-                    self.renew(seq, now);
+                    self.renew(seq, item.delay, now);
                     Outcome::Applied
                 } else {
                     self.free_slot(py, seq, now);
@@ -1246,7 +1246,7 @@ impl Engine {
                 }
             } else if kind == RENEW {
                 if holder {
-                    self.renew(seq, now);
+                    self.renew(seq, item.delay, now);
                     Outcome::Applied
                 } else {
                     Outcome::WrongToken
@@ -1435,13 +1435,18 @@ impl Engine {
             }
             due.push(*seq);
         }
+        let mut popped: std::collections::HashSet<Seq> = std::collections::HashSet::new();
         while let Some(Reverse(Timed(at, seq))) = self.restored_deadlines.peek().copied() {
             if at > now {
                 break;
             }
             self.restored_deadlines.pop();
             if let Some(t) = self.listed(seq) {
-                if t.restored && self.leased.contains_key(&t.bm) {
+                // `t.deadline <= now`: not renewed since it was pushed; `popped.insert`: not
+                // pushed twice (renewed twice with a length).
+                if t.restored && t.deadline <= now && self.leased.contains_key(&t.bm)
+                    && popped.insert(seq)
+                {
                     due.push(seq);
                 }
             }
@@ -2149,14 +2154,21 @@ impl Engine {
         self.expire(py, seq, Reason::Rejected, reason, Some(consumer_id), now)
     }
 
-    fn renew(&mut self, seq: Seq, now: f64) {
-        let deadline = now + self.policy.lease_period;
+    /// `QueueEngine._renew`: the lease period from now, or `extend` seconds from now (out of
+    /// deadline order, so timed by the heap restored leases use).
+    fn renew(&mut self, seq: Seq, extend: Option<f64>, now: f64) {
+        let period = self.policy.lease_period;
+        let off_order = extend.is_some_and(|e| e != period);
+        let deadline = now + if off_order { extend.unwrap_or(period) } else { period };
         let (bm, slot_only, consumer_id) = {
             let t = self.touched.get_mut(&seq).expect("touched");
             t.deadline = deadline;
-            t.restored = false;
+            t.restored = off_order;
             (t.bm.clone(), t.slot_only, t.consumer_id.clone())
         };
+        if off_order {
+            self.restored_deadlines.push(Reverse(Timed(deadline, seq)));
+        }
         self.leased.remove(&bm);
         self.leased.insert(bm.clone(), seq);
         if !slot_only {

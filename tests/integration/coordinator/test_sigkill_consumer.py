@@ -27,7 +27,8 @@ VICTIM = textwrap.dedent("""
     import sys, time
     from layer import QueueConsumer
     consumer = QueueConsumer("WorkToDo", sys.argv[1], topic_prefix=sys.argv[2],
-                             max_backlog=5, session_timeout=3.0)
+                             max_backlog=5, session_timeout=float(sys.argv[3]),
+                             consumer_id=sys.argv[4] or None)
     seen = []
     deadline = time.monotonic() + 60
     while len(seen) < 5 and time.monotonic() < deadline:
@@ -41,9 +42,11 @@ VICTIM = textwrap.dedent("""
 """)
 
 
-def start_victim(settings: Settings) -> tuple[subprocess.Popen[str], list[str]]:
+def start_victim(settings: Settings, session_timeout: float = 3.0,
+                 consumer_id: str = "") -> tuple[subprocess.Popen[str], list[str]]:
     proc = subprocess.Popen([sys.executable, "-c", VICTIM, settings.bootstrap_servers,
-                             settings.topic_prefix], stdout=subprocess.PIPE, text=True,
+                             settings.topic_prefix, str(session_timeout), consumer_id],
+                            stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert proc.stdout is not None
     held: list[str] = []
@@ -105,3 +108,38 @@ def test_killed_consumer(settings: Settings, journal: Callable[..., str], semant
     else:
         assert not set(held) & set(got), "at-most-once redelivered a message"
         assert len(got) == total - len(held)
+
+
+def test_a_killed_consumer_back_under_its_id_gets_its_leases_broken_at_once(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """A crashed consumer's leases end before its session timeout when it comes back with the
+    same consumer id (docs/protocol.md §8): its new session replaces the old one, whose leases
+    break at once and are delivered again, here to the restarted process itself."""
+    topic = journal("Work")
+    put_queues(settings, {"name": "WorkToDo", "underlying_topic": topic, "lease_period": "5m"})
+    producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
+    for i in range(5):
+        producer.produce(topic, f"job {i}".encode())
+    assert producer.flush(30) == 0
+    with running_coordinator(settings):
+        # A session timeout and a lease period far beyond the test's waits.
+        victim, held = start_victim(settings, session_timeout=120.0, consumer_id="worker-7")
+        assert len(held) == 5
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        back = QueueConsumer("WorkToDo", settings.bootstrap_servers,
+                             topic_prefix=settings.topic_prefix, max_backlog=5,
+                             consumer_id="worker-7")
+        try:
+            got: dict[str, int] = {}
+            deadline = time.monotonic() + 30
+            while len(got) < 5 and time.monotonic() < deadline:
+                msg = back.receive(timeout=0.5)
+                if msg is not None:
+                    got[str(msg.bookmark)] = msg.delivery_count
+                    msg.ack()
+        finally:
+            back.close()
+    assert set(got) == set(held)
+    assert set(got.values()) == {2}, "delivered again under a new lease"

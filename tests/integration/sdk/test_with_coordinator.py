@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -126,6 +127,47 @@ def test_renew_and_a_lost_lease_with_the_coordinator(
         assert errors[0].status in (AckStatus.LEASE_LOST, AckStatus.WRONG_TOKEN)
         redelivered.ack()
         worker.close()
+
+
+def test_renew_with_a_length_outlives_the_lease_period(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    """`msg.renew(extend=...)` (SQS ChangeMessageVisibility): the lease ends that long from
+    now, past the queue's lease period; nobody else gets the message meanwhile; a length out
+    of bounds is refused before it is sent."""
+    work = create_topic(unique_name("Work"), partitions=1)
+    put_queues(settings, {"name": "Jobs", "underlying_topic": work, "lease_period": "2s"})
+    with QueuePublisher(settings.bootstrap_servers,
+                        topic_prefix=settings.topic_prefix) as publisher:
+        publisher.publish(work, b"slow")
+        publisher.publish(work, b"short")
+    with running_coordinator(settings):
+        worker = consumer(settings, "Jobs", max_backlog=2)
+        other = consumer(settings, "Jobs", max_backlog=2)
+        try:
+            slow = worker.receive(timeout=20)
+            short = worker.receive(timeout=20)
+            assert slow is not None and short is not None
+            with pytest.raises(ValueError, match="12 hours"):
+                slow.renew(extend=13 * 3600)
+            first = slow.lease_expires_at
+            deadline = slow.renew(extend=30)
+            assert slow.lease_expires_at == deadline > first + timedelta(seconds=20)
+            assert deadline > datetime.now(UTC) + timedelta(seconds=25)
+            # Shorter than the lease period: ended within about half a second.
+            short_deadline = short.renew(extend=timedelta(milliseconds=500))
+            assert short_deadline < datetime.now(UTC) + timedelta(seconds=1)
+            # Past the 2 s lease period the other consumer gets the short one only.
+            got = other.receive(timeout=6)
+            assert got is not None and got.value == b"short" and got.delivery_count == 2
+            got.ack()
+            assert other.receive(timeout=2.5) is None, "the renewed lease was broken"
+            slow.ack()
+            wait_until(lambda: counters(settings, "Jobs").get("acked") == 2 or None,
+                       timeout=20, what="both acked, the renewed one by its holder")
+        finally:
+            worker.close()
+            other.close()
 
 
 def publish_mail(settings: Settings, journal: str, *recipients: str) -> None:

@@ -17,12 +17,15 @@ class RecordingSettler:
 
     settled: list[tuple[str, AckType, int | None, str | None]] = field(default_factory=list)
     renew_to: datetime = datetime(2030, 1, 1, tzinfo=UTC)
+    extends: list[int | None] = field(default_factory=list)
 
     def _settle(self, message: Message, ack_type: AckType, delay_ms: int | None,
                 reason: str | None) -> None:
         self.settled.append((str(message.bookmark), ack_type, delay_ms, reason))
 
-    def _renew(self, message: Message, timeout: float | None) -> datetime:
+    def _renew(self, message: Message, timeout: float | None,
+               extend_ms: int | None = None) -> datetime:
+        self.extends.append(extend_ms)
         return self.renew_to
 
 
@@ -116,6 +119,18 @@ def test_renew_moves_the_lease_deadline() -> None:
     message = build(settler=settler)
     assert message.renew() == settler.renew_to
     assert message.lease_expires_at == settler.renew_to
+
+
+def test_renew_with_a_length_sends_it_in_milliseconds_and_checks_its_bounds() -> None:
+    settler = RecordingSettler()
+    message = build(settler=settler)
+    message.renew(extend=90)
+    message.renew(extend=timedelta(milliseconds=1500))
+    assert settler.extends == [90_000, 1_500]
+    for wrong in (0, -1, float("nan"), 12 * 3600 + 1, timedelta(0)):
+        with pytest.raises(ValueError, match="12 hours"):
+            message.renew(extend=wrong)
+    assert settler.extends == [90_000, 1_500], "nothing sent for a refused length"
 
 
 def test_barrier_flag() -> None:
