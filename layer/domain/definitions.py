@@ -41,6 +41,9 @@ __all__ = [
 # documented in docs/queue-configuration.md.
 DEFAULT_LEASE_PERIOD: Final = 300.0
 DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG: Final = 10
+#: The longest ``delivery_delay``. SQS stops at 15 minutes; entries waiting here hold their
+#: journal position (a restart replays from the oldest), so a day bounds that replay.
+MAX_DELIVERY_DELAY: Final = 86_400.0
 
 # Kafka's own rule for topic names (and so for queue names, which double as journal names).
 _TOPIC_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -240,6 +243,9 @@ class QueueDefinition(BaseModel):
     """[MaxCancels] RELEASEs before the entry expires; 0 = unlimited."""
     expiration: float | None = None
     """[Expiration] seconds an entry may stay in the queue; None = never."""
+    delivery_delay: float = 0.0
+    """Seconds after its record's timestamp before an entry may be delivered (beyond AMPS:
+    SQS's DelaySeconds, a queue-wide deliver-at); 0 = at once."""
     max_per_subscription_backlog: int = DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG
     """[MaxPerSubscriptionBacklog] upper bound on any consumer's ``max_backlog``."""
     fairness: Fairness | None = None
@@ -333,6 +339,17 @@ class QueueDefinition(BaseModel):
         seconds = _duration(value)
         if seconds <= 0:
             raise ValueError(f"must be positive (e.g. 30s), got {value!r}")
+        return seconds
+
+    @field_validator("delivery_delay", mode="before")
+    @classmethod
+    def _parse_delivery_delay(cls, value: object) -> float:
+        if value is None:
+            return 0.0
+        seconds = _duration(value)
+        if not 0 <= seconds <= MAX_DELIVERY_DELAY:
+            raise ValueError(
+                f"must be from 0s to 24h (e.g. 30s), got {value!r}")
         return seconds
 
     @field_validator("expiration", mode="before")

@@ -185,6 +185,7 @@ class _Policy:
         "backoff",
         "barrier",
         "dead_letter_expired",
+        "delivery_delay",
         "expiration",
         "fairness",
         "filter",
@@ -206,6 +207,7 @@ class _Policy:
         self.max_deliveries = definition.max_deliveries
         self.max_cancels = definition.max_cancels
         self.expiration = definition.expiration
+        self.delivery_delay = definition.delivery_delay
         self.max_per_subscription_backlog = definition.max_per_subscription_backlog
         self.fairness = definition.effective_fairness
         self.priority: Expression | None = definition.priority_expression
@@ -657,8 +659,15 @@ class QueueEngine:
         append_plain = table.append_plain
         source: Source | None = None
         offsets: list[int] = []
+        delivery_delay = self._policy.delivery_delay
         for record in records:
             topic, partition, offset, key, doc, timestamp, deliver_at = record
+            if delivery_delay:
+                # The queue's delay counts from the record's timestamp (the same after a
+                # replay); a later deliver-at of its own wins.
+                at = (now if timestamp is None else timestamp) + delivery_delay
+                if deliver_at is None or deliver_at < at:
+                    deliver_at = at
             if source is None or source.partition != partition or source.topic != topic:
                 # Poll batches bring runs of one partition: look the source up once per run.
                 source = sources.get((topic, partition))

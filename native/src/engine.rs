@@ -32,6 +32,7 @@ pub struct Policy {
     pub max_deliveries: i64,
     pub max_cancels: i64,
     pub expiration: Option<f64>,
+    pub delivery_delay: f64,
     pub max_per_subscription_backlog: i64,
     pub fairness: Fairness,
     pub priority: Option<Py<PyAny>>,
@@ -730,7 +731,15 @@ impl Engine {
             if record.doc.is(&self.hooks.delete) {
                 continue;
             }
-            if plain && record.deliver_at.is_none_or(|d| d <= now) {
+            // `QueueEngine.enqueue`: the queue's delay counts from the record's timestamp; a
+            // later deliver-at of its own wins.
+            let deliver_at = if self.policy.delivery_delay > 0.0 {
+                let at = record.timestamp.unwrap_or(now) + self.policy.delivery_delay;
+                Some(record.deliver_at.map_or(at, |d| d.max(at)))
+            } else {
+                record.deliver_at
+            };
+            if plain && deliver_at.is_none_or(|d| d <= now) {
                 let ts = record.timestamp.unwrap_or(now);
                 self.table.append(source, offset, ts, record.doc, None, AVAILABLE, 0);
             } else {
@@ -746,7 +755,7 @@ impl Engine {
                     }
                 }
                 if !self.admit(py, source, offset, record.key, doc, record.timestamp,
-                               record.deliver_at, now)? {
+                               deliver_at, now)? {
                     continue;
                 }
             }

@@ -89,6 +89,7 @@ impl NativeEngine {
             max_deliveries: policy.getattr("max_deliveries")?.extract()?,
             max_cancels: policy.getattr("max_cancels")?.extract()?,
             expiration: policy.getattr("expiration")?.extract()?,
+            delivery_delay: policy.getattr("delivery_delay")?.extract()?,
             max_per_subscription_backlog: policy.getattr("max_per_subscription_backlog")?.extract()?,
             fairness,
             priority: opt_py(policy.getattr("priority")?),

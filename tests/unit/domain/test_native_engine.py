@@ -309,7 +309,8 @@ class AtMostOnce(Twins):
 
 
 class KeyGroups(Twins):
-    fields: ClassVar[dict[str, object]] = {"key_groups": True, "lease_period": "5s"}
+    fields: ClassVar[dict[str, object]] = {"key_groups": True, "lease_period": "5s",
+                                           "delivery_delay": "2s"}
 
 
 class Barriers(Twins):
