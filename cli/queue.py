@@ -1,4 +1,4 @@
-"""`qlayer queue apply | create | list | describe | delete | purge`."""
+"""`qlayer queue apply | create | list | describe | delete | purge | ack | reset | move`."""
 
 from __future__ import annotations
 
@@ -24,13 +24,16 @@ from cli.output import (
     value_text,
 )
 from layer.services.queues import (
+    AckResult,
     ApplyResult,
     QueueChange,
     QueueDescription,
     QueueService,
+    ResetResult,
 )
 
-app = typer.Typer(help="Define, inspect, delete and purge queues.", no_args_is_help=True)
+app = typer.Typer(help="Define, inspect, delete, purge, acknowledge and reset queues.",
+                  no_args_is_help=True)
 
 _MARKS = {"create": "+", "change": "~", "delete": "-", "unchanged": "="}
 
@@ -269,6 +272,13 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
         "purge_requested_at": iso_or_none(d.record.purge_requested_at),
         "purged_at": iso_or_none(d.record.purged_at),
         "purge_pending": d.record.purge_pending,
+        "purge_filter": d.record.purge_filter,
+        "purge_acked": d.record.purge_acked,
+        "reset_to": d.record.reset_to,
+        "reset_requested_at": iso_or_none(d.record.reset_requested_at),
+        "reset_done_at": iso_or_none(d.record.reset_done_at),
+        "reset_pending": d.record.reset_pending,
+        "positions_from": d.record.positions_from,
         "definition": d.definition,
         "counters": counters,
         "journal_backlog": d.journal_backlog,
@@ -295,8 +305,13 @@ def _print_describe(d: QueueDescription) -> None:
     state.add_row("created", time_text(record.created_at))
     state.add_row("updated", time_text(record.updated_at))
     if record.purge_requested_at is not None:
-        state.add_row("purge", "pending" if record.purge_pending
-                      else f"done {time_text(record.purged_at)}")
+        what = "purge" if record.purge_filter is None else f"ack {record.purge_filter}"
+        acked = "" if record.purge_acked is None else f", {record.purge_acked} acked"
+        state.add_row(what, "pending" if record.purge_pending
+                      else f"done {time_text(record.purged_at)}{acked}")
+    if record.reset_requested_at is not None and record.reset_to is not None:
+        state.add_row(f"reset to {record.reset_to}", "pending" if record.reset_pending
+                      else f"done {time_text(record.reset_done_at)}")
     backlog = d.journal_backlog
     state.add_row("journal backlog", "-" if backlog is None else str(backlog))
     if d.counters is not None:
@@ -371,6 +386,135 @@ def purge(
     else:
         typer.echo(f"purge of queue {name} requested (version {result.version}); the "
                    "coordinator carries it out shortly (--wait waits for it)")
+
+
+@app.command()
+def ack(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    filter: Annotated[str, typer.Option(
+        "--filter", help="Acknowledge the entries whose payload matches this expression "
+        "(docs/expressions.md), e.g. \"/status = 'cancelled'\".")],
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Count the matching entries now (a snapshot); acknowledge nothing.")
+                       ] = False,
+    wait: Annotated[float | None, typer.Option(
+        "--wait", min=0, metavar="SECONDS",
+        help="Wait up to SECONDS for the coordinator to carry it out (exit 1 if it has not).")
+                    ] = None,
+    database_url: DatabaseUrl = None,
+    bootstrap_servers: BootstrapServers = None,
+    topic_prefix: TopicPrefix = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Acknowledge the queue's entries that match a filter, leased or not (AMPS: a sow_delete
+    with a filter).
+
+    Each leaves the queue with an ACKED event (reason admin); a lease on one ends and its
+    holder's late ack is answered DUPLICATE. The owning coordinator carries it out within its
+    refresh interval, over the entries it has read by then that are deliverable (not those
+    past target_queue_depth); later records enter as usual. --dry-run counts the matching
+    entries from the stored state and the journals: a snapshot, which the coordinator's
+    answer may differ from by what happens meanwhile.
+    """
+    with _service(database_url, bootstrap_servers, topic_prefix) as service:
+        result = service.ack(name, filter, dry_run=dry_run, wait=wait)
+    if json_out:
+        emit_json(_ack_json(result))
+        return
+    if result.matching is not None:
+        m = result.matching
+        typer.echo(f"dry run: {m.total} entries of queue {name} match {filter} now "
+                   f"({m.available} available, {m.leased} leased, {m.delayed} delayed); "
+                   "nothing was acknowledged")
+        if m.sample:
+            typer.echo("    e.g. " + ", ".join(m.sample))
+    elif result.done_at is not None:
+        count = "" if result.acked is None else f"{result.acked} entries "
+        typer.echo(f"acknowledged {count}of queue {name} matching {filter} at "
+                   f"{time_text(result.done_at)}")
+    else:
+        typer.echo(f"ack of queue {name} entries matching {filter} requested (version "
+                   f"{result.version}); the coordinator carries it out shortly (--wait "
+                   "waits for it)")
+
+
+def _ack_json(r: AckResult) -> dict[str, Any]:
+    m = r.matching
+    return {"queue": r.name, "filter": r.filter, "dry_run": r.dry_run, "version": r.version,
+            "requested_at": iso_or_none(r.requested_at), "done_at": iso_or_none(r.done_at),
+            "acked": r.acked,
+            "matching": None if m is None else {
+                "total": m.total, "available": m.available, "leased": m.leased,
+                "delayed": m.delayed, "sample": list(m.sample)}}
+
+
+@app.command()
+def reset(
+    name: Annotated[str, typer.Argument(help="Queue name.")],
+    to: Annotated[str, typer.Option(
+        "--to", metavar="beginning|end|TIMESTAMP|OFFSETS",
+        help="Where the positions go: beginning, end, an ISO-8601 timestamp with an offset, "
+        "or PARTITION:OFFSET,... (e.g. 0:120,1:88; TOPIC:PARTITION:OFFSET when the queue "
+        "reads several journals; partitions not named keep theirs).")],
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print each partition's position before and after; change nothing.")
+                       ] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Reset even while consumers are attached.")] = False,
+    wait: Annotated[float | None, typer.Option(
+        "--wait", min=0, metavar="SECONDS",
+        help="Wait up to SECONDS for the coordinator to carry it out (exit 1 if it has not).")
+                    ] = None,
+    database_url: DatabaseUrl = None,
+    bootstrap_servers: BootstrapServers = None,
+    topic_prefix: TopicPrefix = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Move a queue's journal positions; the coordinator rebuilds the queue from there.
+
+    Moved forward: the entries before the new position leave the queue, each with an ACKED
+    event (reason admin); those after it keep their state (acked stay acked, leases stay).
+    Moved back: a replay, as a Kafka consumer-group reset: the entries the partition holds
+    are closed the same way and every record from the new position enters the queue again.
+    Refused while consumers are attached unless --force. beginning, end and timestamps are
+    resolved when the coordinator carries the reset out (the dry run resolves them now).
+    """
+    with _service(database_url, bootstrap_servers, topic_prefix) as service:
+        result = service.reset(name, to, dry_run=dry_run, force=force, wait=wait)
+    if json_out:
+        emit_json(_reset_json(result))
+        return
+    for p in result.partitions:
+        before = "-" if p.before is None else str(p.before)
+        note = ""
+        if p.passed:
+            note = f"  (up to {p.passed} entries leave)"
+        elif p.replayed:
+            note = f"  ({p.replayed} records come back)"
+        elif p.before == p.after:
+            note = "  (unchanged)"
+        typer.echo(f"    {p.topic}[{p.partition}]: {before} -> {p.after}{note}")
+    if result.dry_run:
+        attached = (f"; {len(result.consumers)} consumers attached (the reset needs --force)"
+                    if result.consumers else "")
+        typer.echo(f"dry run: reset of queue {name} to {result.target} moves "
+                   f"{len(result.changes)} of {len(result.partitions)} partitions"
+                   f"{attached}; nothing was changed")
+    elif result.done_at is not None:
+        typer.echo(f"reset queue {name} to {result.target} at {time_text(result.done_at)}")
+    else:
+        typer.echo(f"reset of queue {name} to {result.target} requested (version "
+                   f"{result.version}); the coordinator carries it out shortly (--wait "
+                   "waits for it)")
+
+
+def _reset_json(r: ResetResult) -> dict[str, Any]:
+    return {"queue": r.name, "to": r.target, "dry_run": r.dry_run, "version": r.version,
+            "requested_at": iso_or_none(r.requested_at), "done_at": iso_or_none(r.done_at),
+            "consumers": r.consumers,
+            "partitions": [{"topic": p.topic, "partition": p.partition, "before": p.before,
+                            "after": p.after, "passed": p.passed, "replayed": p.replayed}
+                           for p in r.partitions]}
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """A shard's periodic work besides its records, each a small service with ``run_once(now)``
 (like river's ``internal/maintenance``): picking up queue changes from the catalog (created,
-changed, moved, deleted, purged; consumers evicted), new journal partitions, and the queues'
-recovery points as consumer-group offsets for lag tools.
+changed, moved, deleted, purged or acked by filter, reset; consumers evicted), new journal
+partitions, and the queues' recovery points as consumer-group offsets for lag tools.
 
 `QueueLoader` is the I/O a queue's (re)build needs: its stored state from PostgreSQL and its
 partitions and offsets from Kafka, handed to the pure `ShardCore.add_queue`.
@@ -10,22 +10,29 @@ partitions and offsets from Kafka, handed to the pure `ShardCore.add_queue`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from layer.coordinator.core import QueueState, ShardCore
 from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
+from layer.coordinator.translate import add_outbox, event_fields
+from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
-from layer.domain.errors import QlayerError, QueueConfigError
-from layer.domain.states import LeaveReason
+from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError
+from layer.domain.positions import ResetTargetError, parse_target, resolve_target
+from layer.domain.states import AckSource, Bookmark, ExpiryReason, LeaveReason
 from layer.kafka import OutgoingRecord, TopicSpec
 from layer.protocol import SessionEndReason, TopicNames
 from layer.store.batch import WriteBatch
-from layer.store.rows import ConsumerRow, PartitionKey, QueueRecord
+from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueRecord
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GroupOffsets", "PartitionCheck", "QueueLoader", "Refresh", "evict", "purge",
-           "read_from"]
+           "read_from", "reset"]
+
+#: Past every offset: a rewound partition closes every entry its queue holds.
+_ALL = 1 << 62
+_DONE = ("ACKED", "EXPIRED")
 
 
 def read_from(reader: JournalSource, starts: dict[tuple[str, int], int]) -> None:
@@ -49,8 +56,13 @@ class QueueLoader:
         self.admin = admin
         self.reader = reader
 
-    def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float) -> bool:
-        """Serve the queue; False (counted, logged) when its stored definition is invalid."""
+    def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float,
+            moved: Mapping[tuple[str, int], tuple[int, int]] | None = None) -> bool:
+        """Serve the queue; False (counted, logged) when its stored definition is invalid.
+
+        ``moved`` (a reset): partition -> (its position before, the new one). The queue starts
+        there; what is stored below a new position is left out, and a partition moved back
+        starts over (nothing stored of it is used, every entry is admitted anew)."""
         core = self.core
         try:
             definition = QueueDefinition.from_mapping(record.definition)
@@ -69,12 +81,22 @@ class QueueLoader:
         name = definition.name
         stored = self.store.load_recovery_points(name)
         starts = self.start_positions(definition, self.journal_partitions(definition), stored)
-        state = QueueState(definition, record.version, self.store.load_entries(name), starts,
-                           stored, self.store.load_admitted(name),
+        entries = self.store.load_entries(name)
+        admitted = self.store.load_admitted(name)
+        reads = dict(starts)
+        if moved:
+            entries, admitted = _moved_state(name, entries, admitted, moved)
+            for tp, (before, after) in moved.items():
+                starts[tp] = after
+                # Reading goes back, never forward: other queues over the journal may need the
+                # records in between (and this one ignores those below its position).
+                reads[tp] = min(before, after)
+        state = QueueState(definition, record.version, entries, starts, stored, admitted,
                            self.admin.log_start_offsets(list(starts)))
         starts = core.add_queue(state, rows, now)
         self.admin.ensure_topics([TopicSpec(dead_letter_topic(topics, definition), 1)])
-        read_from(self.reader, starts)
+        read_from(self.reader, {tp: min(offset, reads.get(tp, offset))
+                                for tp, offset in starts.items()})
         return True
 
     def journal_partitions(self, definition: QueueDefinition,
@@ -111,6 +133,27 @@ class QueueLoader:
         return starts
 
 
+def _moved_state(name: str, entries: list[EntryRow], admitted: dict[PartitionKey, int],
+                 moved: Mapping[tuple[str, int], tuple[int, int]]
+                 ) -> tuple[list[EntryRow], dict[PartitionKey, int]]:
+    """The stored state a reset keeps: rows at or past a position moved forward (acked stay
+    acked, leases stay); nothing of a partition moved back, which is admitted anew from its
+    new position (each entry announced again)."""
+    kept = []
+    for row in entries:
+        move = moved.get((row.topic, row.partition))
+        if move is None or (move[1] >= move[0] and row.offset >= move[1]):
+            kept.append(row)
+    admitted = dict(admitted)
+    for (topic, partition), (before, after) in moved.items():
+        key = PartitionKey(name, topic, partition)
+        if after < before:
+            admitted[key] = after
+        else:
+            admitted[key] = max(admitted.get(key, after), after)
+    return kept, admitted
+
+
 def dead_letter_topic(topics: TopicNames, definition: QueueDefinition) -> str:
     return definition.dead_letter_topic or topics.dead_letter(definition.name)
 
@@ -125,6 +168,10 @@ class Refresh:
         self.interval = interval
         self.next_at = 0.0
         self.seen = -1.0
+        # queue -> the reset request this owner carried out: the catalog shows it done only
+        # after its next load, and a reset must not be done twice (a rewind would replay
+        # again).
+        self.resets_done: dict[str, float] = {}
 
     def due(self, now: float) -> bool:
         return now >= self.next_at or self.core.catalog().loaded_at != self.seen
@@ -135,11 +182,21 @@ class Refresh:
         self.seen = catalog.loaded_at
         self.next_at = now + self.interval
         known = catalog.on_shard(core.shard)
+        rows = catalog.consumers.values()
+        for name, record in known.items():
+            # Before purges and evictions: a reset takes what its queue's engine has to say
+            # since the last step, which is only what the reset itself decides.
+            if (record.reset_pending and name in core.engines
+                    and self.resets_done.get(name) != record.reset_requested_at):
+                assert record.reset_requested_at is not None
+                reset(core, self.loader, record, rows, now, batch)
+                self.resets_done[name] = record.reset_requested_at
+                batch.reset_done(name, record.reset_requested_at)
         for name, record in known.items():
             if record.purge_pending and name in core.engines:
-                purge(core, name, now)
+                acked = purge(core, name, now, record.purge_filter)
                 assert record.purge_requested_at is not None
-                batch.purge_done(name, record.purge_requested_at)
+                batch.purge_done(name, record.purge_requested_at, acked)
                 # A purge bumps the version; it is not a definition change to rebuild for.
                 core.versions[name] = record.version
         evict(core, catalog.consumers.values(), now, batch, replies)
@@ -152,7 +209,6 @@ class Refresh:
                 else:
                     log.info("queue %s moved to shard %d", name, elsewhere)
                     core.forget_empty_sessions()
-        rows = catalog.consumers.values()
         for name, record in known.items():
             if name not in core.engines:
                 log.info("queue %s is served by shard %d from now on", name, core.shard)
@@ -223,21 +279,110 @@ class GroupOffsets:
                 log.warning("committing lag offsets of queue %s failed: %s", queue, exc)
 
 
-def purge(core: ShardCore, name: str, now: float) -> None:
+def purge(core: ShardCore, name: str, now: float, filter: str | None = None) -> int:
     """`qlayer queue purge`: every entry leaves the queue, acknowledged by the operator
-    (AMPS: a sow_delete on the queue). Leases end; their holders' late acks are answered
-    DUPLICATE. Each entry gets its ACKED event (source admin), so audits still balance."""
+    (AMPS: a sow_delete on the queue); `qlayer queue ack --filter`: the entries matching the
+    filter (AMPS: "the sow_delete acknowledges all messages that match the filter"). Leases
+    end; their holders' late acks are answered DUPLICATE. Each entry gets its ACKED event
+    (source admin), so audits still balance. Returns how many entries were acknowledged."""
     engine = core.engines[name]
     purged = 0
-    # Entries beyond target_queue_depth become active as the ones before them leave.
-    for _ in range(1_000):
-        n = engine.ack_matching(None, now)
+    # Entries beyond target_queue_depth become active as the ones before them leave. A
+    # filter applies to the deliverable entries only (AMPS: "A sow_delete that uses a filter
+    # will only apply to the messages in the queue that are currently deliverable"), so it is
+    # applied once: the entries that become active after it are not taken.
+    for _ in range(1_000 if filter is None else 1):
+        try:
+            n = engine.ack_matching(filter, now)
+        except ExpressionError as exc:
+            # Checked when it was asked for; a stored filter that no longer compiles (a
+            # newer CLI's syntax) is logged and dropped rather than stopping the shard.
+            core.counters["invalid_ack_filters"] += 1
+            log.error("queue %s: the ack filter %r is invalid and was dropped: %s", name,
+                      filter, exc)
+            return 0
         engine.tick(now)
         purged += n
         if n == 0:
             break
     core.counters["purged"] += purged
-    log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)
+    if filter is None:
+        log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)
+    else:
+        log.info("queue %s: %d entries matching %s acknowledged by the operator", name,
+                 purged, filter)
+    return purged
+
+
+def reset(core: ShardCore, loader: QueueLoader, record: QueueRecord,
+          rows: Iterable[ConsumerRow], now: float, batch: WriteBatch) -> None:
+    """`qlayer queue reset` (or a changed ``recovery_point``): the queue's positions move to
+    the target and it is rebuilt from there, under its current definition.
+
+    AMPS begins a queue's recovery at a changed RecoveryPoint and rebuilds its state from the
+    operations recorded after it. So, per partition moved forward, the entries before the new
+    position leave the queue -- each with an ACKED event (source admin), as in a purge -- and
+    those after it keep their state: acked stay acked, leases stay. Below a recovery point
+    qlayer keeps no record of each entry's outcome (DESIGN §3), so a partition moved back is a
+    replay, as a Kafka consumer-group reset is: the entries it holds are closed the same way
+    and every record from the new position enters the queue anew (ENQUEUED again)."""
+    name = record.name
+    engine = core.engines[name]
+    assert record.reset_to is not None
+    try:
+        target = parse_target(record.reset_to)
+        definition = QueueDefinition.from_mapping(record.definition)
+        positions = resolve_target(target, loader.journal_partitions(definition), loader.admin)
+    except (ResetTargetError, QueueConfigError) as exc:
+        core.counters["invalid_resets"] += 1
+        log.error("queue %s: the reset to %r cannot be done and was dropped: %s", name,
+                  record.reset_to, exc)
+        return
+    before = engine.recovery_points()
+    moved = {tp: (before.get(tp, offset), offset) for tp, offset in positions.items()}
+    moved = {tp: move for tp, move in moved.items() if move[0] != move[1]}
+    if not moved:
+        # Nothing to rebuild for the reset; a definition changed with it still is (below).
+        log.info("queue %s: reset to %s moves no position", name, target.text)
+        return
+    stored = [row for row in loader.store.load_entries(name)
+              if row.state not in _DONE and (row.topic, row.partition) in moved]
+    closed: list[ev.Event] = []
+    for (topic, partition), (old, new) in sorted(moved.items()):
+        below = new if new > old else _ALL
+        # Entries stored but not reached by the replay yet (after a restart): the engine lets
+        # them go without an event, so theirs come from their rows.
+        for row in stored:
+            bookmark = Bookmark(topic, partition, row.offset)
+            if ((row.topic, row.partition) == (topic, partition) and row.offset < below
+                    and engine.restoring(bookmark)):
+                closed.append(ev.EntryAcked(name, bookmark, None, AckSource.ADMIN, now,
+                                            row.delivery_count or None))
+        engine.expire_before(topic, partition, below, now)
+        if new < old:
+            batch.forget_partition(name, topic, partition)
+    # The engine reports them as lost (retention); to the operator they were acknowledged.
+    for e in engine.drain().events:
+        if isinstance(e, ev.EntryExpired) and e.reason is ExpiryReason.RETENTION:
+            closed.append(ev.EntryAcked(name, e.bookmark, None, AckSource.ADMIN, now,
+                                        e.delivery_count or None))
+        else:
+            closed.append(e)  # nothing else is pending between steps; kept if it ever is
+    if closed:
+        add_outbox(batch, name, ev.Outbox(closed, []))
+        codec = core.codec
+        encode = codec.event_encoder.encode_fields
+        batch.put_events(codec.event_arrays([
+            codec.event_item(encode(core.owner_id, core.epoch, *f))
+            for f in event_fields(closed, session_of=core.session_id_of)]))
+    core.drop_queue(name, keep_sessions=True)
+    if loader.add(record, rows, now, moved):
+        core.resubscribe(name, now)
+    core.counters["resets"] += 1
+    core.counters["reset_acked"] += sum(isinstance(e, ev.EntryAcked) for e in closed)
+    log.info("queue %s reset to %s: %s; %d entries acknowledged by the operator", name,
+             target.text, ", ".join(f"{t}[{p}] {a} -> {b}" for (t, p), (a, b)
+                                   in sorted(moved.items())), len(closed))
 
 
 def evict(core: ShardCore, rows: Iterable[ConsumerRow], now: float, batch: WriteBatch,

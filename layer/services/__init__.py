@@ -12,11 +12,13 @@ from layer.services.consumers import (
     NoSuchConsumerError,
 )
 from layer.services.queues import (
+    AckResult,
     ApplyConflictError,
     ApplyPlan,
     ApplyResult,
     ConsumersAttachedError,
     FieldChange,
+    InvalidFilterError,
     InvalidQueueFileError,
     NoSuchQueueError,
     PartitionFigures,
@@ -26,11 +28,13 @@ from layer.services.queues import (
     QueueExistsError,
     QueueService,
     QueueSummary,
+    ResetResult,
     WaitTimedOutError,
     plan_apply,
 )
 
 __all__ = [
+    "AckResult",
     "ApplyConflictError",
     "ApplyPlan",
     "ApplyResult",
@@ -39,6 +43,7 @@ __all__ = [
     "ConsumersAttachedError",
     "EvictionResult",
     "FieldChange",
+    "InvalidFilterError",
     "InvalidQueueFileError",
     "NoSuchConsumerError",
     "NoSuchQueueError",
@@ -49,6 +54,7 @@ __all__ = [
     "QueueExistsError",
     "QueueService",
     "QueueSummary",
+    "ResetResult",
     "WaitTimedOutError",
     "plan_apply",
 ]

@@ -1,4 +1,4 @@
-"""`qlayer queue ...`: apply, create, list, describe, delete and purge queue definitions.
+"""`qlayer queue ...`: apply, create, list, describe, delete, purge, ack and reset queues.
 
 Queue definitions live in PostgreSQL (DESIGN §3); the coordinator picks changes up within its
 refresh interval. The store keeps ``QueueDefinition.model_dump(mode="json")``: every field
@@ -15,20 +15,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, ParamSpec, TypeVar
 
 from layer.domain.definitions import QueueDefinition, load_queue_file
-from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
+from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError, UnknownQueueError
+from layer.domain.expressions import compile_expression
+from layer.domain.positions import ResetTarget, parse_target, resolve_target
 from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
+from layer.services.views import MatchCount, count_matching
 from layer.settings import Settings
 from layer.store.errors import QueueVersionConflictError, StoreError
 from layer.store.rows import ConsumerRow, QueueCounters, QueueRecord
 from layer.store.store import Store
 
 __all__ = [
+    "AckResult",
     "ApplyConflictError",
     "ApplyPlan",
     "ApplyResult",
     "ConsumersAttachedError",
     "FieldChange",
+    "InvalidFilterError",
     "InvalidQueueFileError",
     "NoSuchQueueError",
     "PartitionFigures",
@@ -38,6 +43,8 @@ __all__ = [
     "QueueExistsError",
     "QueueService",
     "QueueSummary",
+    "ResetPartition",
+    "ResetResult",
     "WaitTimedOutError",
     "attached_consumers",
     "plan_apply",
@@ -99,6 +106,14 @@ class ApplyConflictError(QueueVersionConflictError):
 
 class WaitTimedOutError(QlayerError):
     """A requested change was recorded but did not take effect within the wait."""
+
+
+class InvalidFilterError(QlayerError):
+    """An ack filter that does not compile; nothing was requested."""
+
+    def __init__(self, filter: str, cause: ExpressionError) -> None:
+        super().__init__(f"--filter {filter!r} is not a valid expression: {cause}; nothing was "
+                         "requested (see docs/expressions.md)")
 
 
 P = ParamSpec("P")
@@ -295,6 +310,60 @@ class PurgeResult:
     requested_at: float
     purged_at: float | None = None
     """Set when the caller waited and the coordinator completed the purge."""
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    """`qlayer queue ack`: the request, or (``dry_run``) what it would take."""
+
+    name: str
+    filter: str
+    dry_run: bool
+    version: int | None = None
+    requested_at: float | None = None
+    #: Set when the caller waited: when the coordinator carried it out, and how many entries
+    #: it acknowledged (None when another request it was joined with cannot be told apart).
+    done_at: float | None = None
+    acked: int | None = None
+    #: Dry run: the entries matching now (a snapshot).
+    matching: MatchCount | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPartition:
+    """One journal partition of a reset: its position before and after."""
+
+    topic: str
+    partition: int
+    before: int | None
+    """The stored recovery point; None when the coordinator has not recorded one yet."""
+    after: int
+
+    @property
+    def passed(self) -> int:
+        """Records the new position skips (forward): at most this many entries leave."""
+        return 0 if self.before is None else max(self.after - self.before, 0)
+
+    @property
+    def replayed(self) -> int:
+        """Records the new position goes back over (rewind): they enter the queue again."""
+        return 0 if self.before is None else max(self.before - self.after, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ResetResult:
+    name: str
+    target: str
+    dry_run: bool
+    partitions: list[ResetPartition]
+    consumers: list[str]
+    version: int | None = None
+    requested_at: float | None = None
+    done_at: float | None = None
+
+    @property
+    def changes(self) -> list[ResetPartition]:
+        return [p for p in self.partitions if p.before != p.after]
 
 
 # --- the service ---------------------------------------------------------------------------------
@@ -497,18 +566,98 @@ class QueueService:
             raise NoSuchQueueError(name) from None
         if wait is None:
             return PurgeResult(name, version, requested_at)
+        record = self._wait(name, wait, lambda r: r.purged_at is not None
+                            and not r.purge_pending, "the purge", "purge")
+        assert record.purged_at is not None
+        return PurgeResult(name, version, requested_at, record.purged_at)
+
+    @with_store_hints
+    def ack(self, name: str, filter: str, *, dry_run: bool = False,
+            wait: float | None = None) -> AckResult:
+        """Ask the owning coordinator to acknowledge the entries matching ``filter`` (AMPS: a
+        sow_delete with a filter), whether leased or not; each gets its ACKED event.
+
+        ``dry_run`` counts the matching entries from the stored state and the journals (a
+        snapshot; see `layer.services.views`) and requests nothing. With ``wait`` (seconds),
+        poll until the coordinator reports it done (`WaitTimedOutError` otherwise).
+        """
+        try:
+            compile_expression(filter)
+        except ExpressionError as exc:
+            raise InvalidFilterError(filter, exc) from None
+        self._live(name)
+        if dry_run:
+            settings = self.settings or Settings.load()
+            matching = count_matching(settings, name, now=self.clock(), filter=filter)
+            return AckResult(name, filter, True, matching=matching)
+        requested_at = self.clock()
+        try:
+            version = self.store.request_purge(name, requested_at, filter)
+        except UnknownQueueError:
+            raise NoSuchQueueError(name) from None
+        if wait is None:
+            return AckResult(name, filter, False, version, requested_at)
+        record = self._wait(name, wait, lambda r: r.purged_at is not None
+                            and not r.purge_pending, f"the ack by filter {filter!r}",
+                            "acknowledge them")
+        return AckResult(name, filter, False, version, requested_at, record.purged_at,
+                         record.purge_acked if record.purge_filter == filter else None)
+
+    @with_store_hints
+    def reset(self, name: str, to: str, *, dry_run: bool = False, force: bool = False,
+              wait: float | None = None) -> ResetResult:
+        """Move the queue's positions (`qlayer queue reset`): the owning coordinator rebuilds
+        the queue from ``to`` (beginning, end, an ISO timestamp, or PARTITION:OFFSET,...).
+
+        Refused while consumers are attached unless ``force``: entries they hold before a new
+        position are acknowledged under them, and a rewind delivers again what they processed.
+        ``dry_run`` says per partition what would move (positions as the broker resolves the
+        target now; the coordinator resolves it again when it carries the reset out).
+        """
+        target = parse_target(to)
+        record = self._live(name)
+        attached = [row.consumer_id for row in attached_consumers(name,
+                                                                   self.store.load_consumers())]
+        partitions = self._reset_plan(record, target)
+        if dry_run:
+            return ResetResult(name, target.text, True, partitions, attached)
+        if attached and not force:
+            raise ConsumersAttachedError({name: attached})
+        requested_at = self.clock()
+        try:
+            version = self.store.request_reset(name, target.text, requested_at)
+        except UnknownQueueError:
+            raise NoSuchQueueError(name) from None
+        if wait is None:
+            return ResetResult(name, target.text, False, partitions, attached, version,
+                               requested_at)
+        done = self._wait(name, wait, lambda r: not r.reset_pending, "the reset",
+                          "reset it")
+        return ResetResult(name, target.text, False, partitions, attached, version,
+                           requested_at, done.reset_done_at)
+
+    def _reset_plan(self, record: QueueRecord, target: ResetTarget) -> list[ResetPartition]:
+        pairs = self._journal_partitions(record)
+        after = resolve_target(target, pairs, self._admin())
+        before = {(key.topic, key.partition): offset
+                  for key, offset in self.store.load_recovery_points(record.name).items()}
+        return [ResetPartition(topic, partition, before.get((topic, partition)), offset)
+                for (topic, partition), offset in sorted(after.items())]
+
+    def _wait(self, name: str, wait: float, done: Callable[[QueueRecord], bool], what: str,
+              does: str) -> QueueRecord:
         deadline = time.monotonic() + wait
         while True:
             record = self.store.get_queue(name)
             if record is None:
                 raise NoSuchQueueError(name)
-            if record.purged_at is not None and not record.purge_pending:
-                return PurgeResult(name, version, requested_at, record.purged_at)
+            if done(record):
+                return record
             if time.monotonic() >= deadline:
                 raise WaitTimedOutError(
-                    f"the purge of {name} is requested but no coordinator completed it within "
+                    f"{what} of {name} is requested but no coordinator completed it within "
                     f"{wait:g}s; check that one runs (`qlayer coordinator run`) — it will "
-                    "purge when it does"
+                    f"{does} when it does"
                 )
             self.sleep(self.poll_interval)
 

@@ -36,9 +36,11 @@ from layer.store.store import Store
 
 __all__ = [
     "RATE_COUNTERS",
+    "MatchCount",
     "PartitionLag",
     "QueueStats",
     "ViewEntry",
+    "count_matching",
     "queue_stats",
     "rates",
     "sort_for_delivery",
@@ -180,6 +182,69 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
         reader.close()
     ordered = sort_for_delivery(found, by_priority=priority is not None)
     return ordered if limit is None else ordered[:limit]
+
+
+@dataclass(frozen=True, slots=True)
+class MatchCount:
+    """The entries an ack by filter would take, counted read-only (`qlayer queue ack
+    --dry-run`): a snapshot, with `view`'s caveats."""
+
+    available: int
+    leased: int
+    delayed: int
+    #: The first few matching bookmarks, in journal order.
+    sample: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.available + self.leased + self.delayed
+
+
+def count_matching(settings: Settings, queue: str, *, now: float, filter: str | None,
+                   sample: int = 5) -> MatchCount:
+    """The entries of the queue that are not done and match ``filter`` (None: all), as
+    `QueueEngine.ack_matching` would take them: available, leased or delayed. Reads only;
+    ``target_queue_depth`` is not modelled (entries past it are counted, though an ack by
+    filter leaves them alone)."""
+    expression = None if filter is None else compile_expression(filter)
+    with Store(settings.database_url) as store:
+        definition = queue_definition(store, queue)
+        stored = store.load_recovery_points(queue)
+        rows = {(r.topic, r.partition, r.offset): r for r in store.load_entries(queue)}
+    admin = KafkaAdmin(settings.kafka_config())
+    pairs = _journal_partitions(admin, definition, settings.topic_prefix)
+    if not pairs:
+        return MatchCount(0, 0, 0, ())
+    starts = _start_positions(admin, definition, pairs, stored)
+    ends = admin.end_offsets(pairs)
+    queue_filter = definition.filter_expression
+    counts = {"available": 0, "leased": 0, "delayed": 0}
+    found: list[str] = []
+    reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
+    try:
+        for record in reader.read(starts, ends):
+            row = rows.get((record.topic, record.partition, record.offset))
+            if record.value is None or (row is not None and row.state in _DONE):
+                continue
+            if definition.expiration is not None and (
+                    record.timestamp_ms / 1000 + definition.expiration <= now):
+                continue  # left the queue by age, or about to
+            document = parse_document(record.value)
+            if queue_filter is not None and not queue_filter.matches(document):
+                continue
+            if expression is not None and not expression.matches(document):
+                continue
+            if row is not None and row.state == "LEASED":
+                counts["leased"] += 1
+            elif _available(record, row, definition, now):
+                counts["available"] += 1
+            else:
+                counts["delayed"] += 1
+            if len(found) < sample:
+                found.append(f"{record.topic}/{record.partition}/{record.offset}")
+    finally:
+        reader.close()
+    return MatchCount(counts["available"], counts["leased"], counts["delayed"], tuple(found))
 
 
 def sort_for_delivery(entries: Iterable[ViewEntry], *, by_priority: bool) -> list[ViewEntry]:

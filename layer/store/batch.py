@@ -56,6 +56,13 @@ class WriteBatch:
     forgotten_queues: set[str] = field(default_factory=set)
     # queue -> purge_requested_at of the purge this batch completes
     purges_done: dict[str, float] = field(default_factory=dict)
+    # queue -> how many entries that purge (or ack by filter) acknowledged
+    purges_acked: dict[str, int] = field(default_factory=dict)
+    # queue -> reset_requested_at of the reset this batch completes
+    resets_done: dict[str, float] = field(default_factory=dict)
+    #: Partitions of a queue whose entry rows all go before the rest of the batch is written:
+    #: a reset moved the queue's position there back, and the entries it held start over.
+    forgotten_partitions: set[PartitionKey] = field(default_factory=set)
     # (topic, partition) of the control and ack topics -> the next offset to read
     input_positions: dict[tuple[str, int], int] = field(default_factory=dict)
     #: This iteration's events (EventBatch ``events`` arrays, one per batch record): written to
@@ -144,12 +151,34 @@ class WriteBatch:
             del self.admitted[pkey]
         self.counters.pop(queue, None)
 
-    def purge_done(self, queue: str, requested_at: float) -> None:
-        """Record that the purge asked for at ``requested_at`` has been carried out."""
+    def purge_done(self, queue: str, requested_at: float, acked: int = 0) -> None:
+        """Record that the purge asked for at ``requested_at`` has been carried out,
+        acknowledging ``acked`` entries."""
         previous = self.purges_done.get(queue)
-        self.purges_done[queue] = (
+        if previous is None or requested_at > previous:
+            self.purges_done[queue] = requested_at
+            self.purges_acked[queue] = acked
+        elif requested_at == previous:
+            self.purges_acked[queue] = self.purges_acked.get(queue, 0) + acked
+
+    def reset_done(self, queue: str, requested_at: float) -> None:
+        """Record that the reset asked for at ``requested_at`` has been carried out."""
+        previous = self.resets_done.get(queue)
+        self.resets_done[queue] = (
             requested_at if previous is None else max(previous, requested_at)
         )
+
+    def forget_partition(self, queue: str, topic: str, partition: int) -> None:
+        """Drop every entry row of one partition of a queue; what is collected for it
+        afterwards is still written."""
+        self.forgotten_partitions.add(PartitionKey(queue, topic, partition))
+        for key in [key for key in self.entries
+                    if (key.queue, key.topic, key.partition) == (queue, topic, partition)]:
+            del self.entries[key]
+        self.runs = [run for run in self.runs if run.key[:3] != (queue, topic, partition)]
+        self.entry_deletes = {key for key in self.entry_deletes
+                              if (key.queue, key.topic, key.partition)
+                              != (queue, topic, partition)}
 
     def __len__(self) -> int:
         """Number of row writes collected (a forgotten queue counts as one)."""
@@ -165,6 +194,8 @@ class WriteBatch:
             + len(self.counters)
             + len(self.forgotten_queues)
             + len(self.purges_done)
+            + len(self.resets_done)
+            + len(self.forgotten_partitions)
             + len(self.input_positions)
             + len(self.outbox)
             + (self.outbox_published is not None)

@@ -126,10 +126,27 @@ class QueueRecord:
     purged_at: float | None = None
     #: The shard whose coordinator serves the queue (DESIGN §3).
     shard: int = 0
+    #: The pending (or last) purge's filter; None acknowledges every entry.
+    purge_filter: str | None = None
+    #: Entries the last completed purge or ack by filter acknowledged (None: not known).
+    purge_acked: int | None = None
+    #: Where `qlayer queue reset` (or a changed recovery_point) moves the positions to.
+    reset_to: str | None = None
+    reset_requested_at: float | None = None
+    reset_done_at: float | None = None
+    #: The recovery_point setting the queue's positions were set from.
+    positions_from: str | None = None
 
     @property
     def deleted(self) -> bool:
         return self.deleted_at is not None
+
+    @property
+    def reset_pending(self) -> bool:
+        """A reset was asked for and the owning coordinator has not done it yet."""
+        if self.reset_requested_at is None or self.reset_to is None:
+            return False
+        return self.reset_done_at is None or self.reset_done_at < self.reset_requested_at
 
     @property
     def purge_pending(self) -> bool:

@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
+    case,
     cast,
     delete,
     func,
@@ -219,6 +220,24 @@ FORGET_COUNTERS: Final = delete(queue_counters).where(
     queue_counters.c.queue == any_(_names_param("queues"))
 )
 
+_PARTITION_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    "topic": Text(),
+    "partition": Integer(),
+}
+_forgotten = _unnest("forgotten", _PARTITION_COLUMNS)
+FORGET_PARTITION_ENTRIES: Final = delete(entries).where(
+    entries.c.queue == _forgotten.c.queue,
+    entries.c.topic == _forgotten.c.topic,
+    entries.c.partition == _forgotten.c.partition,
+)
+_forgotten_runs = _unnest("forgotten", _PARTITION_COLUMNS)
+FORGET_PARTITION_RUNS: Final = delete(entry_runs).where(
+    entry_runs.c.queue == _forgotten_runs.c.queue,
+    entry_runs.c.topic == _forgotten_runs.c.topic,
+    entry_runs.c.partition == _forgotten_runs.c.partition,
+)
+
 _ENTRY_KEY_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "queue": Text(),
     "topic": Text(),
@@ -390,11 +409,31 @@ INCREMENT_COUNTERS: Final = _counters_insert.on_conflict_do_update(
     },
 )
 
-_purges = _unnest("purges", {"queue": Text(), "requested_at": _TIMESTAMP})
+_purges = _unnest("purges", {"queue": Text(), "requested_at": _TIMESTAMP,
+                               "acked": BigInteger()})
 MARK_PURGED: Final = (
     update(queues)
     .where(queues.c.name == _purges.c.queue)
-    .values(purged_at=func.greatest(queues.c.purged_at, _purges.c.requested_at))
+    .values(
+        purged_at=func.greatest(queues.c.purged_at, _purges.c.requested_at),
+        # A request carried out twice (a refresh before the catalog showed it done) acked what
+        # had arrived since the first time too: both counts are the request's. A completion
+        # of an older request than the one recorded leaves the count alone.
+        purge_acked=case(
+            (queues.c.purged_at == _purges.c.requested_at,
+             func.coalesce(queues.c.purge_acked, 0) + _purges.c.acked),
+            ((queues.c.purged_at.is_(None)) | (queues.c.purged_at < _purges.c.requested_at),
+             _purges.c.acked),
+            else_=queues.c.purge_acked,
+        ),
+    )
+)
+
+_resets = _unnest("resets", {"queue": Text(), "requested_at": _TIMESTAMP})
+MARK_RESET: Final = (
+    update(queues)
+    .where(queues.c.name == _resets.c.queue)
+    .values(reset_done_at=func.greatest(queues.c.reset_done_at, _resets.c.requested_at))
 )
 
 # --- the events outbox -------------------------------------------------------------------------
@@ -548,6 +587,7 @@ INSERT_QUEUE: Final = (
         created_at=bindparam("now"),
         updated_at=bindparam("now"),
         shard=bindparam("the_shard"),
+        positions_from=bindparam("the_positions_from"),
     )
     .on_conflict_do_nothing(index_elements=[queues.c.name])
     .returning(queues.c.version)
@@ -563,6 +603,22 @@ UPDATE_QUEUE_DEFINITION: Final = (
     )
     .returning(queues.c.version)
 )
+# A definition whose recovery_point differs from the one the positions were set from: AMPS
+# starts the queue over at the new point, so a reset to it is requested with the change.
+UPDATE_QUEUE_DEFINITION_AND_RESET: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("queue_name"))
+    .values(
+        definition=bindparam("new_definition", type_=JSONB),
+        version=queues.c.version + 1,
+        updated_at=bindparam("now"),
+        shard=bindparam("the_shard"),
+        positions_from=bindparam("the_positions_from"),
+        reset_to=bindparam("the_positions_from"),
+        reset_requested_at=bindparam("now"),
+    )
+    .returning(queues.c.version)
+)
 # A deleted queue created again is a new queue: fresh created_at, no purge history.
 RECREATE_QUEUE: Final = (
     update(queues)
@@ -575,6 +631,12 @@ RECREATE_QUEUE: Final = (
         deleted_at=None,
         purge_requested_at=None,
         purged_at=None,
+        purge_filter=None,
+        purge_acked=None,
+        reset_to=None,
+        reset_requested_at=None,
+        reset_done_at=None,
+        positions_from=bindparam("the_positions_from"),
         shard=bindparam("the_shard"),
     )
     .returning(queues.c.version)
@@ -596,6 +658,18 @@ REQUEST_PURGE: Final = (
         version=queues.c.version + 1,
         updated_at=bindparam("now"),
         purge_requested_at=bindparam("now"),
+        purge_filter=bindparam("the_filter"),
+    )
+    .returning(queues.c.version)
+)
+REQUEST_RESET: Final = (
+    update(queues)
+    .where(queues.c.name == bindparam("queue_name"))
+    .values(
+        version=queues.c.version + 1,
+        updated_at=bindparam("now"),
+        reset_to=bindparam("the_target"),
+        reset_requested_at=bindparam("now"),
     )
     .returning(queues.c.version)
 )

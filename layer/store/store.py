@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import Row
 
+from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QueueConfigError, UnknownConsumerError, UnknownQueueError
 from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
@@ -51,7 +52,9 @@ from layer.store.tables import (
     recovery_points,
 )
 
-__all__ = ["CommitResult", "Store", "WriteBatch", "recording_statements"]
+__all__ = ["CommitResult", "Store", "WriteBatch", "joined_filters", "recording_statements"]
+
+_DEFAULT_RECOVERY_POINT: str = QueueDefinition.model_fields["recovery_point"].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +258,7 @@ class Store:
             outbox: list[Result] = []
             with executor_for(conn, self._compiled) as ex:
                 statements += self._forget(ex, batch.forgotten_queues)
+                statements += _forget_partitions(ex, batch.forgotten_partitions)
                 upserts, deletes = _split_passed_entries(batch)
                 statements += _delete_entries(ex, deletes)
                 runs, singles = runs_of(upserts.values())
@@ -267,7 +271,8 @@ class Store:
                 statements += 2 if batch.recovery_points else 0  # the prunes
                 statements += _write_consumers(ex, batch)
                 statements += _increment_counters(ex, batch.counters, moment)
-                statements += _mark_purged(ex, batch.purges_done)
+                statements += _mark_purged(ex, batch.purges_done, batch.purges_acked)
+                statements += _mark_reset(ex, batch.resets_done)
                 statements += _upsert_input_positions(ex, shard, batch.input_positions, moment)
                 if batch.outbox_published is not None:
                     ex.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
@@ -484,8 +489,11 @@ class Store:
         (raises `QueueVersionConflictError` otherwise).
         """
         wanted = _json_roundtrip(definition)
+        # Definitions written with defaults left out start at the default point.
+        setting = wanted.get("recovery_point", _DEFAULT_RECOVERY_POINT)
         params: dict[str, Any] = {"queue_name": name, "new_definition": wanted,
-                                  "now": _to_datetime(now)}
+                                  "now": _to_datetime(now),
+                                  "the_positions_from": None if setting is None else str(setting)}
         with translate_errors(f"writing queue {name!r}"), self._engine.begin() as conn:
             count = self._shard_count(conn)
             placed = _placement(name, wanted, count)
@@ -514,7 +522,14 @@ class Store:
                         if placed != shard:
                             _fence(conn, shard)
                         shard = placed
-                    return int(conn.execute(sql.UPDATE_QUEUE_DEFINITION,
+                    # A recovery_point other than the one the positions were set from moves
+                    # them there (AMPS: a changed RecoveryPoint); the reset is requested in
+                    # the same write, so no coordinator sees the one without the other.
+                    moves = (setting is not None and current.positions_from is not None
+                             and str(setting) != current.positions_from)
+                    statement = (sql.UPDATE_QUEUE_DEFINITION_AND_RESET if moves
+                                 else sql.UPDATE_QUEUE_DEFINITION)
+                    return int(conn.execute(statement,
                                             {**params, "the_shard": shard}).scalar_one())
                 self._forget(conn, {name})
                 return int(conn.execute(sql.RECREATE_QUEUE,
@@ -575,8 +590,14 @@ class Store:
                 ).scalar_one()
             )
 
-    def request_purge(self, name: str, now: float) -> int:
-        """Ask the owning coordinator to empty a live queue; returns the new version.
+    def request_purge(self, name: str, now: float, filter: str | None = None) -> int:
+        """Ask the owning coordinator to empty a live queue, or with ``filter`` (an expression
+        the caller has validated) to acknowledge the entries matching it; returns the new
+        version.
+
+        A request made while another is pending joins it: the pending one's entries are
+        acknowledged too (a purge of everything covers any filter; two filters are OR-ed),
+        so no request is lost to the one after it.
 
         Emptying needs the journal's end offsets and the coordinator's in-memory view, so the
         store only records the request; the coordinator completes it with
@@ -586,11 +607,28 @@ class Store:
             current = _lock_queue(conn, name)
             if current is None or current.deleted_at is not None:
                 raise UnknownQueueError(name)
+            pending = current.purge_requested_at is not None and (
+                current.purged_at is None or current.purged_at < current.purge_requested_at)
+            if pending:
+                filter = joined_filters(current.purge_filter, filter)
             return int(
                 conn.execute(
-                    sql.REQUEST_PURGE, {"queue_name": name, "now": _to_datetime(now)}
+                    sql.REQUEST_PURGE, {"queue_name": name, "now": _to_datetime(now),
+                                        "the_filter": filter}
                 ).scalar_one()
             )
+
+    def request_reset(self, name: str, target: str, now: float) -> int:
+        """Ask the owning coordinator to move a live queue's positions to ``target`` (the
+        canonical text of a `layer.domain.positions.ResetTarget`); returns the new version.
+        A later request replaces a pending one: positions move to the newest target."""
+        with translate_errors(f"resetting queue {name!r}"), self._engine.begin() as conn:
+            current = _lock_queue(conn, name)
+            if current is None or current.deleted_at is not None:
+                raise UnknownQueueError(name)
+            return int(conn.execute(sql.REQUEST_RESET, {
+                "queue_name": name, "now": _to_datetime(now), "the_target": target,
+            }).scalar_one())
 
     def get_queue(self, name: str, *, include_deleted: bool = False) -> QueueRecord | None:
         statement = sql.SELECT_QUEUES.where(queues.c.name == name)
@@ -845,7 +883,8 @@ def _increment_counters(
     return 1
 
 
-def _mark_purged(conn: Executor, purges: Mapping[str, float]) -> int:
+def _mark_purged(conn: Executor, purges: Mapping[str, float],
+                 acked: Mapping[str, int]) -> int:
     if not purges:
         return 0
     ordered = sorted(purges.items())
@@ -854,9 +893,38 @@ def _mark_purged(conn: Executor, purges: Mapping[str, float]) -> int:
         {
             "queue": [name for name, _ in ordered],
             "requested_at": [_to_datetime(at) for _, at in ordered],
+            "acked": [acked.get(name, 0) for name, _ in ordered],
         },
     )
     return 1
+
+
+def _mark_reset(conn: Executor, resets: Mapping[str, float]) -> int:
+    if not resets:
+        return 0
+    ordered = sorted(resets.items())
+    conn.execute(sql.MARK_RESET, {"queue": [name for name, _ in ordered],
+                                  "requested_at": [_to_datetime(at) for _, at in ordered]})
+    return 1
+
+
+def _forget_partitions(conn: Executor, partitions: Iterable[PartitionKey]) -> int:
+    ordered = sorted(partitions)
+    if not ordered:
+        return 0
+    params = _columns(ordered, ("queue", "topic", "partition"))
+    conn.execute(sql.FORGET_PARTITION_ENTRIES, params)
+    conn.execute(sql.FORGET_PARTITION_RUNS, params)
+    return 2
+
+
+def joined_filters(pending: str | None, new: str | None) -> str | None:
+    """The filter of two purge requests taken as one: None (everything) wins."""
+    if pending is None or new is None:
+        return None
+    if pending == new:
+        return new
+    return f"({pending}) OR ({new})"
 
 
 def _lock_queue(conn: Connection, name: str) -> Row[Any] | None:
@@ -916,6 +984,12 @@ def _queue_record(row: Row[Any]) -> QueueRecord:
         purge_requested_at=_to_seconds_or_none(row.purge_requested_at),
         purged_at=_to_seconds_or_none(row.purged_at),
         shard=int(row.shard),
+        purge_filter=row.purge_filter,
+        purge_acked=None if row.purge_acked is None else int(row.purge_acked),
+        reset_to=row.reset_to,
+        reset_requested_at=_to_seconds_or_none(row.reset_requested_at),
+        reset_done_at=_to_seconds_or_none(row.reset_done_at),
+        positions_from=row.positions_from,
     )
 
 

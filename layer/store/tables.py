@@ -120,6 +120,20 @@ queues = Table(
     # purged_at = purge_requested_at. A purge is pending while purged_at is older or null.
     _ts("purge_requested_at", nullable=True),
     _ts("purged_at", nullable=True),
+    # `qlayer queue ack --filter` (0006): the filter of the pending request; NULL acknowledges
+    # every entry (a purge). Two requests before the coordinator gets to them are joined (OR).
+    Column("purge_filter", Text, nullable=True),
+    # How many entries the last completed purge or ack acknowledged (for `--wait`).
+    Column("purge_acked", BigInteger, nullable=True),
+    # `qlayer queue reset` (0006), or a changed `recovery_point`: where the queue's positions
+    # move (beginning, end, an ISO timestamp, or topic:partition:offset,...). Pending while
+    # reset_done_at is null or older than reset_requested_at, as with purges.
+    Column("reset_to", Text, nullable=True),
+    _ts("reset_requested_at", nullable=True),
+    _ts("reset_done_at", nullable=True),
+    # The `recovery_point` setting the positions were set from (0006): AMPS starts a queue
+    # over at its RecoveryPoint when that setting changed, and this is how a change is seen.
+    Column("positions_from", Text, nullable=True),
     # The shard whose coordinator serves the queue (DESIGN §3). `qlayer queue move` changes it
     # and bumps the old shard's epoch in the same transaction.
     Column("shard", Integer, nullable=False),
