@@ -10,7 +10,11 @@ Approximations, by design (the coordinator's memory is the only exact answer):
   milliseconds, an ack in flight) is not seen: such an entry still shows as AVAILABLE;
 - delayed entries (a future ``qlayer.deliver-at``, or released with a delay) are left out, as
   the coordinator would not deliver them now; entries past the queue's ``expiration`` too;
-- ``target_queue_depth`` and barriers are not modelled: view lists every available entry;
+- with ``target_queue_depth`` only the active entries are listed (AMPS: inactive messages
+  "do not appear in a sow query"): the first N entries that are not done, in delivery order,
+  the AVAILABLE ones among them; across partitions that order is approximated by record
+  timestamp, as the coordinator takes them in the order it reads them;
+- barriers are not modelled;
 - stats' ``depth`` counts every journal record past the recovery point that is not done,
   including records the queue's enqueue filter refuses (reading them all to apply the filter
   would make ``stats`` as expensive as ``view``).
@@ -107,6 +111,16 @@ class ViewEntry:
     document: Document | None
 
 
+def _live(record: JournalRecord, row: EntryRow | None, definition: QueueDefinition,
+          now: float) -> bool:
+    """Still in the queue (AVAILABLE, LEASED or DELAYED): what counts toward a target depth."""
+    if row is not None and row.state in ("ACKED", "EXPIRED"):
+        return False
+    if definition.expiration is not None and (row is None or row.state != "LEASED"):
+        return record.timestamp_ms / 1000 + definition.expiration > now
+    return True
+
+
 def _available(record: JournalRecord, row: EntryRow | None, definition: QueueDefinition,
                now: float) -> bool:
     if row is not None:
@@ -118,6 +132,9 @@ def _available(record: JournalRecord, row: EntryRow | None, definition: QueueDef
         deliver_at = _deliver_at_ms(record)
         if deliver_at is not None and deliver_at > now * 1000:
             return False
+        if definition.delivery_delay and (
+                record.timestamp_ms / 1000 + definition.delivery_delay > now):
+            return False  # the queue's delivery delay
     if definition.expiration is not None:
         # An unleased entry older than `expiration` leaves the queue (DESIGN §4).
         return record.timestamp_ms / 1000 + definition.expiration > now
@@ -148,21 +165,32 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
     ends = admin.end_offsets(pairs)
     queue_filter = definition.filter_expression
     priority = definition.priority_expression
+    depth = definition.target_queue_depth
     # Without a priority, delivery follows each partition's journal order, so a partition can
-    # stop being read once it has `limit` entries to show; with one, every entry competes.
-    early_stop = priority is None and limit is not None
+    # stop being read once it has `limit` entries to show (`depth` live ones with a target
+    # depth: no more can be active); with one, every entry competes.
+    early_stop = priority is None and (limit is not None or depth is not None)
+    enough = depth if depth is not None else (limit or 0)
     found: list[ViewEntry] = []
+    available: set[tuple[str, int, int]] = set()
     per_partition: dict[tuple[str, int], int] = {}
     reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     try:
         for record in reader.read(starts, ends):
             row = rows.get((record.topic, record.partition, record.offset))
-            if not _available(record, row, definition, now):
+            if depth is not None:
+                # Every live entry takes a place in the active part, leased or delayed too.
+                if not _live(record, row, definition, now):
+                    continue
+            elif not _available(record, row, definition, now):
                 continue
             document = parse_document(record.value)
             if queue_filter is not None and not queue_filter.matches(document):
                 continue
-            if expression is not None and not expression.matches(document):
+            if depth is not None:
+                if _available(record, row, definition, now):
+                    available.add((record.topic, record.partition, record.offset))
+            elif expression is not None and not expression.matches(document):
                 continue
             rank = None
             if priority is not None:
@@ -176,11 +204,16 @@ def view_queue(settings: Settings, queue: str, *, now: float, filter: str | None
                 priority=rank, document=document))
             tp = (record.topic, record.partition)
             per_partition[tp] = per_partition.get(tp, 0) + 1
-            if early_stop and per_partition[tp] >= (limit or 0):
+            if early_stop and per_partition[tp] >= enough:
                 reader.stop(tp)
     finally:
         reader.close()
     ordered = sort_for_delivery(found, by_priority=priority is not None)
+    if depth is not None:
+        # The active part: the first `depth` live entries; shown are its AVAILABLE ones.
+        ordered = [e for e in ordered[:depth]
+                   if (e.topic, e.partition, e.offset) in available
+                   and (expression is None or expression.matches(e.document))]
     return ordered if limit is None else ordered[:limit]
 
 

@@ -134,6 +134,38 @@ def test_view_shows_exactly_the_available_entries_and_leases_nothing_and_stats_a
         assert sorted(m.json()["n"] for m in urgent) == [0, 1, 2, 3, 4, 5]
 
 
+def test_view_lists_only_the_active_entries_of_a_queue_with_a_target_depth(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    """AMPS TargetQueueDepth: inactive messages "do not appear in a sow query". With a depth
+    of 3, one entry leased and one acked, the active part is the first three entries not
+    done; view shows the two of them that are available, never the inactive ones."""
+    work = create_topic(unique_name("Deep"), partitions=1)
+    put_queues(settings, {"name": "Deep", "underlying_topic": work, "target_queue_depth": 3,
+                          "lease_period": "5m"})
+    produce(settings.bootstrap_servers, work,
+            [json.dumps({"n": n}).encode() for n in range(8)])
+    # Before any coordinator ran: the first three records are the active part.
+    assert viewed(settings, "Deep") == [0, 1, 2]
+    with running_coordinator(settings):
+        holder = consumer(settings, "Deep", max_backlog=1)
+        try:
+            first = holder.receive(timeout=15)
+            assert first is not None and first.json()["n"] == 0
+            first.ack()
+            held = holder.receive(timeout=15)
+            assert held is not None and held.json()["n"] == 1
+            wait_until(lambda: (stored_states(settings, "Deep") == {1: "LEASED"}
+                                and recovery_point(settings, "Deep") == 1) or None,
+                       what="n=0 acked and n=1 leased in PostgreSQL")
+            # Active: 1 (leased), 2, 3; shown: the available ones.
+            assert viewed(settings, "Deep") == [2, 3]
+            assert viewed(settings, "Deep", "--filter", "/n > 2") == [3]
+            assert viewed(settings, "Deep", "--limit", "1") == [2]
+        finally:
+            holder.close()
+
+
 def test_as_a_subprocess_settings_from_the_environment_errors_in_one_line(
     settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
 ) -> None:
