@@ -16,6 +16,7 @@ from layer.services.messages import (
     ConsumedMessage,
     Settle,
     parse_deliver_at_option,
+    parse_expiration_option,
     parse_header_options,
     publish_lines,
 )
@@ -60,6 +61,9 @@ def publish(
         "--header", help="A record header name=value (repeatable).")] = None,
     deliver_at: Annotated[str | None, typer.Option(
         "--deliver-at", help="Hold until then: ISO-8601 with zone, or +30s / +5m.")] = None,
+    expiration: Annotated[str | None, typer.Option(
+        "--expiration", help="The message's own expiration, in place of the queue's: it "
+        "leaves unprocessed once this old and not leased (e.g. 30s, 5m, 1h).")] = None,
     bootstrap_servers: BootstrapServers = None,
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,
@@ -68,8 +72,9 @@ def publish(
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
     headers = parse_header_options(header or [])
     at = None if deliver_at is None else parse_deliver_at_option(deliver_at, datetime.now(UTC))
+    ttl = None if expiration is None else parse_expiration_option(expiration)
     result = publish_lines(settings, queue_or_topic, _lines(file), key=key, headers=headers,
-                           deliver_at=at)
+                           deliver_at=at, expiration=ttl)
     routed = "" if result.topic == queue_or_topic else f" (routed from {queue_or_topic})"
     typer.echo(f"published {result.count} message(s) to {result.topic}{routed}")
 

@@ -35,7 +35,14 @@ from layer.domain.expressions import RawDocument, parse_document, project
 from layer.domain.native import AnyEngine, new_engine
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
-from layer.protocol import Codec, Event, ProtocolError, TopicNames, parse_deliver_at
+from layer.protocol import (
+    Codec,
+    Event,
+    ProtocolError,
+    TopicNames,
+    parse_deliver_at,
+    parse_expiration,
+)
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow, EntryRow, PartitionKey
 
@@ -313,7 +320,7 @@ class ShardCore:
                     self.counters["deletes_passed_over"] += 1
                     offered.append(OfferedRecord(r.topic, r.partition, r.offset, r.key, DELETE))
                     continue
-                deliver_at_ms = self._deliver_at(r) if r.headers else None
+                deliver_at_ms, expiration_ms = self._timing(r) if r.headers else (None, None)
                 room -= record_size(r)
                 if room >= 0:
                     doc = RawDocument(r.value)
@@ -329,6 +336,7 @@ class ShardCore:
                     doc,
                     r.timestamp_ms / 1000.0 if r.timestamp_ms > 0 else None,
                     deliver_at_ms / 1000.0 if deliver_at_ms is not None else None,
+                    expiration_ms / 1000.0 if expiration_ms is not None else None,
                 ))
                 fresh[Bookmark(r.topic, r.partition, r.offset)] = r
             last: dict[int, int] = {}
@@ -363,17 +371,26 @@ class ShardCore:
         self.counters["documents_reread"] += refreshed
         return refreshed
 
-    def _deliver_at(self, r: JournalRecord) -> int | None:
-        """The record's deliver-at time; a malformed header is the producer's mistake, so it
-        is counted and the message is available at once (docs/protocol.md §5.3) rather than
-        stopping every queue on a record that would fail the same way after each restart."""
+    def _timing(self, r: JournalRecord) -> tuple[int | None, int | None]:
+        """The record's deliver-at time and its own expiration (ms). A malformed header is
+        the producer's mistake, so it is counted and ignored (docs/protocol.md §5.3): the
+        message is available at once, or keeps the queue's expiration, rather than stopping
+        every queue on a record that would fail the same way after each restart."""
+        deliver_at: int | None = None
+        expiration: int | None = None
         try:
-            return parse_deliver_at(r.headers)
+            deliver_at = parse_deliver_at(r.headers)
         except ProtocolError as exc:
             self.counters["malformed_deliver_at_headers"] += 1
             log.warning("ignoring the deliver-at header of %s[%d]@%d: %s", r.topic,
                         r.partition, r.offset, exc)
-            return None
+        try:
+            expiration = parse_expiration(r.headers)
+        except ProtocolError as exc:
+            self.counters["malformed_expiration_headers"] += 1
+            log.warning("ignoring the expiration header of %s[%d]@%d: %s", r.topic,
+                        r.partition, r.offset, exc)
+        return deliver_at, expiration
 
     def _hold(self, e: ev.EntriesEnqueued, fresh: dict[Bookmark, JournalRecord]) -> None:
         for offset in e.offsets:

@@ -85,7 +85,7 @@ class NativeLane:
         room = core.payloads.budget - core.payloads.bytes
         deletes, _projected, lasts = self._native.enqueue(
             self.lane, records, self._engines_for, now, room, self._project,
-            core._deliver_at, API.DELETE)
+            core._timing, API.DELETE)
         if deletes:
             core.counters["deletes_passed_over"] += deletes
         admitted = core._admitted_to

@@ -288,6 +288,11 @@ class QueueEngine:
         self._active = 0  # live entries that are not INACTIVE (target_queue_depth only)
         self._inactive_from = 0  # no INACTIVE entry has a smaller sequence number
         self._not_before: dict[int, float] = {}  # deliver-at times of INACTIVE entries
+        # Entries with an expiration of their own (a `qlayer.expiration` header): when they
+        # expire, which overrides the queue's `expiration`, and a heap of them to time it.
+        # An entry stays in the map until the heap finds it settled (`_expire_own`).
+        self._expires_at: dict[int, float] = {}
+        self._expiries: list[tuple[float, int]] = []
         self._early_acks: set[Bookmark] = set()
         self._restoring: dict[Bookmark, EntryRecord] = {}
         # Restored leases whose records the replay has reached: their deliveries are sent
@@ -422,6 +427,8 @@ class QueueEngine:
             candidates.append(self._restored_deadlines[0][0])
         if self._delays:
             candidates.append(self._delays[0][0])
+        if self._expiries:
+            candidates.append(self._expiries[0][0])
         for consumer in self._consumers.values():
             candidates.append(consumer.last_seen + consumer.session_timeout)
         expiration = self._policy.expiration
@@ -661,7 +668,7 @@ class QueueEngine:
         offsets: list[int] = []
         delivery_delay = self._policy.delivery_delay
         for record in records:
-            topic, partition, offset, key, doc, timestamp, deliver_at = record
+            topic, partition, offset, key, doc, timestamp, deliver_at, expiration = record
             if delivery_delay:
                 # The queue's delay counts from the record's timestamp (the same after a
                 # replay); a later deliver-at of its own wins.
@@ -679,10 +686,10 @@ class QueueEngine:
             source.next_offset = offset + 1
             if doc is DELETE:
                 continue  # not a publish: never an entry, and the recovery point passes it
-            if plain and (deliver_at is None or deliver_at <= now):
+            if plain and (deliver_at is None or deliver_at <= now) and expiration is None:
                 append_plain(source, offset, now if timestamp is None else timestamp, doc)
             elif (queue_filter is not None and not queue_filter.matches(doc)) or not self._admit(
-                source, offset, key, doc, timestamp, deliver_at, now
+                source, offset, key, doc, timestamp, deliver_at, now, expiration
             ):
                 continue
             offsets.append(offset)
@@ -703,6 +710,7 @@ class QueueEngine:
         timestamp: float | None,
         deliver_at: float | None,
         now: float,
+        expiration: float | None = None,
     ) -> bool:
         """Add one accepted record as an entry (or settle it at once); False if not new."""
         policy = self._policy
@@ -745,6 +753,10 @@ class QueueEngine:
             position,
         )
         self._order.add(seq, position)
+        if expiration is not None:
+            expires_at = (now if timestamp is None else timestamp) + expiration
+            self._expires_at[seq] = expires_at
+            heapq.heappush(self._expiries, (expires_at, seq))
         if state != INACTIVE:
             self._active += 1
         elif available_at is not None and available_at > now:
@@ -1157,6 +1169,8 @@ class QueueEngine:
                 self._promote(seq, now)
         if self._policy.expiration is not None:
             self._expire_old_entries(now)
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire_own(now)
         for consumer in list(self._consumers.values()):
             if now >= consumer.last_seen + consumer.session_timeout:
                 self._leave(consumer, LeaveReason.SESSION_TIMEOUT, now)
@@ -1201,6 +1215,7 @@ class QueueEngine:
         expiration = self._policy.expiration
         assert expiration is not None
         table = self._table
+        own = self._expires_at  # these entries have an expiration of their own
         for source in table.sources:
             seqs = source.seqs
             index = source.expiry_index
@@ -1210,14 +1225,42 @@ class QueueEngine:
                 if seq >= table.base:
                     slot = seq - table.base
                     current = table.state[slot]
-                    if current < ACKED and current != LEASED:
+                    if current < ACKED and current != LEASED and seq not in own:
                         if table.times[slot] + expiration > now:
                             break
                         self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
                 index += 1
             source.expiry_index = index
 
+    def _expire_own(self, now: float) -> None:
+        """Entries whose own expiration (``qlayer.expiration``) is due leave unless leased.
+
+        A leased one is looked at again when its lease ends (`_too_old`); the heap meets it
+        once more at that deadline, so the map forgets it once it is settled.
+        """
+        expiries, own, table = self._expiries, self._expires_at, self._table
+        while expiries and expiries[0][0] <= now:
+            _, seq = heapq.heappop(expiries)
+            if seq not in own:
+                continue
+            if seq < table.base:
+                del own[seq]
+                continue
+            current = table.state[seq - table.base]
+            if current >= ACKED:
+                del own[seq]
+            elif current == LEASED:
+                touched = self._touched.get(seq)
+                again = touched.deadline if touched is not None else now
+                heapq.heappush(expiries, (max(again, now + 0.001), seq))
+            else:
+                del own[seq]
+                self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
+
     def _too_old(self, seq: int, now: float) -> bool:
+        own = self._expires_at.get(seq) if self._expires_at else None
+        if own is not None:
+            return own <= now
         expiration = self._policy.expiration
         return (
             expiration is not None and self._table.times[seq - self._table.base] + expiration <= now

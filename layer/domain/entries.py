@@ -73,6 +73,8 @@ class OfferedRecord(NamedTuple):
     projection of it, see ``expressions.project``); the engine never parses payloads.
     ``timestamp`` is when the record entered the journal (seconds); expiration counts from
     it, so it survives restarts. ``deliver_at`` (seconds) delays the first delivery.
+    ``expiration`` (seconds) is the message's own: counted from ``timestamp`` like the queue's
+    ``expiration``, which it overrides for this entry.
     """
 
     topic: str
@@ -82,6 +84,7 @@ class OfferedRecord(NamedTuple):
     doc: object = None
     timestamp: float | None = None
     deliver_at: float | None = None
+    expiration: float | None = None
 
 
 class EntryRecord(NamedTuple):

@@ -32,6 +32,7 @@ __all__ = [
     "DLQ_ORIGINAL_TOPIC",
     "DLQ_QUEUE",
     "DLQ_REASON",
+    "EXPIRATION",
     "FORWARDED",
     "LEASE",
     "LEASE_EXPIRES",
@@ -48,6 +49,7 @@ __all__ = [
     "deliver_at_header",
     "delivery_headers",
     "encoded_delivery_headers",
+    "expiration_header",
     "forwarded_headers",
     "forwarded_hops",
     "header_value",
@@ -55,6 +57,7 @@ __all__ = [
     "parse_dead_letter_headers",
     "parse_deliver_at",
     "parse_delivery_headers",
+    "parse_expiration",
     "reply_headers",
     "reply_shard",
     "with_delivery_headers",
@@ -86,6 +89,9 @@ SHARD = "qlayer.shard"
 FORWARDED = "qlayer.forwarded"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
+# How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the
+# expiration time set on the individual message"); it overrides the queue's `expiration`.
+EXPIRATION = "qlayer.expiration"
 # --- on a dead-letter record ----------------------------------------------------------------
 DLQ_REASON = "qlayer.dlq.reason"
 DLQ_DETAIL = "qlayer.dlq.detail"
@@ -314,6 +320,35 @@ def parse_deliver_at(headers: InputHeaders) -> int | None:
     """The ``qlayer.deliver-at`` time of a published record, or ``None`` when it has none."""
     value = header_value(headers, DELIVER_AT)
     return None if value is None else _number(DELIVER_AT, value)
+
+
+#: The longest per-message expiration: 366 days, so a value in seconds by mistake for ms
+#: (or a runaway number) is refused rather than silently meaning "never".
+MAX_EXPIRATION_MS = 366 * 24 * 3600 * 1000
+
+
+def expiration_header(expiration_ms: int) -> tuple[str, bytes]:
+    """Publish header giving the message its own expiration: it leaves any queue (expired,
+    dead-lettered where the queue says so) once it is this many ms older than its record's
+    timestamp and not leased."""
+    if not 1 <= expiration_ms <= MAX_EXPIRATION_MS:
+        raise ValueError(
+            f"expiration_ms must be 1..{MAX_EXPIRATION_MS} (366 days); got {expiration_ms}")
+    return (EXPIRATION, b"%d" % expiration_ms)
+
+
+def parse_expiration(headers: InputHeaders) -> int | None:
+    """The ``qlayer.expiration`` of a published record (ms), or ``None`` when it has none."""
+    value = header_value(headers, EXPIRATION)
+    if value is None:
+        return None
+    ms = _number(EXPIRATION, value)
+    if not 1 <= ms <= MAX_EXPIRATION_MS:
+        raise ProtocolError(
+            f"header {EXPIRATION} must be 1..{MAX_EXPIRATION_MS} ms (366 days), got {ms}",
+            kind=ProtocolErrorKind.BAD_HEADER,
+        )
+    return ms
 
 
 # --- dead letters ------------------------------------------------------------------------------

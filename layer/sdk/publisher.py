@@ -11,20 +11,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
 from confluent_kafka import Producer
 
 from layer.kafka.reports import DeliveryFailures
-from layer.protocol.headers import deliver_at_header
+from layer.protocol.headers import MAX_EXPIRATION_MS, deliver_at_header, expiration_header
 from layer.protocol.topics import validate_topic_name
 from layer.sdk.config import ClientConfig
 from layer.sdk.directory import QueueDirectory
 from layer.sdk.errors import PublishError
 
-__all__ = ["QueuePublisher", "deliver_at_ms"]
+__all__ = ["QueuePublisher", "deliver_at_ms", "expiration_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,25 @@ def deliver_at_ms(deliver_at: datetime | float) -> int:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"deliver_at must be a time after 1970, got {deliver_at!r}")
     return round(seconds * 1000)
+
+
+def expiration_ms(expiration: timedelta | float) -> int:
+    """A message's own expiration in milliseconds: a timedelta, or seconds.
+
+    At least 1 ms and at most 366 days (`MAX_EXPIRATION_MS`).
+    """
+    if isinstance(expiration, timedelta):
+        seconds = expiration.total_seconds()
+    elif isinstance(expiration, bool) or not isinstance(expiration, int | float):
+        raise TypeError(
+            f"expiration must be a timedelta or seconds, got {type(expiration).__name__}")
+    else:
+        seconds = float(expiration)
+    ms = round(seconds * 1000) if math.isfinite(seconds) else -1
+    if not 1 <= ms <= MAX_EXPIRATION_MS:
+        raise ValueError(
+            f"expiration must be between 1 ms and 366 days, got {expiration!r}")
+    return ms
 
 
 def _bytes(value: bytes | str | None, what: str) -> bytes | None:
@@ -119,12 +138,17 @@ class QueuePublisher:
         deliver_at: datetime | float | None = None,
         *,
         partition: int | None = None,
+        expiration: timedelta | float | None = None,
     ) -> str:
         """Publish one record; returns the topic it goes to.
 
         ``deliver_at`` (an aware datetime or epoch seconds) asks the queue to hold the message
-        until then (the ``qlayer.deliver-at`` header). Raises ``NoPublishTargetError`` for a
-        queue over a regex without a ``default_publish_target``.
+        until then (the ``qlayer.deliver-at`` header). ``expiration`` (a timedelta or seconds)
+        gives the message its own expiration, counted from when it is written, in place of the
+        queue's (the ``qlayer.expiration`` header): once that old and not leased, it leaves
+        every queue it is in, dead-lettered where the queue dead-letters expired messages.
+        Raises ``NoPublishTargetError`` for a queue over a regex without a
+        ``default_publish_target``.
         """
         if self._closed:
             raise PublishError(["the publisher is closed"])
@@ -132,6 +156,8 @@ class QueuePublisher:
         record_headers = _headers(headers)
         if deliver_at is not None:
             record_headers.append(deliver_at_header(deliver_at_ms(deliver_at)))
+        if expiration is not None:
+            record_headers.append(expiration_header(expiration_ms(expiration)))
         kwargs: dict[str, Any] = {
             "key": _bytes(key, "key"),
             "value": _bytes(value, "value"),

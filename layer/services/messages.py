@@ -35,6 +35,7 @@ from layer.protocol.headers import (
 )
 from layer.protocol.topics import TopicNames
 from layer.sdk import Message, QueueConsumer, QueuePublisher
+from layer.sdk.publisher import expiration_ms
 from layer.settings import Settings
 from layer.store.store import Store
 
@@ -49,6 +50,7 @@ __all__ = [
     "dead_letter_topic",
     "list_dead_letters",
     "parse_deliver_at_option",
+    "parse_expiration_option",
     "parse_header_options",
     "publish_lines",
     "queue_definition",
@@ -132,6 +134,16 @@ def parse_deliver_at_option(text: str, now: datetime) -> datetime:
     return moment
 
 
+def parse_expiration_option(text: str) -> timedelta:
+    """``30s`` / ``5m`` / ``1h``: a message's own expiration, 1 ms to 366 days."""
+    try:
+        seconds = parse_duration(text)
+        expiration_ms(seconds)
+    except (QlayerError, ValueError, TypeError) as exc:
+        raise InvalidOptionError(f"--expiration {text!r}: {exc}") from exc
+    return timedelta(seconds=seconds)
+
+
 def publish_lines(
     settings: Settings,
     queue_or_topic: str,
@@ -140,6 +152,7 @@ def publish_lines(
     key: str | None = None,
     headers: Sequence[tuple[str, str]] = (),
     deliver_at: datetime | None = None,
+    expiration: timedelta | None = None,
 ) -> PublishResult:
     """Publish one record per line (without its line break; empty lines are skipped)."""
     count = 0
@@ -151,7 +164,7 @@ def publish_lines(
             if not value:
                 continue
             publisher.publish(queue_or_topic, value, key=key, headers=list(headers) or None,
-                              deliver_at=deliver_at)
+                              deliver_at=deliver_at, expiration=expiration)
             count += 1
     return PublishResult(topic, count)
 

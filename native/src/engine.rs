@@ -212,6 +212,8 @@ pub struct Offered {
     pub doc: Py<PyAny>,
     pub timestamp: Option<f64>,
     pub deliver_at: Option<f64>,
+    /// The message's own expiration (seconds from `timestamp`), overriding the queue's.
+    pub expiration: Option<f64>,
 }
 
 /// One acknowledgement item (`engine.EntryAck`).
@@ -286,6 +288,9 @@ pub struct Engine {
     active: i64,
     inactive_from: i64,
     not_before: FxHashMap<Seq, f64>,
+    /// `QueueEngine._expires_at` / `_expiries`: entries with an expiration of their own.
+    expires_at: FxHashMap<Seq, f64>,
+    expiries: BinaryHeap<Reverse<Timed>>,
     early_acks: FxHashSet<Bm>,
     restoring: OrderedMap<Bm, Rec>,
     resend: Vec<(Seq, Bm, Option<Name>)>,
@@ -339,6 +344,8 @@ impl Engine {
             active: 0,
             inactive_from: 0,
             not_before: FxHashMap::default(),
+            expires_at: FxHashMap::default(),
+            expiries: BinaryHeap::new(),
             early_acks: FxHashSet::default(),
             restoring: OrderedMap::new(),
             resend: Vec::new(),
@@ -462,6 +469,9 @@ impl Engine {
             candidates.push(*at);
         }
         if let Some(Reverse(Timed(at, _))) = self.delays.peek() {
+            candidates.push(*at);
+        }
+        if let Some(Reverse(Timed(at, _))) = self.expiries.peek() {
             candidates.push(*at);
         }
         for c in self.consumers.values() {
@@ -739,7 +749,7 @@ impl Engine {
             } else {
                 record.deliver_at
             };
-            if plain && deliver_at.is_none_or(|d| d <= now) {
+            if plain && deliver_at.is_none_or(|d| d <= now) && record.expiration.is_none() {
                 let ts = record.timestamp.unwrap_or(now);
                 self.table.append(source, offset, ts, record.doc, None, AVAILABLE, 0);
             } else {
@@ -755,7 +765,7 @@ impl Engine {
                     }
                 }
                 if !self.admit(py, source, offset, record.key, doc, record.timestamp,
-                               deliver_at, now)? {
+                               deliver_at, record.expiration, now)? {
                     continue;
                 }
             }
@@ -785,6 +795,7 @@ impl Engine {
         doc: Py<PyAny>,
         timestamp: Option<f64>,
         deliver_at: Option<f64>,
+        expiration: Option<f64>,
         now: f64,
     ) -> PyResult<bool> {
         let (topic, partition) = {
@@ -840,6 +851,11 @@ impl Engine {
         debug_assert_eq!(seq, end);
         let position: Pos = if self.fifo { (0, seq) } else { (rank, seq) };
         self.order.add(position);
+        if let Some(e) = expiration {
+            let expires_at = timestamp.unwrap_or(now) + e;
+            self.expires_at.insert(seq, expires_at);
+            self.expiries.push(Reverse(Timed(expires_at, seq)));
+        }
         if state != INACTIVE {
             self.active += 1;
         } else if let Some(a) = available_at {
@@ -1410,6 +1426,9 @@ impl Engine {
         if self.policy.expiration.is_some() {
             self.expire_old_entries(py, now)?;
         }
+        if self.expiries.peek().is_some_and(|Reverse(Timed(at, _))| *at <= now) {
+            self.expire_own(py, now)?;
+        }
         let ids = self.consumers.keys_vec();
         for id in ids {
             let due = match self.consumers.get(&id) {
@@ -1483,7 +1502,7 @@ impl Engine {
                 if seq >= self.table.base {
                     let slot = self.table.slot(seq);
                     let current = self.table.state[slot];
-                    if current < ACKED && current != LEASED {
+                    if current < ACKED && current != LEASED && !self.expires_at.contains_key(&seq) {
                         if self.table.times[slot] + expiration > now {
                             break;
                         }
@@ -1497,7 +1516,40 @@ impl Engine {
         Ok(())
     }
 
+    /// `QueueEngine._expire_own`: entries whose own expiration is due leave unless leased.
+    fn expire_own(&mut self, py: Python<'_>, now: f64) -> PyResult<()> {
+        while let Some(Reverse(Timed(at, seq))) = self.expiries.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.expiries.pop();
+            if !self.expires_at.contains_key(&seq) {
+                continue;
+            }
+            if seq < self.table.base {
+                self.expires_at.remove(&seq);
+                continue;
+            }
+            let current = self.table.state[self.table.slot(seq)];
+            if current >= ACKED {
+                self.expires_at.remove(&seq);
+            } else if current == LEASED {
+                let again = self.touched.get(&seq).map_or(now, |t| t.deadline);
+                self.expiries.push(Reverse(Timed(again.max(now + 0.001), seq)));
+            } else {
+                self.expires_at.remove(&seq);
+                self.expire(py, seq, Reason::Expiration, None, None, now)?;
+            }
+        }
+        Ok(())
+    }
+
     fn too_old(&self, seq: Seq, now: f64) -> bool {
+        if !self.expires_at.is_empty() {
+            if let Some(at) = self.expires_at.get(&seq) {
+                return *at <= now;
+            }
+        }
         match self.policy.expiration {
             Some(expiration) => self.table.times[self.table.slot(seq)] + expiration <= now,
             None => false,

@@ -296,6 +296,7 @@ impl NativeEngine {
                 doc: t.get_item(4)?.unbind(),
                 timestamp: t.get_item(5)?.extract()?,
                 deliver_at: t.get_item(6)?.extract()?,
+                expiration: t.get_item(7)?.extract()?,
             });
         }
         self.core.enqueue(py, offered, now)
@@ -524,7 +525,8 @@ impl NativeEngine {
 /// `ShardCore._enqueue` for native engines: journal records offered to the engines of their
 /// topics, documents the record values themselves (a `RawDocument` once an expression reads
 /// one) within the payload budget's ``room`` and ``project(topic, value) -> (doc, fields)``
-/// past it, deliver-at times from ``deliver_at(record)`` for records with headers, and each
+/// past it, deliver-at times and expirations (ms) from ``timing(record)`` for records with
+/// headers, and each
 /// record kept in the lane for this step. Returns (deletes, projected, and per topic and
 /// partition the last offset offered).
 #[pyfunction]
@@ -537,7 +539,7 @@ fn enqueue(
     now: f64,
     room: i64,
     project: &Bound<'_, PyAny>,
-    deliver_at: &Bound<'_, PyAny>,
+    timing: &Bound<'_, PyAny>,
     delete: &Bound<'_, PyAny>,
 ) -> PyResult<(i64, i64, Vec<(String, i64, i64)>)> {
     let mut topics: Vec<(String, Vec<usize>)> = Vec::new();
@@ -610,14 +612,15 @@ fn enqueue(
                     doc: delete.clone().unbind(),
                     timestamp: None,
                     deliver_at: None,
+                    expiration: None,
                 });
                 continue;
             }
             let headers = t.get_item(6)?;
-            let at: Option<i64> = if !headers.is_none() && headers.len()? > 0 {
-                deliver_at.call1((&r,))?.extract()?
+            let (at, expiration): (Option<i64>, Option<i64>) = if !headers.is_none() && headers.len()? > 0 {
+                timing.call1((&r,))?.extract()?
             } else {
-                None
+                (None, None)
             };
             room -= lane::record_size(t)?;
             let doc = if room >= 0 {
@@ -637,6 +640,7 @@ fn enqueue(
                 doc,
                 timestamp: if ts > 0 { Some(ts as f64 / 1000.0) } else { None },
                 deliver_at: at.map(|ms| ms as f64 / 1000.0),
+                expiration: expiration.map(|ms| ms as f64 / 1000.0),
             });
             lane.borrow_mut().hold_fresh(Bm::new(name.clone(), partition, offset), r.unbind());
         }
@@ -656,6 +660,7 @@ fn enqueue(
                     doc: o.doc.clone_ref(py),
                     timestamp: o.timestamp,
                     deliver_at: o.deliver_at,
+                    expiration: o.expiration,
                 })
                 .collect();
             engine.core.enqueue(py, copy, now)?;

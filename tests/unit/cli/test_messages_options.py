@@ -8,7 +8,11 @@ import pytest
 
 from cli.messages import payload_text
 from layer.domain.errors import QlayerError
-from layer.services.messages import parse_deliver_at_option, parse_header_options
+from layer.services.messages import (
+    parse_deliver_at_option,
+    parse_expiration_option,
+    parse_header_options,
+)
 from layer.services.views import QueueStats, ViewEntry, rates, sort_for_delivery
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
@@ -27,6 +31,14 @@ def test_deliver_at_relative_or_iso_with_a_zone() -> None:
 def test_deliver_at_refuses_what_cannot_be_placed_in_time(text: str) -> None:
     with pytest.raises(QlayerError, match="--deliver-at"):
         parse_deliver_at_option(text, NOW)
+
+
+def test_expiration_is_a_duration_from_1ms_to_366_days() -> None:
+    assert parse_expiration_option("30s") == timedelta(seconds=30)
+    assert parse_expiration_option("1h30m") == timedelta(minutes=90)
+    for text in ("0s", "400d", "soon", "-5s"):
+        with pytest.raises(QlayerError, match="--expiration"):
+            parse_expiration_option(text)
 
 
 def test_headers_keep_order_and_repeats_and_values_may_hold_equals() -> None:

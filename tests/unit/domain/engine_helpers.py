@@ -44,8 +44,9 @@ def record(
     timestamp: float | None = 0.0,
     deliver_at: float | None = None,
     topic: str = TOPIC,
+    expiration: float | None = None,
 ) -> OfferedRecord:
-    return OfferedRecord(topic, partition, offset, key, doc, timestamp, deliver_at)
+    return OfferedRecord(topic, partition, offset, key, doc, timestamp, deliver_at, expiration)
 
 
 def offer(queue: QueueEngine, docs: Iterable[object], *, start: int = 0, now: float = 0.0) -> int:

@@ -113,9 +113,10 @@ class Twins(RuleBasedStateMachine):
     @rule(docs=st.lists(documents, min_size=1, max_size=6), partition=st.integers(0, 1),
           keyed=st.booleans(), delay=st.sampled_from([None, None, 0.5, 3.0]),
           projected=st.sampled_from([None, None, frozenset(), frozenset({"/k"})]),
-          raw=st.booleans())
+          raw=st.booleans(), expiration=st.sampled_from([None, None, None, 0.5, 4.0]))
     def offer(self, docs: list[object], partition: int, keyed: bool, delay: float | None,
-              projected: frozenset[str] | None, raw: bool) -> None:
+              projected: frozenset[str] | None, raw: bool,
+              expiration: float | None = None) -> None:
         records = []
         for i, doc in enumerate(docs):
             offset = self.next_offset[partition]
@@ -127,7 +128,8 @@ class Twins(RuleBasedStateMachine):
                                   .replace("nan", "NaN").encode())
             records.append(OfferedRecord(
                 TOPIC, partition, offset, f"k{i % 2}".encode() if keyed else None, doc,
-                self.now - 1.0, self.now + delay if delay else None))
+                self.now - 1.0, self.now + delay if delay else None,
+                expiration if i % 2 == 0 else None))
         self.offered.extend(records)
         self.both("enqueue", records, self.now, projected)
 

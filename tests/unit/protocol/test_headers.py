@@ -14,11 +14,13 @@ from layer.protocol import (
     dead_letter_headers,
     deliver_at_header,
     delivery_headers,
+    expiration_header,
     header_value,
     is_reply,
     parse_dead_letter_headers,
     parse_deliver_at,
     parse_delivery_headers,
+    parse_expiration,
     reply_headers,
     with_delivery_headers,
 )
@@ -148,6 +150,21 @@ def test_deliver_at() -> None:
         parse_deliver_at([("qlayer.deliver-at", b"tomorrow")])
     with pytest.raises(ValueError, match="must not be negative"):
         deliver_at_header(-1)
+
+
+def test_expiration() -> None:
+    key, value = expiration_header(30_000)
+    assert (key, value) == ("qlayer.expiration", b"30000")
+    assert parse_expiration([("x", b"1"), (key, value)]) == 30_000
+    assert parse_expiration([("x", b"1")]) is None
+    assert parse_expiration(None) is None
+    with pytest.raises(ProtocolError, match=r"qlayer\.expiration must be a decimal number"):
+        parse_expiration([("qlayer.expiration", b"30s")])
+    for ms in (0, 366 * 24 * 3600 * 1000 + 1):
+        with pytest.raises(ProtocolError, match=r"must be 1\.\.31622400000 ms"):
+            parse_expiration([("qlayer.expiration", b"%d" % ms)])
+        with pytest.raises(ValueError, match="expiration_ms must be"):
+            expiration_header(ms)
 
 
 DEAD = DeadLetterInfo(

@@ -13,7 +13,7 @@ from layer.sdk.directory import (
     decode_placed_definition,
     encode_definition,
 )
-from layer.sdk.publisher import deliver_at_ms
+from layer.sdk.publisher import deliver_at_ms, expiration_ms
 
 QUEUES = load_queue_file("""
 queues:
@@ -91,3 +91,18 @@ def test_deliver_at_conversions() -> None:
         deliver_at_ms(-1)
     with pytest.raises(TypeError):
         deliver_at_ms("2026-01-01")  # type: ignore[arg-type]
+
+
+def test_expiration_conversions() -> None:
+    from datetime import timedelta
+
+    assert expiration_ms(timedelta(minutes=5)) == 300_000
+    assert expiration_ms(2.5) == 2_500
+    assert expiration_ms(0.001) == 1
+    for bad in (0, -1, 0.0001, 367 * 24 * 3600, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="between 1 ms and 366 days"):
+            expiration_ms(bad)
+    with pytest.raises(TypeError):
+        expiration_ms("5m")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        expiration_ms(True)
