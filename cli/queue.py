@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 
 from cli.output import (
     BootstrapServers,
@@ -292,6 +293,7 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
                        "last_heartbeat_at": iso_or_none(c.last_heartbeat_at)}
                       for c in d.consumers],
         "kafka_problem": d.kafka_problem,
+        "definition_problem": d.definition_problem,
     }
 
 
@@ -339,6 +341,10 @@ def _print_describe(d: QueueDescription) -> None:
         renderables.append("no consumers attached")
     if d.kafka_problem:
         renderables.append(f"[yellow]journal offsets unavailable: {d.kafka_problem}[/]")
+    if d.definition_problem:
+        renderables.append(
+            f"[red]not served: the stored definition is invalid: {escape(d.definition_problem)}"
+            f"\nfix it with `qlayer queue apply` (a valid definition of {record.name})[/]")
     show(*renderables)
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from cli.output import (
@@ -44,7 +45,7 @@ def _document(stats: QueueStats) -> dict[str, Any]:
     return {
         "queue": stats.queue, "depth": stats.depth, "leased": stats.leased,
         "consumers": stats.consumers, "oldest_available_age": stats.oldest_available_age,
-        "counters": stats.counters, "rates": stats.rates,
+        "counters": stats.counters, "rates": stats.rates, "problem": stats.problem,
         "partitions": [{"topic": p.topic, "partition": p.partition,
                         "recovery_point": p.recovery_point, "end_offset": p.end_offset,
                         "lag": p.lag} for p in stats.partitions],
@@ -66,9 +67,10 @@ def _tables(sample: list[QueueStats]) -> Group:
         for p in s.partitions:
             lags.add_row(s.queue, f"{p.topic}[{p.partition}]", str(p.recovery_point),
                          str(p.end_offset), str(p.lag))
-    parts: list[Table] = [table]
+    parts: list[Table | str] = [table]
     if sample and any(s.partitions for s in sample):
         parts.append(lags)
+    parts.extend(f"[red]queue {s.queue}: {escape(s.problem)}[/]" for s in sample if s.problem)
     return Group(*parts)
 
 

@@ -55,6 +55,9 @@ class QueueLoader:
         self.store = store
         self.admin = admin
         self.reader = reader
+        # The version of each queue whose stored definition was found invalid: it is logged
+        # and counted once per version, not at every catalog refresh (every few seconds).
+        self.invalid: dict[str, int] = {}
 
     def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float,
             moved: Mapping[tuple[str, int], tuple[int, int]] | None = None) -> bool:
@@ -67,9 +70,15 @@ class QueueLoader:
         try:
             definition = QueueDefinition.from_mapping(record.definition)
         except QueueConfigError as exc:
-            core.counters["invalid_queue_definitions"] += 1
-            log.error("queue %s has an invalid stored definition, skipped: %s", record.name, exc)
+            if self.invalid.get(record.name) != record.version:
+                self.invalid[record.name] = record.version
+                core.counters["invalid_queue_definitions"] += 1
+                log.error("queue %s (version %d) has an invalid stored definition and is not "
+                          "served until it is fixed (`qlayer queue describe %s` says why; "
+                          "`qlayer queue apply` a valid one): %s", record.name, record.version,
+                          record.name, exc)
             return False
+        self.invalid.pop(record.name, None)
         topics = core.topics
         if not definition.is_regex_topic and topics.is_internal(definition.underlying_topic):
             # Internal topics (deliveries, acks, ...) are never journals; say so rather than

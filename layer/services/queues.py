@@ -294,6 +294,9 @@ class QueueDescription:
     consumers: list[ConsumerRow]
     kafka_problem: str | None = None
     """Why the journal's end offsets are missing (Kafka unreachable), or None."""
+    definition_problem: str | None = None
+    """Why the stored definition no longer validates (the coordinator does not serve the
+    queue until a valid one is applied), or None."""
 
     @property
     def journal_backlog(self) -> int | None:
@@ -504,8 +507,12 @@ class QueueService:
         still returned and ``kafka_problem`` says why the backlog is missing.
         """
         record = self._live(name)
-        normalised = _normalised(record)
-        definition = normalised if normalised is not None else dict(record.definition)
+        definition_problem: str | None = None
+        try:
+            definition = stored_form(QueueDefinition.from_mapping(record.definition))
+        except QueueConfigError as exc:
+            definition = dict(record.definition)
+            definition_problem = str(exc)
         points = {
             (key.topic, key.partition): offset
             for key, offset in self.store.load_recovery_points(name).items()
@@ -530,7 +537,7 @@ class QueueService:
             for topic, partition in sorted(pairs)
         ]
         return QueueDescription(record, definition, counters, partitions, consumers,
-                                kafka_problem)
+                                kafka_problem, definition_problem)
 
     # -- delete / purge ----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from layer.domain.definitions import QueueDefinition
+from layer.domain.errors import QueueConfigError
 from layer.domain.expressions import Document, as_number, compile_expression, parse_document
 from layer.kafka import JournalRecord, KafkaAdmin
 from layer.kafka.scan import RangeScanner
@@ -331,6 +332,8 @@ class QueueStats:
     partitions: list[PartitionLag]
     sampled_at: float
     rates: dict[str, float] | None = field(default=None)
+    problem: str | None = None
+    """Why the queue is not served (its stored definition no longer validates), or None."""
 
 
 def rates(previous: QueueStats, current: QueueStats) -> dict[str, float]:
@@ -386,11 +389,21 @@ def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now:
     with Store(settings.database_url) as store:
         names = (sorted(queues) if queues is not None
                  else sorted(r.name for r in store.list_queues()))
-        definitions = [queue_definition(store, name) for name in names]
         consumers = store.load_consumers()
         counters = store.load_counters()
-        for definition in definitions:
-            name = definition.name
+        for name in names:
+            try:
+                definition = queue_definition(store, name)
+            except QueueConfigError as exc:
+                # One queue's bad definition must not hide every other queue's figures.
+                out.append(QueueStats(
+                    queue=name, depth=0,
+                    leased=sum(1 for r in store.load_entries(name) if r.state == "LEASED"),
+                    consumers=sum(1 for c in consumers if _subscribed(c, name)),
+                    oldest_available_age=None, counters=_counter_values(counters.get(name)),
+                    partitions=[], sampled_at=now,
+                    problem=f"not served: its stored definition is invalid ({exc})"))
+                continue
             stored = store.load_recovery_points(name)
             rows = store.load_entries(name)
             pairs = _journal_partitions(admin, definition, settings.topic_prefix)
