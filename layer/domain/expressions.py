@@ -12,7 +12,6 @@ import json
 import math
 import operator
 import re
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +21,7 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from layer.domain.errors import ExpressionError
+from layer.domain.likepattern import LikePatternError, compile_like
 
 __all__ = [
     "Document",
@@ -756,18 +756,15 @@ class _Compiler:
     ) -> _Compiled:
         pattern_text = _string_literal(pattern)
         try:
-            with warnings.catch_warnings():
-                # re warns (FutureWarning) about PCRE/POSIX syntax it reads differently, such as
-                # [[:alpha:]]; refusing it beats silently matching something else.
-                warnings.simplefilter("error")
-                regex = re.compile(pattern_text)
-        except (re.error, FutureWarning, DeprecationWarning) as exc:
-            raise self._error(f"invalid regular expression for LIKE ({exc})", pattern) from exc
-        search = regex.search
+            search = compile_like(pattern_text)
+        except LikePatternError as exc:
+            raise self._error(
+                f"invalid regular expression for LIKE {_shorten(pattern_text)}: {exc}", pattern
+            ) from exc
 
         def like(value: object) -> bool | None:
             subject_text = _like_subject(value)
-            return None if subject_text is None else search(subject_text) is not None
+            return None if subject_text is None else search(subject_text)
 
         result = _unary(_any_element_test(like), self.compile(subject))
         return result if negated is None else _unary(_not, result)
@@ -805,6 +802,15 @@ def _string_literal(token: Token) -> str:
     text = str(token)
     quote = text[0]
     return text[1:-1].replace(quote * 2, quote)
+
+
+def _shorten(pattern: str, limit: int = 60) -> str:
+    """``pattern`` quoted as it is written in an expression, cut to ``limit`` characters (it may
+    be hostile input); control characters are shown escaped."""
+    cut = pattern if len(pattern) <= limit else pattern[: limit - 3] + "..."
+    if not cut.isprintable():
+        return repr(cut)
+    return "'" + cut.replace("'", "''") + "'"
 
 
 def _describe_position(text: str, line: int | None, column: int | None) -> str:

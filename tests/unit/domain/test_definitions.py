@@ -246,6 +246,24 @@ def test_expression_syntax_errors_name_field_and_column() -> None:
     assert "regular expression" in message
 
 
+def test_a_like_pattern_the_linear_time_engine_cannot_run_is_a_problem_of_its_field() -> None:
+    # Queue definitions are validated like consumers' filters (issue 15 item 4).
+    assert problems_of({"name": "Q", "filter": "/state LIKE '(.)\\1'"}) == [
+        (
+            "filter",
+            "invalid regular expression for LIKE '(.)\\1': backreferences such as \\1 are "
+            "not supported: LIKE uses a linear-time regular expression engine (RE2), which "
+            "cannot run it at column 13",
+        )
+    ]
+    [(field, message)] = problems_of({"name": "Q", "priority": "/p LIKE '(?<=x)y'"})
+    assert field == "priority"
+    assert "lookbehind (?<=...) is not supported" in message
+    catastrophic = QueueDefinition.from_mapping({"name": "Q", "filter": "/s LIKE '^(a+)+$'"})
+    assert catastrophic.filter_expression is not None
+    assert catastrophic.filter_expression.matches({"s": "a" * 5000 + "b"}) is False
+
+
 def test_expressions_are_compiled_once_and_exposed() -> None:
     queue = QueueDefinition.from_mapping(
         {

@@ -325,7 +325,21 @@ def test_in(text: str, expected: bool | None) -> None:
         ("/name LIKE '^widget$'", False),  # case-sensitive
         ("/name LIKE '(?i)^widget$'", True),  # PCRE-style inline flag for case
         ("/name NOT LIKE 'x'", True),
-        ("'aab' LIKE '(.)\\1'", True),  # backreferences work: no escape processing in strings
+        ("'a.b' LIKE '^a\\.b$'", True),  # no escape processing in strings: \. reaches the regex
+        ("'axb' LIKE '^a\\.b$'", False),
+        ("'Straße' LIKE '(?i)^STRASSE$'", False),  # case folding is per character
+        ("'ÉCOLE' LIKE '(?i)^école$'", True),  # ...and Unicode-aware
+        ("'a7' LIKE '^a\\d$'", True),
+        ("'a٣' LIKE '^a\\d$'", False),  # \d is [0-9], as in PCRE (AMPS)
+        ("'Wid' LIKE '^[[:alpha:]]+$'", True),  # POSIX classes read as in PCRE
+        ("'W1d' LIKE '^[[:alpha:]]+$'", False),
+        ("'aaa' LIKE '^a{0,3}$'", True),
+        ("'aaaa' LIKE '^a{0,3}$'", False),
+        ("'a\nb' LIKE '^b'", False),  # ^ and $ are the text's ends...
+        ("'a\nb' LIKE '(?m)^b'", True),  # ...or its lines' with (?m)
+        ("'a\nb' LIKE 'a.b'", False),  # . is not a newline...
+        ("'a\nb' LIKE '(?s)a.b'", True),  # ...unless (?s)
+        ("'x' LIKE '\\Qx\\E'", True),
         ("/qty LIKE '^4$'", True),  # numbers match as their JSON text
         ("/price LIKE '^2\\.5$'", True),
         ("/tags LIKE '^gr'", True),  # any element of an array
@@ -506,10 +520,107 @@ def test_invalid_like_pattern_is_reported_at_the_pattern() -> None:
     assert "regular expression" in str(caught.value)
 
 
-@pytest.mark.parametrize("pattern", ["[[:alpha:]]+", "a\\K", "(?R)"])
+@pytest.mark.parametrize("pattern", ["a\\K", "(?R)", "a++", "(?>a)", "(?x) a", "a\\N{DASH}"])
 def test_pcre_only_like_syntax_is_refused_rather_than_misread(pattern: str) -> None:
     with pytest.raises(ExpressionError, match="regular expression"):
         compile_expression(f"/name LIKE '{pattern}'")
+
+
+# -- LIKE runs in linear time (issue 15 item 4) ------------------------------------------------
+
+
+def test_a_catastrophic_like_pattern_is_answered_in_linear_time() -> None:
+    # With a backtracking engine '^(a+)+$' against 'a' * 27 + 'b' took 17.8 s; against
+    # 'a' * 5000 + 'b' it would not finish in the life of the universe.
+    expression = compile_expression("/s LIKE '^(a+)+$'")
+    assert expression.evaluate({"s": "a" * 27 + "b"}) is False
+    assert expression.evaluate({"s": "a" * 5000 + "b"}) is False
+    assert expression.evaluate({"s": "a" * 5000}) is True
+    assert compile_expression("/s LIKE '(x+x+)+y'").evaluate({"s": "x" * 5000}) is False
+    assert compile_expression("/s NOT LIKE '^(a|aa)+$'").evaluate({"s": "a" * 5000 + "!"}) is True
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("(.)\\1", "backreferences such as \\1 are not supported"),
+        ("(?P<c>.)(?P=c)", "a backreference (?P=name) is not supported"),
+        ("(a)\\k<1>", "backreferences such as \\k<name> are not supported"),
+        ("^(?=.*x)", "lookahead (?=...) is not supported"),
+        ("^(?!x)", "lookahead (?!...) is not supported"),
+        ("(?<=a)b", "lookbehind (?<=...) is not supported"),
+        ("(?<!a)b", "lookbehind (?<!...) is not supported"),
+        ("(a|b(?1))", "recursion (?1...) is not supported"),
+        ("(?>a+)b", "an atomic group (?>...) is not supported"),
+    ],
+)
+def test_like_patterns_only_a_backtracking_engine_can_run_are_refused_with_the_reason(
+    pattern: str, why: str
+) -> None:
+    text = f"/state LIKE '{pattern}'"
+    with pytest.raises(ExpressionError) as caught:
+        compile_expression(text)
+    message = str(caught.value)
+    assert message.startswith(f"invalid regular expression for LIKE '{pattern}': {why}: "), message
+    assert "linear-time regular expression engine (RE2)" in message
+    assert message.endswith("at column 13")
+    assert caught.value.column == 13
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("a{,3}", "write {0,3} for a repetition"),  # re: {0,3}; PCRE and RE2: the text
+        ("a{,}", "write {0,} for a repetition"),
+        ("end\\Z", "write $"),  # re: the very end; PCRE: also before a final newline
+        ("end\\z", "write $"),
+    ],
+)
+def test_like_syntax_engines_read_differently_is_refused(pattern: str, why: str) -> None:
+    with pytest.raises(ExpressionError, match="regular expression for LIKE") as caught:
+        compile_expression(f"/s LIKE '{pattern}'")
+    assert why in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["[(?=]x", "[a{,3}]", "\\(?=", "\\Q(?=\\1\\E", "[]{,3}]", "\\{,3}", "\\\\Z", "\\101"],
+)
+def test_refused_constructs_are_fine_as_text(pattern: str) -> None:
+    # Inside a class, escaped or quoted, the same characters are plain text.
+    expression = compile_expression(f"/s LIKE '{pattern}'")
+    assert expression.evaluate({"s": "nothing here"}) is False
+
+
+@pytest.mark.parametrize(
+    ("subject", "pattern", "expected"),
+    [
+        ("abc\n", "^abc$", True),  # $ matches before a final newline, as in PCRE and re
+        ("abc\n", "c$", True),
+        ("abc\n", "^abc\n$", True),
+        ("abc\n\n", "^abc$", False),  # only one
+        ("abc\nd", "c$", False),
+        ("abc\nd", "(?m)c$", True),
+        ("abc", "^abc$", True),
+    ],
+)
+def test_dollar_matches_as_in_pcre(subject: str, pattern: str, expected: bool) -> None:
+    expression = compile_expression(f"/s LIKE '{pattern}'")
+    assert expression.evaluate({"s": subject}) is expected
+
+
+def test_like_never_raises_on_text_that_is_not_unicode() -> None:
+    # json.loads accepts a lone surrogate ("\\ud800"), which has no UTF-8 form; it is one
+    # character to LIKE, as it was to Python's re.
+    document = json.loads('{"s": "x\\ud800y"}')
+    assert compile_expression("/s LIKE '^x.y$'").evaluate(document) is True
+    assert compile_expression("/s LIKE '^x..y$'").evaluate(document) is False
+    assert compile_expression("/s LIKE '^xy'").evaluate(document) is False
+
+
+def test_a_pattern_too_large_for_the_engine_is_refused() -> None:
+    with pytest.raises(ExpressionError, match="pattern too large"):
+        compile_expression("/s LIKE '\\pL{1000}'")
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n"])
