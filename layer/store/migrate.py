@@ -9,14 +9,14 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, pool
-from sqlalchemy.engine import make_url
 
 from layer.store.errors import translate_errors
+from layer.store.url import parse_database_url
 
 
 def _where(database_url: str) -> str:
-    """The database for messages, without its password."""
-    return make_url(database_url).render_as_string(hide_password=True)
+    """The database for messages, without its password; `DatabaseUrlError` if it is no URL."""
+    return parse_database_url(database_url).render_as_string(hide_password=True)
 
 
 def alembic_config(database_url: str) -> Config:
@@ -50,7 +50,7 @@ def downgrade(database_url: str, revision: str = "base") -> str | None:
 
 
 def current_revision(database_url: str) -> str | None:
-    engine = create_engine(database_url, poolclass=pool.NullPool)
+    engine = create_engine(parse_database_url(database_url), poolclass=pool.NullPool)
     try:
         with translate_errors(f"reading the schema revision of {_where(database_url)}"), \
                 engine.connect() as conn:

@@ -51,6 +51,7 @@ from layer.store.tables import (
     queues,
     recovery_points,
 )
+from layer.store.url import parse_database_url
 
 __all__ = ["CommitResult", "Store", "WriteBatch", "joined_filters", "recording_statements"]
 
@@ -108,7 +109,7 @@ class Store:
             # No pool_pre_ping: it would add a round trip to every loop iteration. A connection
             # that died with the server fails one call with a retryable StoreError, and
             # SQLAlchemy then drops the stale pool, so the next call reconnects.
-            self._engine = create_engine(engine_or_url)
+            self._engine = create_engine(parse_database_url(engine_or_url))
             self._owns_engine = True
         # The commit path's statements, compiled once (`layer/store/pipeline.py`).
         self._compiled: CompiledCache = {}
