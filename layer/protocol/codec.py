@@ -40,6 +40,7 @@ from layer.protocol.eventwire import (
     encode_run_item,
     event_item,
 )
+from layer.protocol.indexcheck import IndexChecker, index_checker
 from layer.protocol.records import (
     AcceptGroup,
     AcceptRecord,
@@ -117,13 +118,17 @@ class ProtocolSchema:
     canonical_form: str
     fingerprint: bytes  # 8 bytes, little-endian, exactly as they appear in a record
     parsed: Any  # fastavro's parsed schema
+    #: Refuses union and enum indexes fastavro would read from the end of the list (-1 ...);
+    #: None for a schema with neither.
+    check_indexes: IndexChecker | None = None
 
     @classmethod
     def load(cls, kind: SchemaKind) -> ProtocolSchema:
         text = schema_text(kind)
         # A fresh named-type table per file: each .avsc stands alone (ack and reply both define
         # io.qlayer.v1.AckType), exactly as a reader in another language would load it.
-        parsed: Any = fastavro.parse_schema(json.loads(text), named_schemas={})
+        named: dict[str, Any] = {}
+        parsed: Any = fastavro.parse_schema(json.loads(text), named_schemas=named)
         canonical = to_parsing_canonical_form(parsed)
         return cls(
             kind=kind,
@@ -132,6 +137,7 @@ class ProtocolSchema:
             canonical_form=canonical,
             fingerprint=bytes.fromhex(avro_fingerprint(canonical, "CRC-64-AVRO")),
             parsed=parsed,
+            check_indexes=index_checker(parsed, named),
         )
 
     @property
@@ -222,6 +228,12 @@ class Codec:
                 f"schema {schema.fingerprint.hex()}); written by another protocol version?",
                 kind=ProtocolErrorKind.UNKNOWN_FINGERPRINT,
             )
+        if schema.check_indexes is not None:
+            try:
+                schema.check_indexes(data, HEADER_LENGTH)
+            except ProtocolError as error:
+                raise ProtocolError(f"{schema.kind.value} record: {error.message}",
+                                    kind=error.kind) from None
         source = BytesIO(data)
         source.seek(HEADER_LENGTH)
         try:

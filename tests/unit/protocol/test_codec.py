@@ -351,6 +351,85 @@ def test_event_with_an_invalid_bookmark_string_is_refused(codec: Codec) -> None:
     assert caught.value.kind is ProtocolErrorKind.BAD_BOOKMARK
 
 
+# --- union and enum indexes (issue 15 item 5) -------------------------------------------------
+# fastavro reads an index with Python's list[index]: -1 was the last branch or symbol.
+
+
+def hand_made_ack(codec: Codec, *, type_index: bytes = b"\x00", delay: bytes = b"\x00") -> bytes:
+    """One item, byte by byte: consumer_id 'c', session_id 's', sent_at_ms 0, then the item
+    queue 'Q', bookmark 't/0/1', lease 'L', type, delay_ms, reason null; the array's end."""
+    return (codec.schema(SchemaKind.ACK).header + b"\x02c" + b"\x02s" + b"\x00"
+            + b"\x02" + b"\x02Q" + b"\x0at/0/1" + b"\x02L" + type_index + delay + b"\x00"
+            + b"\x00")
+
+
+def test_the_hand_made_ack_is_a_valid_record(codec: Codec) -> None:
+    # The baseline the tests below change one index of.
+    def ack(item: AckItem) -> AckRecord:
+        return AckRecord(consumer_id="c", session_id="s", sent_at_ms=0, items=(item,))
+
+    assert codec.decode_ack(hand_made_ack(codec)) == ack(AckItem("Q", "t/0/1", "L",
+                                                                 AckType.ACCEPT))
+    assert codec.decode_ack(hand_made_ack(codec, type_index=b"\x06", delay=b"\x02\x0e")) \
+        == ack(AckItem("Q", "t/0/1", "L", AckType.RENEW, delay_ms=7))
+    # An index written in more bytes than it needs is still that index.
+    assert codec.decode_ack(hand_made_ack(codec, delay=b"\x82\x00\x0e")).items[0].delay_ms == 7
+
+
+@pytest.mark.parametrize(("delay", "index"), [
+    (b"\x01\x0e", -1),  # was read as branch 1: delay_ms 7
+    (b"\x03", -2),  # was read as branch 0: null
+    (b"\x04\x0e", 2),
+    (b"\x81\x80\x80\x80\x10", -2**31 - 1),
+])
+def test_a_union_branch_index_out_of_range_is_malformed(
+    codec: Codec, delay: bytes, index: int
+) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_ack(hand_made_ack(codec, delay=delay))
+    assert caught.value.kind is ProtocolErrorKind.MALFORMED
+    assert str(caught.value) == (f"ack record: union branch index {index} at items[].delay_ms "
+                                 "is not one of its 2 branches (0..1)")
+
+
+@pytest.mark.parametrize(("type_index", "index"), [(b"\x01", -1), (b"\x07", -4), (b"\x08", 4)])
+def test_an_enum_symbol_index_out_of_range_is_malformed(
+    codec: Codec, type_index: bytes, index: int
+) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        codec.decode_ack(hand_made_ack(codec, type_index=type_index))
+    assert caught.value.kind is ProtocolErrorKind.MALFORMED
+    assert str(caught.value) == (f"ack record: enum symbol index {index} at items[].type is not "
+                                 "one of its 4 symbols (0..3)")
+
+
+def test_a_control_body_index_of_minus_one_is_not_the_last_body(codec: Codec) -> None:
+    heartbeat = codec.encode_control(Heartbeat(consumer_id="w", session_id="s", sent_at_ms=NOW))
+    assert heartbeat[HEADER_LENGTH] == 0x04  # body: union branch 2, Heartbeat
+    for index, byte in ((-1, 0x01), (-3, 0x05), (4, 0x08)):
+        tampered = heartbeat[:HEADER_LENGTH] + bytes([byte]) + heartbeat[HEADER_LENGTH + 1:]
+        with pytest.raises(ProtocolError, match=(
+                rf"^control record: union branch index {index} at body is not one of its 4 "
+                r"branches \(0\.\.3\)$")):
+            codec.decode_control(tampered)
+
+
+def test_an_event_type_of_minus_one_is_malformed(codec: Codec) -> None:
+    event = codec.encode_event(EVENT_EXAMPLES[0])
+    tampered = event[:HEADER_LENGTH] + b"\x01" + event[HEADER_LENGTH + 1:]
+    with pytest.raises(ProtocolError, match=r"^event record: enum symbol index -1 at type is not"):
+        codec.decode_event(tampered)
+
+
+def test_a_truncated_record_is_still_named_truncated(codec: Codec) -> None:
+    # The index check stops where the body ends and leaves the naming to the decoder.
+    data = hand_made_ack(codec, delay=b"\x02\x0e")
+    for cut in range(HEADER_LENGTH, len(data)):
+        with pytest.raises(ProtocolError) as caught:
+            codec.decode_ack(data[:cut])
+        assert caught.value.kind is ProtocolErrorKind.TRUNCATED
+
+
 RECORD_TYPES = (Subscribe, Replace, Heartbeat, Unsubscribe, AckRecord, Event)
 RECORD_TYPES += (SubscribeResult, AckResult, SessionEnded, AcceptRecord, EventBatch)
 
