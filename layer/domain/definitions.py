@@ -19,7 +19,7 @@ from typing import Any, Final, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from layer.domain.durations import parse_duration
+from layer.domain.durations import format_duration, parse_duration
 from layer.domain.errors import ExpressionError, QueueConfigError
 from layer.domain.expressions import Expression, compile_expression
 
@@ -44,6 +44,17 @@ DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG: Final = 10
 #: The longest ``delivery_delay``. SQS stops at 15 minutes; entries waiting here hold their
 #: journal position (a restart replays from the oldest), so a day bounds that replay.
 MAX_DELIVERY_DELAY: Final = 86_400.0
+#: The shortest lease, entry lifetime and backoff a queue may set (below it the engine's
+#: millisecond clocks would round it to nothing).
+MIN_DURATION: Final = 0.001
+#: The longest ``lease_period``: 12 hours, the bound a RENEW has (and SQS's visibility timeout).
+MAX_LEASE_PERIOD: Final = 43_200.0
+#: The longest ``expiration``: 366 days, the bound of a message's own ``qlayer.expiration``.
+MAX_EXPIRATION: Final = 366 * 86_400.0
+#: The longest ``redelivery_backoff`` delay (``initial``, ``maximum``): a day, as
+#: ``delivery_delay``. Without bounds a lease or delay past the year 9999 would be accepted
+#: and then fail every time the coordinator stores its deadline.
+MAX_REDELIVERY_BACKOFF: Final = 86_400.0
 
 # Kafka's own rule for topic names (and so for queue names, which double as journal names).
 _TOPIC_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -91,6 +102,15 @@ def _duration(value: object) -> float:
         return parse_duration(value)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _bounded_duration(value: object, *, low: float, high: float, example: str) -> float:
+    """``value`` in seconds, refused outside ``low .. high`` with both ends in the message."""
+    seconds = _duration(value)
+    if not low <= seconds <= high:
+        raise ValueError(f"must be from {format_duration(low)} to {format_duration(high)} "
+                         f"(e.g. {example}), got {value!r}")
+    return seconds
 
 
 #: The largest count a queue may set: delivery and cancel counts, backlogs and depths are
@@ -163,10 +183,7 @@ class RedeliveryBackoff(BaseModel):
     @field_validator("initial", "maximum", mode="before")
     @classmethod
     def _parse_delay(cls, value: object) -> float:
-        seconds = _duration(value)
-        if seconds < 0:
-            raise ValueError(f"must not be negative (e.g. 1s), got {value!r}")
-        return seconds
+        return _bounded_duration(value, low=0.0, high=MAX_REDELIVERY_BACKOFF, example="1s")
 
     @field_validator("multiplier", mode="before")
     @classmethod
@@ -336,10 +353,7 @@ class QueueDefinition(BaseModel):
     @field_validator("lease_period", mode="before")
     @classmethod
     def _parse_lease_period(cls, value: object) -> float:
-        seconds = _duration(value)
-        if seconds <= 0:
-            raise ValueError(f"must be positive (e.g. 30s), got {value!r}")
-        return seconds
+        return _bounded_duration(value, low=MIN_DURATION, high=MAX_LEASE_PERIOD, example="30s")
 
     @field_validator("delivery_delay", mode="before")
     @classmethod
@@ -358,9 +372,9 @@ class QueueDefinition(BaseModel):
         if value is None:
             return None
         seconds = _duration(value)
-        if seconds <= 0:
+        if not MIN_DURATION <= seconds <= MAX_EXPIRATION:
             raise ValueError(
-                f"must be positive (e.g. 1h), or left out to never expire; got {value!r}"
+                f"must be from 1ms to 366d (e.g. 1h), or left out to never expire; got {value!r}"
             )
         return seconds
 

@@ -162,11 +162,20 @@ def test_lease_period_takes_durations(value: object, seconds: float) -> None:
     )
 
 
-@pytest.mark.parametrize("value", [0, "0s", "-5s", -1])
-def test_lease_period_must_be_positive(value: object) -> None:
+@pytest.mark.parametrize("value", [0, "0s", "-5s", -1, "0.5ms", "12h1s", "1d", 1e308,
+                                   "99999999999999999999999999s"])
+def test_lease_period_is_from_1ms_to_12h(value: object) -> None:
+    # 12 hours is what a RENEW may set a lease to; a lease past the year 9999 could not even
+    # be stored.
     assert problems_of({"name": "Q", "lease_period": value}) == [
-        ("lease_period", f"must be positive (e.g. 30s), got {value!r}")
+        ("lease_period", f"must be from 1ms to 12h (e.g. 30s), got {value!r}")
     ]
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("1ms", 0.001), ("12h", 43_200.0), (30, 30.0)])
+def test_lease_period_bounds_are_inclusive(value: object, seconds: float) -> None:
+    assert QueueDefinition.from_mapping({"name": "Q", "lease_period": value}).lease_period \
+        == seconds
 
 
 def test_lease_period_in_words_is_refused_with_the_accepted_forms() -> None:
@@ -178,9 +187,23 @@ def test_lease_period_in_words_is_refused_with_the_accepted_forms() -> None:
 def test_expiration_is_a_positive_duration_or_absent() -> None:
     assert QueueDefinition.from_mapping({"name": "Q", "expiration": "1h"}).expiration == 3600.0
     assert QueueDefinition.from_mapping({"name": "Q", "expiration": None}).expiration is None
-    [(field, message)] = problems_of({"name": "Q", "expiration": "0s"})
-    assert field == "expiration"
-    assert "must be positive (e.g. 1h)" in message
+    assert QueueDefinition.from_mapping({"name": "Q", "expiration": "366d"}).expiration \
+        == 366 * 86_400.0  # as long as a message's own qlayer.expiration may be
+    for value in ("0s", "-1h", "367d", "999999999999d", 1e308):
+        assert problems_of({"name": "Q", "expiration": value}) == [(
+            "expiration",
+            f"must be from 1ms to 366d (e.g. 1h), or left out to never expire; got {value!r}",
+        )]
+
+
+@pytest.mark.parametrize("field", ["initial", "maximum"])
+@pytest.mark.parametrize("value", ["-1s", "1d1s", "9999999999d"])
+def test_redelivery_backoff_delays_are_from_0s_to_a_day(field: str, value: str) -> None:
+    assert problems_of({"name": "Q", "redelivery_backoff": {field: value, "multiplier": 2}}) == [
+        (f"redelivery_backoff.{field}", f"must be from 0s to 1d (e.g. 1s), got {value!r}")
+    ]
+    backoff = {"name": "Q", "redelivery_backoff": {"initial": "1d", "maximum": "1d"}}
+    assert QueueDefinition.from_mapping(backoff).redelivery_backoff.maximum == 86_400.0
 
 
 @pytest.mark.parametrize("field", ["max_deliveries", "max_cancels"])
@@ -195,7 +218,7 @@ def test_limits_are_whole_numbers_from_zero(field: str) -> None:
 
 
 @pytest.mark.parametrize("field", ["max_deliveries", "max_cancels",
-                                   "max_per_subscription_backlog", "target_queue_depth"])
+                                   "max_per_subscription_backlog", "target_queue_depth", "shard"])
 def test_counts_fit_what_postgresql_and_the_protocol_store(field: str) -> None:
     """Counts are 32-bit integers in PostgreSQL and on the wire: a larger one is refused
     when the queue is defined, not when the first write fails."""
@@ -204,6 +227,20 @@ def test_counts_fit_what_postgresql_and_the_protocol_store(field: str) -> None:
     [(where, message)] = problems_of({"name": "Q", field: 99999999999999999999999999})
     assert where == field
     assert "must be at most 2,147,483,647" in message
+
+
+def test_every_number_a_queue_definition_holds_is_bounded() -> None:
+    """A new numeric option cannot arrive without a bound: every int and float field (and the
+    backoff's delays) refuses a value too large to store, naming the field."""
+    numeric = {name for name, field in QueueDefinition.model_fields.items()
+               if field.annotation in (int, int | None, float, float | None)}
+    assert numeric == {"lease_period", "max_deliveries", "max_cancels", "expiration",
+                       "delivery_delay", "max_per_subscription_backlog", "target_queue_depth",
+                       "shard"}
+    for name in sorted(numeric):
+        [(where, message)] = problems_of({"name": "Q", name: 10**20})
+        assert (where, message.startswith("must be ")) == (name, True), message
+        assert "at most 2,147,483,647" in message or " to " in message, message
 
 
 def test_max_per_subscription_backlog_is_at_least_one() -> None:
@@ -593,12 +630,12 @@ queues:
 """
         )
     assert caught.value.problems == [
-        ("Jobs.lease_period", "must be positive (e.g. 30s), got 0"),
+        ("Jobs.lease_period", "must be from 1ms to 12h (e.g. 30s), got 0"),
         ("queues[1].name", "is required (the queue's name, e.g. Jobs)"),
         ("Other.target_queue_depth", "cannot be combined with priority; remove one of them"),
     ]
     assert "3 problems in queue file" in str(caught.value)
-    assert "Jobs.lease_period: must be positive (e.g. 30s), got 0" in str(caught.value)
+    assert "Jobs.lease_period: must be from 1ms to 12h (e.g. 30s), got 0" in str(caught.value)
 
 
 def test_queue_file_duplicate_names() -> None:
