@@ -24,11 +24,18 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.views import RATE_COUNTERS, QueueStats, queue_stats, rates
+from layer.services.views import FAULT_COUNTERS, RATE_COUNTERS, QueueStats, queue_stats, rates
 from layer.settings import Settings
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
-          "dead_lettered": "dlq", "expired": "expired"}
+          "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
+          "deletes": "deletes", "malformed_headers": "bad headers"}
+
+
+def _faults(stats: QueueStats) -> str:
+    """The journal records read with a fault, e.g. "not JSON 3, deletes 1", or "-"."""
+    found = [f"{_SHORT[n]} {stats.counters[n]}" for n in FAULT_COUNTERS if stats.counters.get(n)]
+    return ", ".join(found) or "-"
 
 
 def _sample(settings: Settings, queue: str | None, previous: dict[str, QueueStats]
@@ -54,7 +61,8 @@ def _document(stats: QueueStats) -> dict[str, Any]:
 
 def _tables(sample: list[QueueStats]) -> Group:
     table = new_table("queue", "depth", "leased", "consumers", "oldest",
-                      *(f"{_SHORT[n]} (/s)" for n in RATE_COUNTERS), title="queues")
+                      *(f"{_SHORT[n]} (/s)" for n in RATE_COUNTERS), "input faults",
+                      title="queues")
     lags = new_table("queue", "partition", "recovery point", "end", "lag",
                      title="recovery-point lag")
     for s in sample:
@@ -63,7 +71,7 @@ def _tables(sample: list[QueueStats]) -> Group:
             rate = "" if s.rates is None else f" ({s.rates[name]:.1f})"
             cells.append(f"{s.counters[name]}{rate}")
         table.add_row(s.queue, str(s.depth), str(s.leased), str(s.consumers),
-                      age_text(s.oldest_available_age), *cells)
+                      age_text(s.oldest_available_age), *cells, _faults(s))
         for p in s.partitions:
             lags.add_row(s.queue, f"{p.topic}[{p.partition}]", str(p.recovery_point),
                          str(p.end_offset), str(p.lag))

@@ -13,7 +13,7 @@ answer decides whether the subscribe is refused); tests give it `ports.FakeTopic
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +31,7 @@ from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
 from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
-from layer.domain.expressions import RawDocument, parse_document, project
+from layer.domain.expressions import RawDocument, is_json_null, parse_document, project
 from layer.domain.native import AnyEngine, new_engine
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
@@ -126,6 +126,11 @@ class ShardCore:
         #: delivery batches out, without Python objects per message.
         self.lane: NativeLane | None = None
         self.payloads: PayloadCache | Any = PayloadCache(options.payload_budget, pool=memory)
+        # Journal records of this step read with a fault that stays with the record, per
+        # topic (`_count_input_faults`), and when each queue's unparseable values may be
+        # logged again.
+        self.input_faults: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._unparseable_logged: dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -201,9 +206,12 @@ class ShardCore:
         if lane is not None:
             if journal:
                 lane.enqueue(journal, now)
+                self._count_input_faults(batch, now)
             lane.decide(plan, now)
         else:
             plan.fresh = self._enqueue(journal, now) if journal else {}
+            if journal:
+                self._count_input_faults(batch, now)
             self._decide(plan, now)
         # One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
@@ -318,6 +326,7 @@ class ShardCore:
                 if r.value is None:
                     # A tombstone is a delete, not a publish: no queue gets an entry for it.
                     self.counters["deletes_passed_over"] += 1
+                    self.input_faults[topic]["deletes"] += 1
                     offered.append(OfferedRecord(r.topic, r.partition, r.offset, r.key, DELETE))
                     continue
                 deliver_at_ms, expiration_ms = self._timing(r) if r.headers else (None, None)
@@ -329,7 +338,7 @@ class ShardCore:
                         fields = frozenset().union(*(e.fields_needed() for e in engines))
                     # No expression reads a field: nothing to keep, and nothing to parse (an
                     # empty object per entry was 64 bytes, and the parse the costliest step).
-                    doc = project(parse_document(r.value), fields) if fields else None
+                    doc = self.project_value(topic, r.value, fields) if fields else None
                     self.counters["documents_projected"] += 1
                 offered.append(OfferedRecord(
                     r.topic, r.partition, r.offset, r.key,
@@ -350,6 +359,42 @@ class ShardCore:
                     if offset >= admitted.get(key, 0):
                         admitted[key] = offset + 1
         return fresh
+
+    def project_value(self, topic: str, value: bytes, fields: frozenset[str]) -> object:
+        """A record's document past the memory window: the fields the queues read. A value
+        that is not JSON is counted for the queues whose own expressions read it."""
+        document = parse_document(value)
+        if document is None and not is_json_null(value):
+            self.input_faults[topic]["unparseable"] += 1
+        return project(document, fields)
+
+    def _count_input_faults(self, batch: WriteBatch, now: float) -> None:
+        """This step's journal records read with a fault that stays with the record, into
+        each queue's stored counters (`qlayer stats`): deletes and unreadable qlayer headers
+        for every queue over the journal; values that are not JSON for the queues whose
+        filter, priority or barrier read them, logged at most once a minute per queue."""
+        faults, self.input_faults = self.input_faults, defaultdict(Counter)
+        for topic, counts in faults.items():
+            for engine in self._engines_for(topic):
+                reads = bool(engine.definition.expression_fields)
+                for name, n in counts.items():
+                    if n and (reads or name != "unparseable"):
+                        batch.count(engine.name, name, n)
+        for engine in self.engines.values():
+            if not engine.definition.expression_fields:
+                continue
+            n, first = engine.take_unparseable()
+            if not n:
+                continue
+            batch.count(engine.name, "unparseable", n)
+            if now >= self._unparseable_logged.get(engine.name, 0.0):
+                self._unparseable_logged[engine.name] = now + 60.0
+                log.warning(
+                    "queue %s: %d record(s) whose value is not JSON were read by its filter, "
+                    "priority or barrier (e.g. %s): the filter is false, the priority lowest "
+                    "(counted as unparseable in qlayer stats; logged at most once a minute)",
+                    engine.name, n, "-" if first is None
+                    else f"{first.topic}[{first.partition}]@{first.offset}")
 
     def refresh_documents(self, records: dict[Bookmark, JournalRecord]) -> int:
         """Records read again for `Plan.wanted_documents`: each queue over their journal gets
@@ -382,12 +427,14 @@ class ShardCore:
             deliver_at = parse_deliver_at(r.headers)
         except ProtocolError as exc:
             self.counters["malformed_deliver_at_headers"] += 1
+            self.input_faults[r.topic]["malformed_headers"] += 1
             log.warning("ignoring the deliver-at header of %s[%d]@%d: %s", r.topic,
                         r.partition, r.offset, exc)
         try:
             expiration = parse_expiration(r.headers)
         except ProtocolError as exc:
             self.counters["malformed_expiration_headers"] += 1
+            self.input_faults[r.topic]["malformed_headers"] += 1
             log.warning("ignoring the expiration header of %s[%d]@%d: %s", r.topic,
                         r.partition, r.offset, exc)
         return deliver_at, expiration

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from layer.coordinator.translate import event_fields
 from layer.domain import events as ev
-from layer.domain.expressions import parse_document, project
 from layer.domain.native import API, NativeQueueEngine
 from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord, OutgoingRecord
@@ -76,7 +75,7 @@ class NativeLane:
             fields = self._fields[topic] = frozenset().union(
                 *(e.fields_needed() for e in self.core._engines_for(topic)))
         self.core.counters["documents_projected"] += 1
-        return (project(parse_document(value), fields) if fields else None), fields
+        return (self.core.project_value(topic, value, fields) if fields else None), fields
 
     def enqueue(self, records: list[JournalRecord], now: float) -> None:
         """`ShardCore._enqueue`: offer journal records to the queues of their topics."""
@@ -86,8 +85,9 @@ class NativeLane:
         deletes, _projected, lasts = self._native.enqueue(
             self.lane, records, self._engines_for, now, room, self._project,
             core._timing, API.DELETE)
-        if deletes:
-            core.counters["deletes_passed_over"] += deletes
+        for topic, n in deletes:
+            core.counters["deletes_passed_over"] += n
+            core.input_faults[topic]["deletes"] += n
         admitted = core._admitted_to
         from layer.store.rows import PartitionKey
 

@@ -293,6 +293,10 @@ class QueueEngine:
         # An entry stays in the map until the heap finds it settled (`_expire_own`).
         self._expires_at: dict[int, float] = {}
         self._expiries: list[tuple[float, int]] = []
+        # Records whose value the queue's expressions read and found not JSON, since the
+        # coordinator last asked (`take_unparseable`), and the first of them.
+        self._unparseable = 0
+        self._first_unparseable: Bookmark | None = None
         self._early_acks: set[Bookmark] = set()
         self._restoring: dict[Bookmark, EntryRecord] = {}
         # Restored leases whose records the replay has reached: their deliveries are sent
@@ -688,10 +692,16 @@ class QueueEngine:
                 continue  # not a publish: never an entry, and the recovery point passes it
             if plain and (deliver_at is None or deliver_at <= now) and expiration is None:
                 append_plain(source, offset, now if timestamp is None else timestamp, doc)
-            elif (queue_filter is not None and not queue_filter.matches(doc)) or not self._admit(
-                source, offset, key, doc, timestamp, deliver_at, now, expiration
-            ):
-                continue
+            else:
+                admitted = (queue_filter is None or queue_filter.matches(doc)) and self._admit(
+                    source, offset, key, doc, timestamp, deliver_at, now, expiration)
+                if doc.__class__ is RawDocument and doc.failed:
+                    # The queue's filter, priority or barrier read a value that is not JSON.
+                    self._unparseable += 1
+                    if self._first_unparseable is None:
+                        self._first_unparseable = Bookmark(topic, partition, offset)
+                if not admitted:
+                    continue
             offsets.append(offset)
         announced = [
             EntriesEnqueued(self._name, run.topic, run.partition, tuple(run_offsets), now)
@@ -700,6 +710,15 @@ class QueueEngine:
         ]
         self._events[mark:mark] = announced
         return sum(len(event.offsets) for event in announced)
+
+    def take_unparseable(self) -> tuple[int, Bookmark | None]:
+        """How many records the queue's expressions (filter, priority, barrier) read whose
+        value is not JSON, since the last call, and the first of them. They were decided as
+        the reference says: "a filter that cannot be evaluated is false", a priority that
+        cannot be evaluated is the lowest."""
+        taken = (self._unparseable, self._first_unparseable)
+        self._unparseable, self._first_unparseable = 0, None
+        return taken
 
     def _admit(
         self,

@@ -988,18 +988,29 @@ class RawDocument:
     `RawDocument` wherever they accept a document; `document_of` gives the parsed value.
     """
 
-    __slots__ = ("_parsed", "_raw")
+    __slots__ = ("_parsed", "_raw", "failed")
 
     def __init__(self, raw: bytes | None) -> None:
         self._raw = raw
         self._parsed: object = _UNPARSED
+        #: The value was read and is not JSON: every path in it is null (filters false,
+        #: priority lowest). The coordinator counts such records per queue.
+        self.failed = False
 
     def value(self) -> Document:
         """The parsed document (as `parse_document` gives it)."""
         if self._parsed is _UNPARSED:
-            self._parsed = parse_document(self._raw)
+            raw = self._raw
+            self._parsed = parse_document(raw)
+            if self._parsed is None and raw is not None:
+                self.failed = not is_json_null(raw)
             self._raw = None  # the parsed form is kept; the bytes belong to the record
         return self._parsed
+
+
+def is_json_null(value: bytes | bytearray | memoryview) -> bool:
+    """Whether a value is the JSON document ``null`` (which parses, to None)."""
+    return bytes(value).strip().lstrip(b"\xef\xbb\xbf").strip() == b"null"
 
 
 class PartialDocument:

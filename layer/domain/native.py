@@ -157,6 +157,10 @@ class NativeQueueEngine:
         deadline: float | None = self._core.next_deadline()
         return deadline
 
+    def take_unparseable(self) -> tuple[int, Bookmark | None]:
+        count, first = self._core.take_unparseable()
+        return int(count), first
+
     def documents_wanted(self) -> list[Bookmark]:
         return list(self._core.documents_wanted())
 

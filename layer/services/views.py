@@ -40,6 +40,7 @@ from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueCounters
 from layer.store.store import Store
 
 __all__ = [
+    "FAULT_COUNTERS",
     "RATE_COUNTERS",
     "MatchCount",
     "PartitionLag",
@@ -54,6 +55,8 @@ __all__ = [
 
 #: The counters `qlayer stats` turns into per-second rates.
 RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "dead_lettered", "expired")
+#: Journal records read with a fault that stays with the record (shown, not rated).
+FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers")
 _DONE = ("ACKED", "EXPIRED")
 
 
@@ -378,7 +381,7 @@ def _oldest_timestamps(settings: Settings, starts: Mapping[tuple[str, int], int]
 
 def _counter_values(counters: QueueCounters | None) -> dict[str, int]:
     return {name: 0 if counters is None else int(getattr(counters, name))
-            for name in RATE_COUNTERS}
+            for name in (*RATE_COUNTERS, *FAULT_COUNTERS)}
 
 
 def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float

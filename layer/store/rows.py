@@ -205,4 +205,7 @@ class QueueCounters:
     lease_expired: int = 0
     dead_lettered: int = 0
     expired: int = 0
+    unparseable: int = 0
+    deletes: int = 0
+    malformed_headers: int = 0
     updated_at: float | None = None

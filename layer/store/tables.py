@@ -64,6 +64,13 @@ COUNTER_NAMES: Final = (
     "lease_expired",
     "dead_lettered",
     "expired",
+    # Journal records read with a fault that stays with the record (0007): a value the queue's
+    # filter, priority or barrier could not parse as JSON (the filter false, the priority
+    # lowest), a delete (a tombstone: never an entry), a qlayer header that could not be read
+    # (ignored).
+    "unparseable",
+    "deletes",
+    "malformed_headers",
 )
 
 # Explicit constraint names, so the hand-written migration and this metadata name every

@@ -291,6 +291,9 @@ pub struct Engine {
     /// `QueueEngine._expires_at` / `_expiries`: entries with an expiration of their own.
     expires_at: FxHashMap<Seq, f64>,
     expiries: BinaryHeap<Reverse<Timed>>,
+    /// `QueueEngine._unparseable` / `_first_unparseable`.
+    pub unparseable: i64,
+    pub first_unparseable: Option<Bm>,
     early_acks: FxHashSet<Bm>,
     restoring: OrderedMap<Bm, Rec>,
     resend: Vec<(Seq, Bm, Option<Name>)>,
@@ -346,6 +349,8 @@ impl Engine {
             not_before: FxHashMap::default(),
             expires_at: FxHashMap::default(),
             expiries: BinaryHeap::new(),
+            unparseable: 0,
+            first_unparseable: None,
             early_acks: FxHashSet::default(),
             restoring: OrderedMap::new(),
             resend: Vec::new(),
@@ -754,18 +759,33 @@ impl Engine {
                 self.table.append(source, offset, ts, record.doc, None, AVAILABLE, 0);
             } else {
                 // Expressions read the document now: a plain value becomes a `RawDocument`.
-                let doc = if record.doc.bind(py).is_exact_instance_of::<pyo3::types::PyBytes>() {
+                let raw = record.doc.bind(py).is_exact_instance_of::<pyo3::types::PyBytes>();
+                let doc = if raw {
                     self.hooks.raw_document.call1(py, (record.doc,))?
                 } else {
                     record.doc
                 };
-                if let Some(filter) = &self.policy.filter {
-                    if !call_matches(py, filter, &doc)? {
-                        continue;
+                let keep = match &self.policy.filter {
+                    Some(filter) => call_matches(py, filter, &doc)?,
+                    None => true,
+                };
+                let probe = if raw || doc.bind(py).is_instance(self.hooks.raw_document.bind(py))? {
+                    Some(doc.clone_ref(py))
+                } else {
+                    None
+                };
+                let admitted = keep && self.admit(py, source, offset, record.key, doc, record.timestamp,
+                                                  deliver_at, record.expiration, now)?;
+                if let Some(d) = probe {
+                    // `QueueEngine.enqueue`: the queue's expressions read a value that is not JSON.
+                    if d.bind(py).getattr(pyo3::intern!(py, "failed"))?.is_truthy()? {
+                        self.unparseable += 1;
+                        if self.first_unparseable.is_none() {
+                            self.first_unparseable = Some(Bm::new(record.topic.clone(), record.partition, offset));
+                        }
                     }
                 }
-                if !self.admit(py, source, offset, record.key, doc, record.timestamp,
-                               deliver_at, record.expiration, now)? {
+                if !admitted {
                     continue;
                 }
             }

@@ -210,6 +210,15 @@ impl NativeEngine {
         self.core.next_deadline()
     }
 
+    fn take_unparseable<'py>(&mut self, py: Python<'py>) -> PyResult<(i64, Py<PyAny>)> {
+        let count = std::mem::take(&mut self.core.unparseable);
+        let first = match self.core.first_unparseable.take() {
+            Some(bm) => self.api.bm(py, &bm)?.unbind(),
+            None => py.None(),
+        };
+        Ok((count, first))
+    }
+
     fn documents_wanted<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for bm in self.core.documents_wanted() {
@@ -527,8 +536,8 @@ impl NativeEngine {
 /// one) within the payload budget's ``room`` and ``project(topic, value) -> (doc, fields)``
 /// past it, deliver-at times and expirations (ms) from ``timing(record)`` for records with
 /// headers, and each
-/// record kept in the lane for this step. Returns (deletes, projected, and per topic and
-/// partition the last offset offered).
+/// record kept in the lane for this step. Returns (the deletes per topic, projected, and per
+/// topic and partition the last offset offered).
 #[pyfunction]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn enqueue(
@@ -541,7 +550,7 @@ fn enqueue(
     project: &Bound<'_, PyAny>,
     timing: &Bound<'_, PyAny>,
     delete: &Bound<'_, PyAny>,
-) -> PyResult<(i64, i64, Vec<(String, i64, i64)>)> {
+) -> PyResult<(Vec<(String, i64)>, i64, Vec<(String, i64, i64)>)> {
     let mut topics: Vec<(String, Vec<usize>)> = Vec::new();
     {
         let mut index: rustc_hash::FxHashMap<String, usize> = rustc_hash::FxHashMap::default();
@@ -568,7 +577,8 @@ fn enqueue(
             last = Some((topic.to_string(), at));
         }
     }
-    let (mut deletes, mut projected) = (0i64, 0i64);
+    let mut deletes: Vec<(String, i64)> = Vec::new();
+    let mut projected = 0i64;
     let mut room = room;
     let mut lasts = Vec::new();
     for (topic, indexes) in topics {
@@ -603,7 +613,10 @@ fn enqueue(
             let value = t.get_item(4)?;
             if value.is_none() {
                 // A tombstone is a delete, not a publish: no queue gets an entry for it.
-                deletes += 1;
+                match deletes.last_mut() {
+                    Some((t, n)) if *t == topic => *n += 1,
+                    _ => deletes.push((topic.clone(), 1)),
+                }
                 offered.push(Offered {
                     topic: name.clone(),
                     partition,

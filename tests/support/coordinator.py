@@ -41,6 +41,7 @@ from layer.protocol import (
 )
 from layer.settings import Settings
 from layer.store.store import Store
+from layer.store.tables import COUNTER_NAMES
 
 
 @contextmanager
@@ -443,9 +444,7 @@ def counters(settings: Settings, queue: str) -> dict[str, int]:
         found = store.load_counters(queue).get(queue)
     if found is None:
         return {}
-    return {name: getattr(found, name) for name in ("enqueued", "delivered", "redelivered",
-                                                     "acked", "released", "lease_expired",
-                                                     "dead_lettered", "expired")}
+    return {name: getattr(found, name) for name in COUNTER_NAMES}
 
 
 def recovery_points(settings: Settings, queue: str) -> dict[tuple[str, int], int]:

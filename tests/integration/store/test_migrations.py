@@ -59,3 +59,27 @@ def test_migrated_database_matches_the_metadata(database_url: str) -> None:
                 assert in_database == in_metadata, table.name
     finally:
         engine.dispose()
+
+
+def test_0007_counts_input_faults_from_zero_and_its_downgrade_drops_them(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0006_operator_requests")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO queue_counters (queue, enqueued, updated_at) "
+                "VALUES ('Work', 5, now())"))
+        assert migrate.upgrade(empty_database_url, "0007_input_counters") == "0007_input_counters"
+        with engine.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT enqueued, unparseable, deletes, malformed_headers FROM queue_counters"
+            )).one() == (5, 0, 0, 0)
+        assert migrate.downgrade(empty_database_url, "0006_operator_requests") == (
+            "0006_operator_requests")
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("queue_counters")}
+        assert "unparseable" not in columns and "enqueued" in columns
+    finally:
+        engine.dispose()

@@ -124,7 +124,8 @@ def test_0006_backfills_positions_and_its_downgrade_drops_pending_filtered_acks(
             conn.execute(sa.text(
                 "INSERT INTO queues (name, definition, version, created_at, updated_at, shard) "
                 "VALUES ('Work', '{\"recovery_point\": \"end\"}', 1, now(), now(), 0)"))
-        assert migrate.upgrade(empty_database_url) == "0006_operator_requests"
+        assert migrate.upgrade(empty_database_url, "0006_operator_requests") == (
+            "0006_operator_requests")
         with engine.begin() as conn:
             assert conn.execute(sa.text(
                 "SELECT positions_from FROM queues")).scalar_one() == "end"
