@@ -18,6 +18,7 @@ from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 
 __all__ = [
+    "MAX_RELEASE_DELAY_MS",
     "MAX_RENEW_MS",
     "AcceptGroup",
     "AcceptRecord",
@@ -52,6 +53,10 @@ __all__ = [
 
 #: The longest lease a RENEW may ask for (``delay_ms``), as SQS bounds a visibility timeout.
 MAX_RENEW_MS = 12 * 3600 * 1000
+#: The longest a RELEASE may hold an entry back (``delay_ms``): a day, as a queue's
+#: ``delivery_delay`` and ``redelivery_backoff``. Unbounded, a consumer could write a time the
+#: store cannot hold (past the year 9999) and fail every commit of its shard.
+MAX_RELEASE_DELAY_MS = 24 * 3600 * 1000
 
 
 # --- enums -----------------------------------------------------------------------------------
@@ -272,8 +277,9 @@ def ack_item_shape_problem(item: AckItem) -> str | None:
                         f"(12 hours), got {item.delay_ms}")
         elif item.type is not AckType.RELEASE:
             return f"delay_ms is only allowed with RELEASE and RENEW, not {item.type.name}"
-        elif item.delay_ms < 0:
-            return f"delay_ms must not be negative (got {item.delay_ms})"
+        elif not 0 <= item.delay_ms <= MAX_RELEASE_DELAY_MS:
+            return (f"delay_ms of a RELEASE must be between 0 and {MAX_RELEASE_DELAY_MS} "
+                    f"(24 hours), got {item.delay_ms}")
     if item.reason is not None and item.type is not AckType.REJECT:
         return f"reason is only allowed with REJECT, not {item.type.name}"
     return None

@@ -68,6 +68,7 @@ from layer.sdk.errors import (
 )
 from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
+from layer.sdk.message import delay_ms as release_delay_ms
 from layer.sdk.transport import DeliveryReader, SdkProducer
 
 __all__ = ["ConsumerStats", "OnError", "QueueConsumer"]
@@ -401,6 +402,7 @@ class QueueConsumer:
         released. Stops after ``max_messages``, after ``idle_timeout`` seconds without a
         message, when ``stop`` is set, or when the consumer is closed.
         """
+        release_delay_ms(release_delay)  # a bad delay is refused now, not at the first failure
         handled = 0
         idle_since = time.monotonic()
         while max_messages is None or handled < max_messages:

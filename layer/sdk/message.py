@@ -21,7 +21,7 @@ from layer.protocol.headers import (
     header_value,
     parse_delivery_headers,
 )
-from layer.protocol.records import MAX_RENEW_MS, AckType
+from layer.protocol.records import MAX_RELEASE_DELAY_MS, MAX_RENEW_MS, AckType
 from layer.sdk.errors import MessageSettledError
 
 __all__ = ["Message", "Settler", "delay_ms", "from_epoch_ms"]
@@ -48,8 +48,8 @@ def delay_ms(delay: float | timedelta | None) -> int | None:
     if delay is None:
         return None
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if not seconds >= 0:  # also refuses NaN
-        raise ValueError(f"release delay must be zero or more seconds, got {delay!r}")
+    if not 0 <= seconds <= MAX_RELEASE_DELAY_MS / 1000:  # also refuses NaN
+        raise ValueError(f"release delay must be from 0 seconds to 24 hours, got {delay!r}")
     return round(seconds * 1000)
 
 

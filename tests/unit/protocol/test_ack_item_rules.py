@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from layer.protocol.records import MAX_RENEW_MS, AckItem, AckType, ack_item_problem
+from layer.protocol.records import (
+    MAX_RELEASE_DELAY_MS,
+    MAX_RENEW_MS,
+    AckItem,
+    AckType,
+    ack_item_problem,
+)
 
 
 def item(kind: AckType, **fields: object) -> AckItem:
@@ -25,7 +31,10 @@ def test_a_renew_length_out_of_bounds_is_refused(delay_ms: int) -> None:
 
 def test_release_delays_and_reject_reasons_keep_their_rules() -> None:
     assert ack_item_problem(item(AckType.RELEASE, delay_ms=0)) is None
-    assert "negative" in (ack_item_problem(item(AckType.RELEASE, delay_ms=-1)) or "")
+    assert ack_item_problem(item(AckType.RELEASE, delay_ms=MAX_RELEASE_DELAY_MS)) is None
+    for bad in (-1, MAX_RELEASE_DELAY_MS + 1, 10**18):
+        problem = ack_item_problem(item(AckType.RELEASE, delay_ms=bad)) or ""
+        assert "between 0 and 86400000 (24 hours)" in problem
     assert "RELEASE and RENEW" in (ack_item_problem(item(AckType.ACCEPT, delay_ms=5)) or "")
     assert "only allowed with REJECT" in (
         ack_item_problem(item(AckType.RENEW, reason="x")) or "")
