@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from layer.domain.likepattern import name_matcher
 from layer.store.rows import ConsumerRow, QueueRecord
 
 __all__ = ["Catalog"]
@@ -41,8 +42,8 @@ class Catalog:
         if not is_regex:
             found = self.shard_of(queue)
             return set() if found is None else {found}
-        pattern = re.compile(queue)
-        return {q.shard for n, q in self.queues.items() if pattern.fullmatch(n)}
+        matches = name_matcher(queue)
+        return {q.shard for n, q in self.queues.items() if matches(n)}
 
     def consumer_shards(self, consumer_id: str, session_id: str) -> set[int]:
         """The shards serving a known session's queues (empty when the session is unknown)."""

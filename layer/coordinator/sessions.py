@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from layer.domain.consumers import BacklogShare
+from layer.domain.likepattern import name_matcher
 from layer.store.rows import ConsumerRow
 
 __all__ = ["Session"]
@@ -40,7 +40,7 @@ class Session:
 
     def matches(self, queue: str) -> bool:
         if self.is_regex:
-            return re.fullmatch(self.queue, queue) is not None
+            return name_matcher(self.queue)(queue)
         return self.queue == queue
 
     @classmethod

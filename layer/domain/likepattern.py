@@ -25,17 +25,24 @@ meaning:
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
 from typing import Any, Final
 
 import re2
 from re2 import _re2
 
-__all__ = ["LikePatternError", "compile_like"]
+__all__ = ["LikePatternError", "NamePatternError", "compile_like", "name_matcher"]
 
 
 class LikePatternError(ValueError):
     """A LIKE pattern that cannot be run; the message says why, for a person."""
+
+
+class NamePatternError(re.error):
+    """A regex over queue names (a consumer's regex subscription) that cannot be run. A
+    ``re.error``, so every place that refused an invalid regex refuses this one too."""
 
 
 # RE2's own per-pattern memory budget (its default): a pattern whose compiled program does not
@@ -90,6 +97,34 @@ def compile_like(pattern: str) -> Callable[[str], bool]:
         return False
 
     return search
+
+
+@functools.lru_cache(maxsize=1024)
+def name_matcher(pattern: str) -> Callable[[str], bool]:
+    """A regex subscription's pattern as a test of a whole queue name, in linear time.
+
+    Consumers choose the pattern, so a backtracking engine would let one stall the
+    coordinator (``^(a+)+$`` against a long queue name). Raises `NamePatternError` (a
+    ``re.error``) for a pattern RE2 cannot run or would read differently from ``re``. The
+    compiled patterns are cached: the catalog tests every queue name at each refresh.
+    """
+    reason = _refusal(pattern)
+    if reason is not None:
+        raise NamePatternError(reason.replace("LIKE", "a queue regex"))
+    try:
+        encoded = pattern.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NamePatternError("the pattern is not valid Unicode text") from None
+    regexp = _re2.RE2(encoded, _OPTIONS)
+    if not regexp.ok():
+        raise NamePatternError(f"{_decode(regexp.error())} (queue regexes are RE2 syntax)")
+    match, both = regexp.Match, _re2.RE2.Anchor.ANCHOR_BOTH
+
+    def fullmatch(name: str) -> bool:
+        data = name.encode("utf-8", "surrogatepass")
+        return bool(match(both, data, 0, len(data))[0][0] != -1)
+
+    return fullmatch
 
 
 def _decode(message: object) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Literal, Self
 from layer import __version__
 from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
+from layer.domain.likepattern import name_matcher
 from layer.protocol.batch import BATCH, DELIVERY_FORMAT, DeliveryFormat, decode_delivery_batch
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
@@ -148,7 +149,7 @@ def _check_queue(queue: str, regex: bool) -> str:
         raise InvalidSubscriptionError("a queue name (or regular expression) is required")
     if regex:
         try:
-            re.compile(queue)
+            name_matcher(queue)  # what the coordinator runs it with (RE2, linear time)
         except re.error as exc:
             raise InvalidSubscriptionError(
                 f"queue regular expression {queue!r} does not compile: {exc}"

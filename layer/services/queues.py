@@ -17,6 +17,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError, UnknownQueueError
 from layer.domain.expressions import compile_expression
+from layer.domain.likepattern import name_matcher
 from layer.domain.positions import ResetTarget, parse_target, resolve_target
 from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
@@ -244,7 +245,7 @@ def attached_consumers(name: str, consumers: Iterable[ConsumerRow]) -> list[Cons
     for row in consumers:
         if row.is_regex:
             try:
-                matched = re.fullmatch(row.queue, name) is not None
+                matched = name_matcher(row.queue)(name)
             except re.error:
                 matched = False
         else:

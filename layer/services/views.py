@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QueueConfigError
 from layer.domain.expressions import Document, as_number, compile_expression, parse_document
+from layer.domain.likepattern import name_matcher
 from layer.kafka import JournalRecord, KafkaAdmin
 from layer.kafka.scan import RangeScanner
 from layer.protocol.headers import parse_deliver_at
@@ -351,7 +352,7 @@ def rates(previous: QueueStats, current: QueueStats) -> dict[str, float]:
 def _subscribed(row: ConsumerRow, queue: str) -> bool:
     if row.is_regex:
         try:
-            return re.fullmatch(row.queue, queue) is not None
+            return name_matcher(row.queue)(queue)
         except re.error:
             return False
     return row.queue == queue

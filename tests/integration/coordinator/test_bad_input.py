@@ -221,6 +221,11 @@ def test_forged_unknown_and_duplicate_acks_are_answered_and_change_nothing(
     ({"max_backlog": -1}, SubscribeStatus.INVALID_REQUEST, "max_backlog"),
     ({"delivery_topic": "not a topic name!"}, SubscribeStatus.INVALID_REQUEST, "topic"),
     ({"queue": "Wo(rk", "is_regex": True}, SubscribeStatus.INVALID_REQUEST, "regex"),
+    # Queue regexes run on RE2 (linear time): what only a backtracking engine can run is
+    # refused, and a pattern that backtracks exponentially in `re` is answered at once.
+    ({"queue": "(W)o\\1", "is_regex": True}, SubscribeStatus.INVALID_REQUEST, "backreferences"),
+    ({"queue": "(W|Wo|o|r|k)*(a+)+$", "is_regex": True}, SubscribeStatus.UNKNOWN_QUEUE,
+     "(a+)+"),
 ])
 def test_a_refused_subscribe_is_answered_and_harms_no_one(
     options: dict[str, object], status: SubscribeStatus, says: str,
