@@ -22,6 +22,9 @@ from cli import (
 )
 from cli.demo import demo as demo_command
 from cli.errors import run_friendly
+from cli.helpfix import install as install_help_fixes
+
+install_help_fixes()
 
 app = typer.Typer(
     name="qlayer",

@@ -11,9 +11,10 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.output import BootstrapServers, DatabaseUrl, JsonOut, TopicPrefix, load_settings
+from cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
 from layer.services.messages import (
     ConsumedMessage,
+    InvalidOptionError,
     Settle,
     parse_deliver_at_option,
     parse_expiration_option,
@@ -69,10 +70,16 @@ def publish(
     topic_prefix: TopicPrefix = None,
 ) -> None:
     """Publish one message per line of stdin (or --file)."""
+    # A value that cannot be used is a usage error (exit 2, typer's message), as a wrong flag
+    # is, and is found before anything is read or sent.
+    try:
+        headers = parse_header_options(header or [])
+        at = (None if deliver_at is None
+              else parse_deliver_at_option(deliver_at, datetime.now(UTC)))
+        ttl = None if expiration is None else parse_expiration_option(expiration)
+    except InvalidOptionError as exc:
+        raise typer.BadParameter(str(exc)) from None
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
-    headers = parse_header_options(header or [])
-    at = None if deliver_at is None else parse_deliver_at_option(deliver_at, datetime.now(UTC))
-    ttl = None if expiration is None else parse_expiration_option(expiration)
     result = publish_lines(settings, queue_or_topic, _lines(file), key=key, headers=headers,
                            deliver_at=at, expiration=ttl)
     routed = "" if result.topic == queue_or_topic else f" (routed from {queue_or_topic})"
@@ -111,7 +118,9 @@ def consume(
     idle_timeout: Annotated[float | None, typer.Option(
         "--idle-timeout", min=0, help="Stop after this many seconds without a message.")
     ] = None,
-    json_out: JsonOut = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object per message and line (JSON Lines), for "
+        "scripts; no summary on stderr.")] = False,
     bootstrap_servers: BootstrapServers = None,
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,

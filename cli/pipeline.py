@@ -14,6 +14,7 @@ import typer
 
 from cli.output import (
     BootstrapServers,
+    DatabaseUrl,
     JsonOut,
     TopicPrefix,
     emit_json,
@@ -73,6 +74,25 @@ AvailableNow = Annotated[bool, typer.Option(
 Trigger = Annotated[str, typer.Option(
     "--trigger", help="With --stream: how often a micro-batch runs ('30 seconds').")]
 Limit = Annotated[int, typer.Option("--limit", min=1, help="Show at most this many rows.")]
+Journal = Annotated[str | None, typer.Option(
+    "--journal", help="The queue's underlying topic (or its regular expression), where the "
+    "payloads are [default: the queue's stored underlying_topic, read from PostgreSQL].")]
+
+
+def _journal(queue: str, journal: str | None, database_url: str | None,
+             bootstrap_servers: str | None, topic_prefix: str | None) -> str:
+    """--journal, else the stored definition's underlying_topic: the one place it is named
+    already, so the operator need not repeat it (nor get it wrong)."""
+    if journal is not None:
+        return journal
+    from layer.services.queues import QueueService  # PostgreSQL only when it is needed
+
+    settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    try:
+        with QueueService.from_settings(settings) as service:
+            return service.journal_of(queue)
+    except QlayerError as exc:
+        raise PipelineFailed(f"{exc}; or name the journal with --journal TOPIC") from exc
 
 
 def _millis(option: str, value: str | None) -> int | None:
@@ -231,16 +251,16 @@ def lifecycle(
 @app.command("reconcile")
 def reconcile(
     queue: Annotated[str, typer.Argument(help="The queue to audit.")],
-    journal: Annotated[str, typer.Option(
-        "--journal", help="The queue's underlying topic (or its regular expression).")],
+    journal: Journal = None,
     start: Start = None, end: End = None, output: Output = None, table: Table = None,
     master: Master = "local[2]", json_out: JsonOut = False,
     bootstrap_servers: BootstrapServers = None, topic_prefix: TopicPrefix = None,
-    kafka_option: KafkaOption = None,
+    kafka_option: KafkaOption = None, database_url: DatabaseUrl = None,
 ) -> None:
     """Prove every journal record the queue admitted in [start, end) reached exactly one
     outcome or is pending; list every violation. Exit status 3 when there is one.
     """
+    journal = _journal(queue, journal, database_url, bootstrap_servers, topic_prefix)
     result = _run(ReconcileJob(queue, journal),
                   _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
                   end=end, output=output, table=table)
@@ -263,8 +283,6 @@ def reconcile(
 @app.command("views")
 def views(
     queue: Annotated[str, typer.Argument(help="The queue to aggregate.")],
-    journal: Annotated[str, typer.Option(
-        "--journal", help="The queue's underlying topic, where the payloads are.")],
     field: Annotated[list[str], typer.Option(
         "--field", help="A projection field, AMPS style: /region or "
         "'SUM(/price * /qty) AS /total'; repeatable, in output order.")],
@@ -282,10 +300,12 @@ def views(
     trigger: Trigger = "1 minute", master: Master = "local[2]", limit: Limit = 100,
     json_out: JsonOut = False, bootstrap_servers: BootstrapServers = None,
     topic_prefix: TopicPrefix = None, kafka_option: KafkaOption = None,
+    journal: Journal = None, database_url: DatabaseUrl = None,
 ) -> None:
     """An AMPS view over the queue: aggregates of the payloads of its available entries
     (pending, not leased), grouped by fields or expressions.
     """
+    journal = _journal(queue, journal, database_url, bootstrap_servers, topic_prefix)
     job = ViewsJob(queue, journal, tuple(field), tuple(group_by or ()), where, include_leased,
                    _millis("--as-of", as_of))
     result = _run(job, _source(bootstrap_servers, topic_prefix, kafka_option), master,

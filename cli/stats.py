@@ -16,7 +16,6 @@ from rich.table import Table
 from cli.output import (
     BootstrapServers,
     DatabaseUrl,
-    JsonOut,
     TopicPrefix,
     age_text,
     emit_json,
@@ -101,7 +100,9 @@ def stats(
                      ] = False,
     interval: Annotated[float, typer.Option(
         "--interval", min=0.1, help="Seconds between two samples (rates are over it).")] = 2.0,
-    json_out: JsonOut = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON document, for scripts; with --watch one per sample "
+        "and line (JSON Lines).")] = False,
     bootstrap_servers: BootstrapServers = None,
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,

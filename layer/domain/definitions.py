@@ -698,6 +698,29 @@ def _combination_problems(values: Mapping[str, object]) -> list[tuple[str, str]]
     return problems
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML says keys are
+    unique, yet PyYAML keeps the last silently, so a queue file's second ``lease_period:``
+    (or a second ``queues:``) would quietly undo the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: construct_mapping refuses it below
+            if first is None:
+                seen[key] = key_node.start_mark.line + 1
+            else:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first given at line {first}); give each key once",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_queue_file(text: str) -> list[QueueDefinition]:
     """Read a YAML queue file (``queues: [{name: ..., ...}, ...]``); raises QueueConfigError.
 
@@ -706,7 +729,7 @@ def load_queue_file(text: str) -> list[QueueDefinition]:
     ``default_publish_target`` must be a journal, not another queue's name.
     """
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

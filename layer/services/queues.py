@@ -501,6 +501,13 @@ class QueueService:
         return summaries
 
     @with_store_hints
+    def journal_of(self, name: str) -> str:
+        """The queue's stored ``underlying_topic`` (a name or a regex): where its payloads are,
+        for the pipeline jobs that read them."""
+        record = self._live(name)
+        return str(record.definition.get("underlying_topic") or record.name)
+
+    @with_store_hints
     def describe(self, name: str, *, with_kafka: bool = True) -> QueueDescription:
         """The definition plus live figures: counters, recovery points, consumers, backlog.
 

@@ -37,7 +37,6 @@ def test_the_group_lists_its_jobs() -> None:
     (["metrics", "--available-now"], "--checkpoint and --available-now go with --stream"),
     (["metrics", "--start", "yesterday"], "neither epoch milliseconds nor an ISO-8601 time"),
     (["lifecycle", "--kafka-option", "security.protocol"], "takes KEY=VALUE"),
-    (["reconcile", "Q"], "Missing option '--journal'"),
     (["metrics", "--window", "5m"], "give a length such as '1 minute'"),
 ])
 def test_usage_errors_exit_2(args: list[str], message: str) -> None:
