@@ -55,14 +55,15 @@ def apply(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print what would change; change nothing.")] = False,
     prune: Annotated[bool, typer.Option(
-        "--prune/--no-prune", help="Delete stored queues the file does not name (the file is "
-        "the whole truth). --no-prune only creates and changes.")] = True,
+        "--prune/--no-prune", help="Also delete the stored queues the file does not name (the "
+        "file is then the whole truth). Off by default: without it, apply only creates and "
+        "changes, so a file never deletes queues it does not know about.")] = False,
     force: Annotated[bool, typer.Option(
         "--force", help="Delete queues even while consumers are attached.")] = False,
     database_url: DatabaseUrl = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Make the stored queues match a queue file: create, change and delete.
+    """Make the stored queues match a queue file: create and change (and with --prune, delete).
 
     The whole file is validated first; on any problem nothing is changed. An identical
     definition keeps its version, so applying the same file twice changes nothing.
@@ -88,6 +89,8 @@ def _apply_json(result: ApplyResult) -> dict[str, Any]:
         "dry_run": result.dry_run,
         "prune": result.plan.prune,
         "changed": result.plan.has_changes,
+        "refused": {name: sorted(ids) for name, ids in sorted(result.refused.items())},
+        "kept": list(result.plan.kept),
         "queues": [
             {
                 "name": change.name,
@@ -114,10 +117,20 @@ def _print_apply(result: ApplyResult) -> None:
         typer.echo("no changes: the stored queues match the file")
     elif result.dry_run:
         typer.echo(f"dry run: {summary}; nothing was changed")
+        if result.refused:
+            listed = "; ".join(f"{name}: {', '.join(sorted(ids))}"
+                               for name, ids in sorted(result.refused.items()))
+            typer.echo(f"the apply would be refused: consumers are attached ({listed}); stop "
+                       "or evict them (`qlayer consumers evict ID`) or apply with --force")
     else:
         done = {"create": "created", "change": "changed", "delete": "deleted"}
         typer.echo("applied: " + ", ".join(f"{n} {done[action]}"
                                           for action, n in counts.items() if n))
+    if result.plan.kept:
+        kept = result.plan.kept
+        names = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        typer.echo(f"kept {len(kept)} stored queue(s) the file does not name ({names}); "
+                   "--prune would delete them")
 
 
 def _change_line(change: QueueChange, result: ApplyResult) -> str:
@@ -130,7 +143,10 @@ def _change_line(change: QueueChange, result: ApplyResult) -> str:
         version = f"version {change.version}" + ("" if result.dry_run else f" -> {after}")
         return f"{mark} change {change.name} ({version})"
     if change.action == "delete":
-        return f"{mark} delete {change.name} (version {change.version})"
+        attached = result.refused.get(change.name)
+        refused = f": refused, consumers attached ({', '.join(sorted(attached))})" \
+            if attached else ""
+        return f"{mark} delete {change.name} (version {change.version}){refused}"
     return f"{mark} unchanged {change.name} (version {change.version})"
 
 

@@ -170,6 +170,8 @@ class QueueChange:
 class ApplyPlan:
     changes: tuple[QueueChange, ...]
     prune: bool
+    kept: tuple[str, ...] = ()
+    """Without ``prune``: the stored queues the file does not name, left as they are."""
 
     @property
     def has_changes(self) -> bool:
@@ -185,6 +187,8 @@ class ApplyResult:
     dry_run: bool
     versions: dict[str, int]
     """The version of every queue in the file after the apply (the stored one on a dry run)."""
+    refused: dict[str, list[str]] = field(default_factory=dict)
+    """On a dry run: the deletes the apply would refuse, with the consumers attached."""
 
 
 def stored_form(definition: QueueDefinition) -> dict[str, Any]:
@@ -226,14 +230,12 @@ def plan_apply(
         )
         action: Action = "change" if fields else "unchanged"
         changes.append(QueueChange(definition.name, action, record.version, fields, wanted))
+    named = {definition.name for definition in desired}
+    others = sorted(name for name in current if name not in named)
     if prune:
-        named = {definition.name for definition in desired}
-        changes.extend(
-            QueueChange(name, "delete", record.version)
-            for name, record in sorted(current.items())
-            if name not in named
-        )
-    return ApplyPlan(tuple(changes), prune)
+        changes.extend(QueueChange(name, "delete", current[name].version) for name in others)
+        return ApplyPlan(tuple(changes), prune)
+    return ApplyPlan(tuple(changes), prune, tuple(others))
 
 
 def attached_consumers(name: str, consumers: Iterable[ConsumerRow]) -> list[ConsumerRow]:
@@ -408,17 +410,19 @@ class QueueService:
         text: str,
         *,
         source: str = "queue file",
-        prune: bool = True,
+        prune: bool = False,
         dry_run: bool = False,
         force: bool = False,
     ) -> ApplyResult:
         """Make the stored queues match a YAML queue file.
 
-        Nothing is written unless the whole file validates, and (without ``force``) no queue
-        with consumers attached is deleted. Each queue is written with the version it was
-        planned against, so a concurrent change makes the apply stop instead of overwrite it;
-        running the same file again finishes the job (an identical definition keeps its
-        version).
+        Stored queues the file does not name are deleted only with ``prune`` (opt-in: on a
+        shared database the file is rarely the whole truth). Nothing is written unless the
+        whole file validates, and (without ``force``) no queue with consumers attached is
+        deleted; a ``dry_run`` reports such deletes in ``refused`` instead of failing. Each
+        queue is written with the version it was planned against, so a concurrent change
+        makes the apply stop instead of overwrite it; running the same file again finishes
+        the job (an identical definition keeps its version).
         """
         try:
             desired = load_queue_file(text)
@@ -433,12 +437,16 @@ class QueueService:
                 for change in deletes
             }
             attached = {name: ids for name, ids in attached.items() if ids}
-            if attached:
+            if attached and not dry_run:
                 raise ConsumersAttachedError(attached)
+        else:
+            attached = {}
         versions = {c.name: c.version for c in plan.changes
                     if c.version is not None and c.action != "delete"}
         if dry_run:
-            return ApplyResult(plan, True, versions)
+            # A dry run answers the question "what would this do?"; a refusal is part of the
+            # answer, not a reason to give none.
+            return ApplyResult(plan, True, versions, attached)
         now = self.clock()
         for change in plan.changes:
             try:

@@ -74,7 +74,7 @@ def test_dry_run_prints_the_diff_and_changes_nothing(
     before = stored(settings)
     second = queue_file(SECOND)
 
-    dry = run_cli("queue", "apply", "-f", str(second), "--dry-run")
+    dry = run_cli("queue", "apply", "-f", str(second), "--dry-run", "--prune")
     assert dry.code == 0, dry.stderr
     lines = dry.stdout.splitlines()
     assert "~ change Jobs (version 1)" in lines
@@ -85,7 +85,7 @@ def test_dry_run_prints_the_diff_and_changes_nothing(
     assert "dry run: 1 to create, 1 to change, 1 to delete; nothing was changed" in lines
     assert stored(settings) == before
 
-    applied = run_cli("queue", "apply", "-f", str(second), "--json")
+    applied = run_cli("queue", "apply", "-f", str(second), "--prune", "--json")
     assert applied.code == 0, applied.stderr
     document = json.loads(applied.stdout)
     by_name = {q["name"]: q for q in document["queues"]}
@@ -99,16 +99,27 @@ def test_dry_run_prints_the_diff_and_changes_nothing(
     assert after["Fresh"][1]["fairness"] == "round-robin"
 
 
-def test_no_prune_keeps_queues_the_file_does_not_name(
+def test_apply_keeps_queues_the_file_does_not_name_unless_asked_to_prune(
     settings: Settings, run_cli: Callable[..., Completed], queue_file: Callable[[str], Path]
 ) -> None:
+    # Issue 16 item 2: on a shared database the getting-started file must not delete the
+    # other queues (here: another team's, or the demo's).
     assert run_cli("queue", "apply", "-f", str(queue_file(FIRST))).code == 0
     only_jobs = queue_file("queues:\n  - name: Jobs\n    lease_period: 30s\n"
                            "    max_deliveries: 5\n    dead_letter_topic: FailedJobs\n")
-    done = run_cli("queue", "apply", "-f", str(only_jobs), "--no-prune")
+    done = run_cli("queue", "apply", "-f", str(only_jobs))
     assert done.code == 0, done.stderr
     assert "no changes" in done.stdout
+    assert ("kept 2 stored queue(s) the file does not name (Old, OrderPriority); --prune "
+            "would delete them") in done.stdout
     assert set(stored(settings)) == {"Jobs", "OrderPriority", "Old"}
+    assert run_cli("queue", "apply", "-f", str(only_jobs), "--no-prune").code == 0
+    assert set(stored(settings)) == {"Jobs", "OrderPriority", "Old"}
+
+    pruned = run_cli("queue", "apply", "-f", str(only_jobs), "--prune")
+    assert pruned.code == 0, pruned.stderr
+    assert "applied: 2 deleted" in pruned.stdout
+    assert set(stored(settings)) == {"Jobs"}
 
 
 def test_bad_yaml_is_one_clear_error_and_changes_nothing(
@@ -158,14 +169,30 @@ def test_apply_will_not_prune_a_queue_with_consumers_unless_forced(
     assert run_cli("queue", "apply", "-f", str(queue_file(FIRST))).code == 0
     attach_consumer(settings, "worker-1", "Old")
     without_old = queue_file("queues:\n  - name: Jobs\n")
-    refused = run_cli("queue", "apply", "-f", str(without_old))
+    # Without --prune the consumer is no obstacle: nothing would be deleted.
+    kept = run_cli("queue", "apply", "-f", str(without_old), "--dry-run")
+    assert kept.code == 0, kept.stderr
+    assert "refused" not in kept.stdout
+
+    # A dry run never fails for attached consumers: it says what would be refused.
+    dry = run_cli("queue", "apply", "-f", str(without_old), "--prune", "--dry-run")
+    assert dry.code == 0, dry.stderr
+    assert "- delete Old (version 1): refused, consumers attached (worker-1)" in dry.stdout
+    assert ("the apply would be refused: consumers are attached (Old: worker-1)"
+            in dry.stdout)
+    dry_json = run_cli("queue", "apply", "-f", str(without_old), "--prune", "--dry-run",
+                       "--json")
+    assert dry_json.code == 0, dry_json.stderr
+    assert json.loads(dry_json.stdout)["refused"] == {"Old": ["worker-1"]}
+
+    refused = run_cli("queue", "apply", "-f", str(without_old), "--prune")
     assert refused.code == 1
     assert "consumers are attached (Old: worker-1)" in refused.stderr
     assert "--force" in refused.stderr
     assert set(stored(settings)) == {"Jobs", "OrderPriority", "Old"}
     assert stored(settings)["Jobs"][0] == 1
 
-    forced = run_cli("queue", "apply", "-f", str(without_old), "--force")
+    forced = run_cli("queue", "apply", "-f", str(without_old), "--prune", "--force")
     assert forced.code == 0, forced.stderr
     assert set(stored(settings)) == {"Jobs"}
 
