@@ -1,4 +1,5 @@
-"""`qlayer dlq list | redrive`: look at a queue's dead letters, and send them back."""
+"""`qlayer dlq list | redrive | delete`: look at a queue's dead letters, send them back, or
+drop them (a recorded skip: Kafka cannot delete one record)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,21 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.messages import DeadLetter, list_dead_letters, redrive
+from layer.services.messages import (
+    DeadLetter,
+    InvalidOptionError,
+    RedriveResult,
+    list_dead_letters,
+    redrive,
+)
 
-app = typer.Typer(help="A queue's dead letters: list them, redrive them.", no_args_is_help=True)
+app = typer.Typer(help="A queue's dead letters: list them, redrive them, delete them.",
+                  no_args_is_help=True)
+
+Bookmarks = Annotated[list[str] | None, typer.Option(
+    "--bookmark", metavar="TOPIC/PARTITION/OFFSET",
+    help="Only the dead letter of this original bookmark, as `qlayer dlq list` shows it "
+    "(repeatable).")]
 
 _PREVIEW = 60
 
@@ -62,14 +75,21 @@ def list_(
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,
 ) -> None:
-    """The queue's dead letters, oldest first: why, from where, after how many deliveries."""
+    """The dead letters waiting for a redrive, oldest first, and their totals by reason.
+
+    Each: why, from where (its original bookmark), after how many deliveries.
+    """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
-    letters = list_dead_letters(settings, queue, limit=limit)
+    found = list_dead_letters(settings, queue, limit=limit)
+    letters = found.letters
     if json_out:
-        emit_json({"queue": queue, "dead_letters": [_document(d) for d in letters]})
+        emit_json({"queue": queue, "dead_letter_topic": found.dead_letter_topic,
+                   "total": found.total, "by_reason": found.by_reason,
+                   "dead_letters": [_document(d) for d in letters]})
         return
     table = new_table("reason", "bookmark", "deliveries", "last consumer", "dead-lettered at",
-                      "key", "value", title=f"dead letters of {queue} ({len(letters)})")
+                      "key", "value",
+                      title=f"dead letters of {queue} (shown {len(letters)} of {found.total})")
     for letter in letters:
         info = letter.info
         assert info is not None  # list_dead_letters keeps this queue's letters only
@@ -77,7 +97,8 @@ def list_(
         table.add_row(reason, info.bookmark.format(), str(info.delivery_count),
                       info.last_consumer or "-", _when(info.dead_lettered_at_ms),
                       payload_text(letter.key), _preview(letter.value))
-    show(table)
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(found.by_reason.items()))
+    show(table, f"{found.total} dead letter(s) waiting" + (f": {reasons}" if reasons else ""))
 
 
 @app.command("redrive")
@@ -86,7 +107,9 @@ def redrive_(
     rate: Annotated[float | None, typer.Option(
         "--rate", min=0.001, help="At most this many messages per second.")] = None,
     filter: Annotated[str | None, typer.Option(
-        "--filter", help="Only dead letters whose payload matches this expression.")] = None,
+        "--filter", help="Only dead letters whose payload matches this expression; the "
+        "others stay for a later redrive.")] = None,
+    bookmark: Bookmarks = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Count what would move; move nothing.")] = False,
     json_out: JsonOut = False,
@@ -96,31 +119,86 @@ def redrive_(
 ) -> None:
     """Re-publish dead letters to the queue's journal, each exactly once (also across runs).
 
-    A second redrive moves only what was dead-lettered since the first.
+    A second redrive moves what the first left (not selected by --filter or --bookmark) and
+    what was dead-lettered since.
     """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
-    with Progress(TextColumn("redrive {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True, disable=json_out,
-                  console=Console(stderr=True)) as bar:  # stdout stays the result only
-        task = bar.add_task(queue, total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        result = redrive(settings, queue, rate=rate, filter=filter, dry_run=dry_run,
-                         progress=progress)
+    result = _run(settings, queue, rate=rate, filter=filter, bookmarks=bookmark or [],
+                  delete=False, dry_run=dry_run, json_out=json_out)
     if json_out:
-        emit_json({"queue": queue, "dead_letter_topic": result.dead_letter_topic,
-                   "dry_run": result.dry_run, "scanned": result.scanned,
-                   "moved": result.moved, "skipped_by_filter": result.skipped_filter,
-                   "skipped_other_queues": result.skipped_other,
-                   "skipped_duplicates": result.skipped_duplicate, "targets": result.targets})
+        emit_json(_result_json(queue, result))
         return
     verb = "would move" if dry_run else "moved"
     where = ", ".join(f"{n} to {t}" for t, n in sorted(result.targets.items())) or "nothing"
     typer.echo(f"{verb} {result.moved} dead letter(s) of {queue} from "
                f"{result.dead_letter_topic}: {where}")
-    if result.skipped_filter:
-        typer.echo(f"{result.skipped_filter} did not match the filter and were passed over")
+    _echo_rest(result)
+
+
+@app.command("delete")
+def delete_(
+    queue: Annotated[str, typer.Argument(help="The queue whose dead letters to delete.")],
+    filter: Annotated[str | None, typer.Option(
+        "--filter", help="Only dead letters whose payload matches this expression.")] = None,
+    bookmark: Bookmarks = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Count what would be deleted; delete nothing.")] = False,
+    json_out: JsonOut = False,
+    bootstrap_servers: BootstrapServers = None,
+    database_url: DatabaseUrl = None,
+    topic_prefix: TopicPrefix = None,
+) -> None:
+    """Delete the dead letters selected by --filter and/or --bookmark (a recorded skip).
+
+    No redrive moves them and `dlq list` no longer shows them. Kafka cannot delete one
+    record from a topic, so this is a recorded skip: the redrive position moves past them and
+    the queue's other letters are copied past it (as a selective redrive does). The records
+    stay in the topic until its retention removes them.
+    """
+    if filter is None and not bookmark:
+        raise typer.BadParameter("say which: --filter EXPR and/or --bookmark "
+                                 "TOPIC/PARTITION/OFFSET", param_hint="--filter/--bookmark")
+    settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    result = _run(settings, queue, rate=None, filter=filter, bookmarks=bookmark or [],
+                  delete=True, dry_run=dry_run, json_out=json_out)
+    if json_out:
+        emit_json(_result_json(queue, result))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"{verb} {result.deleted} dead letter(s) of {queue} from "
+               f"{result.dead_letter_topic}")
+    _echo_rest(result)
+
+
+def _run(settings: Any, queue: str, *, rate: float | None, filter: str | None,
+         bookmarks: list[str], delete: bool, dry_run: bool, json_out: bool) -> RedriveResult:
+    with Progress(TextColumn("redrive {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True, disable=json_out,
+                  console=Console(stderr=True)) as bar:  # stdout stays the result only
+        task = bar.add_task(queue, total=None)  # "redrive Q" also for a delete: one pass
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        try:
+            return redrive(settings, queue, rate=rate, filter=filter, bookmarks=bookmarks,
+                           delete=delete, dry_run=dry_run, progress=progress)
+        except InvalidOptionError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+
+def _result_json(queue: str, result: RedriveResult) -> dict[str, Any]:
+    return {"queue": queue, "dead_letter_topic": result.dead_letter_topic,
+            "dry_run": result.dry_run, "scanned": result.scanned, "moved": result.moved,
+            "deleted": result.deleted, "kept_for_later": result.carried,
+            "skipped_by_filter": result.carried,
+            "skipped_other_queues": result.skipped_other,
+            "skipped_duplicates": result.skipped_duplicate, "targets": result.targets}
+
+
+def _echo_rest(result: RedriveResult) -> None:
+    if result.carried:
+        kept = "would be kept" if result.dry_run else "were kept"
+        typer.echo(f"{result.carried} not selected {kept} for a later redrive")
     if result.skipped_duplicate:
         typer.echo(f"{result.skipped_duplicate} duplicate dead letter(s) were passed over")

@@ -11,9 +11,11 @@ the same time fence each other instead of both moving the same records.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -40,15 +42,19 @@ from layer.settings import Settings
 from layer.store.store import Store
 
 __all__ = [
+    "CARRIED_FROM",
     "REDRIVEN_FROM",
     "ConsumedMessage",
     "DeadLetter",
+    "DeadLetterList",
+    "InvalidOptionError",
     "PublishResult",
     "RedriveResult",
     "Settle",
     "consume",
     "dead_letter_topic",
     "list_dead_letters",
+    "parse_bookmark_options",
     "parse_deliver_at_option",
     "parse_expiration_option",
     "parse_header_options",
@@ -60,6 +66,9 @@ __all__ = [
 
 #: Header a redriven record carries: the bookmark the dead letter was made from.
 REDRIVEN_FROM = "qlayer.redriven-from"
+#: Header of a dead letter carried forward by a selective redrive: the position it was
+#: copied from (`TOPIC/PARTITION/OFFSET` of the dead-letter topic).
+CARRIED_FROM = "qlayer.dlq.carried-from"
 #: Records per redrive transaction at most (one transaction is also closed every second).
 REDRIVE_BATCH = 500
 
@@ -211,11 +220,21 @@ def consume(
     stop: threading.Event | None = None,
 ) -> int:
     """Receive, settle and hand each message to ``on_message`` until ``count`` messages,
-    ``idle_timeout`` seconds without one, or ``stop``; returns how many. The consumer is
-    closed on the way out (also on Ctrl-C), so what it still holds goes back at once."""
+    ``idle_timeout`` seconds without one, or ``stop``; returns how many were settled. The
+    consumer is closed on the way out (also on Ctrl-C), so what it still holds goes back at once.
+
+    With ``count``, the consumer never holds more leases than messages it is still to show:
+    it subscribes with ``max_backlog`` at most ``count``, and before settling a message that
+    would free room it does not need, it lowers its backlog (a replace the coordinator
+    confirms) to what is left to show, 0 before the last. Otherwise settling the last message
+    let the coordinator lease the next one to it, and closing broke that lease: a delivery
+    the operator never saw, counted against ``max_deliveries`` (issue 16 item 6). Barrier
+    messages hold no lease and need no settling: they are shown and not counted.
+    """
     handled = 0
+    limit = max_backlog if count is None else min(max_backlog, count)
     with QueueConsumer(queue, settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
-                       kafka_config=settings.kafka, max_backlog=max_backlog,
+                       kafka_config=settings.kafka, max_backlog=limit,
                        filter=filter, client_name="qlayer-cli") as consumer:
         idle_since = time.monotonic()
         while count is None or handled < count:
@@ -227,8 +246,14 @@ def consume(
                     break
                 continue
             idle_since = time.monotonic()
-            _settle(message, settle, reason)
-            handled += 1
+            if not message.is_barrier:
+                if count is not None and count - handled - 1 < limit:
+                    # Before the settlement frees room: once the replace is answered the
+                    # coordinator leases no more than what is left to show.
+                    limit = count - handled - 1
+                    consumer.replace(max_backlog=limit)
+                _settle(message, settle, reason)
+                handled += 1
             on_message(ConsumedMessage(
                 queue=message.queue, bookmark=str(message.bookmark),
                 delivery_count=message.delivery_count, key=message.key, value=message.value,
@@ -277,31 +302,54 @@ def _partitions(admin: KafkaAdmin, topic: str) -> list[tuple[str, int]]:
     return [(topic, p) for p in range(count)]
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetterList:
+    """The queue's dead letters still waiting (the first ``limit`` shown) and their totals."""
+
+    dead_letter_topic: str
+    letters: list[DeadLetter]
+    total: int
+    by_reason: dict[str, int]
+
+
 def list_dead_letters(settings: Settings, queue: str, *, limit: int | None = 100
-                      ) -> list[DeadLetter]:
-    """The queue's dead letters, oldest first (the first ``limit``)."""
+                      ) -> DeadLetterList:
+    """The queue's dead letters a redrive has not dealt with yet (moved or deleted): the
+    oldest ``limit`` by when they were dead-lettered, and how many there are by reason."""
     with Store(settings.database_url) as store:
         definition = queue_definition(store, queue)
     topic = dead_letter_topic(definition, settings.topic_prefix)
     admin = KafkaAdmin(settings.kafka_config())
     pairs = _partitions(admin, topic)
     if not pairs:
-        return []
-    starts = admin.log_start_offsets(pairs)
+        return DeadLetterList(topic, [], 0, {})
+    log_starts = admin.log_start_offsets(pairs)
     ends = admin.end_offsets(pairs)
+    # Below the redrive group's position every letter was moved, deleted or carried forward
+    # (copied past the position, where it is read again); see `redrive`.
+    committed = _committed_positions(settings, queue, pairs)
+    starts = {tp: max(committed.get(tp) or 0, log_starts.get(tp, 0)) for tp in pairs}
     reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
-    letters: list[DeadLetter] = []
-    try:
+    by_reason: Counter[str] = Counter()
+
+    def waiting() -> Iterator[DeadLetter]:
         for record in reader.read(starts, ends):
             letter = _dead_letter(record)
             if _belongs(letter, queue):
-                letters.append(letter)
-                if limit is not None and len(letters) >= limit:
-                    break
+                assert letter.info is not None
+                by_reason[letter.info.reason] += 1
+                yield letter
+
+    def oldest_first(d: DeadLetter) -> tuple[int, int, int]:
+        return (d.info.dead_lettered_at_ms if d.info else d.timestamp_ms, d.partition, d.offset)
+
+    try:
+        # Every waiting letter is read (for the totals); only the oldest ``limit`` are kept.
+        letters = (sorted(waiting(), key=oldest_first) if limit is None
+                   else heapq.nsmallest(limit, waiting(), key=oldest_first))
     finally:
         reader.close()
-    letters.sort(key=lambda d: (d.timestamp_ms, d.partition, d.offset))
-    return letters
+    return DeadLetterList(topic, letters, sum(by_reason.values()), dict(by_reason))
 
 
 # --- redrive -----------------------------------------------------------------------------------
@@ -309,16 +357,24 @@ def list_dead_letters(settings: Settings, queue: str, *, limit: int | None = 100
 
 @dataclass(slots=True)
 class RedriveResult:
-    """What one redrive run did (or, with ``dry_run``, would do)."""
+    """What one redrive (or delete) run did, or with ``dry_run`` would do."""
 
     dead_letter_topic: str
     scanned: int = 0
     moved: int = 0
-    skipped_filter: int = 0
+    deleted: int = 0
+    carried: int = 0
+    """Letters of this queue not selected (``filter``, ``bookmarks``): copied past the
+    position, so a later redrive sees them again."""
     skipped_other: int = 0
     skipped_duplicate: int = 0
     dry_run: bool = False
     targets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def skipped_filter(self) -> int:
+        """The letters passed over by the selection (kept for the redrive, carried)."""
+        return self.carried
 
 
 def _redrive_target(definition: QueueDefinition, letter: DeadLetter) -> str:
@@ -331,9 +387,29 @@ def _redrive_target(definition: QueueDefinition, letter: DeadLetter) -> str:
 
 def _redriven_headers(letter: DeadLetter) -> list[tuple[str, bytes | None]]:
     assert letter.info is not None
-    kept = [(k, v) for k, v in letter.headers if k not in DLQ_HEADER_KEYS and k != REDRIVEN_FROM]
+    kept = [(k, v) for k, v in letter.headers
+            if k not in DLQ_HEADER_KEYS and k not in (REDRIVEN_FROM, CARRIED_FROM)]
     kept.append((REDRIVEN_FROM, letter.info.bookmark.format().encode()))
     return kept
+
+
+def _carried_headers(letter: DeadLetter) -> list[tuple[str, bytes | None]]:
+    kept = [(k, v) for k, v in letter.headers if k != CARRIED_FROM]
+    kept.append((CARRIED_FROM, letter.position.encode()))
+    return kept
+
+
+def parse_bookmark_options(texts: Sequence[str]) -> frozenset[Bookmark]:
+    """``TOPIC/PARTITION/OFFSET`` strings (the original bookmarks `qlayer dlq list` shows)."""
+    found = set()
+    for text in texts:
+        try:
+            found.add(Bookmark.parse(text))
+        except (QlayerError, ValueError) as exc:
+            raise InvalidOptionError(
+                f"--bookmark {text!r} is not TOPIC/PARTITION/OFFSET (as `qlayer dlq list` "
+                f"shows it): {exc}") from None
+    return frozenset(found)
 
 
 def redrive(
@@ -342,22 +418,35 @@ def redrive(
     *,
     rate: float | None = None,
     filter: str | None = None,
+    bookmarks: Sequence[str] = (),
+    delete: bool = False,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> RedriveResult:
-    """Re-publish the queue's dead letters to its journal, each exactly once.
+    """Re-publish the queue's dead letters to its journal, each exactly once; or, with
+    ``delete``, drop them for good.
 
     Reads from where the last redrive of this queue stopped up to the end the topic has now
-    (letters that fail again meanwhile wait for the next run). Records of other queues, and
-    with ``filter`` those whose payload does not match, are passed over for good by this
-    queue's redrive position. ``progress(done, total)`` is called as records are read;
-    ``rate`` caps records moved per second.
+    (letters that fail again meanwhile wait for the next run). With ``filter`` and/or
+    ``bookmarks`` (original bookmarks, ``TOPIC/PARTITION/OFFSET``) only the letters selected
+    are moved (or deleted); the queue's other letters are *carried forward*: copied to the end
+    of the dead-letter topic in the same transaction that moves the position past them, so the
+    next redrive (and `list_dead_letters`) sees them again. Kafka cannot delete one record
+    from a topic: a deleted letter stays in the topic until retention removes it, behind the
+    position and never copied, so no redrive moves it and no list shows it. Records of other
+    queues are passed over (their own queue's position covers them). ``progress(done,
+    total)`` is called as records are read; ``rate`` caps records moved per second.
     """
     expression = _filter(filter)
+    selected = parse_bookmark_options(bookmarks)
+    if delete and expression is None and not selected:
+        raise InvalidOptionError("delete needs --filter EXPR or --bookmark TOPIC/PARTITION/"
+                                 "OFFSET: which dead letters to delete")
     with Store(settings.database_url) as store:
         definition = queue_definition(store, queue)
-    if definition.default_publish_target is None and definition.is_regex_topic:
+    if (not delete and definition.default_publish_target is None
+            and definition.is_regex_topic):
         raise QueueConfigError([(f"{queue}.default_publish_target",
                                  "redrive needs a journal to write to; this queue reads a "
                                  "regular expression, so set default_publish_target")])
@@ -397,8 +486,24 @@ def redrive(
                 # The coordinator writes a dead letter twice when it crashes between writing
                 # it and recording it (docs/coordinator.md); the entry comes back once.
                 result.skipped_duplicate += 1
-            elif expression is not None and not expression.matches(parse_document(letter.value)):
-                result.skipped_filter += 1
+            elif ((expression is not None
+                   and not expression.matches(parse_document(letter.value)))
+                  or (selected and letter.info is not None
+                      and letter.info.bookmark not in selected)):
+                result.carried += 1
+                if tx is not None:
+                    if in_batch == 0:
+                        batch_started = time.monotonic()
+                    tx.send(topic, letter.value, letter.key, _carried_headers(letter))
+                    in_batch += 1
+            elif delete:
+                assert letter.info is not None
+                seen.add(letter.info.bookmark)
+                result.deleted += 1
+                if tx is not None:  # nothing to write: the position moving past it is all
+                    if in_batch == 0:
+                        batch_started = time.monotonic()
+                    in_batch += 1
             else:
                 assert letter.info is not None
                 seen.add(letter.info.bookmark)
@@ -424,7 +529,8 @@ def redrive(
         if tx is not None:
             tx.commit(positions)
     except KafkaAdapterError as exc:
-        raise KafkaAdapterError(f"redrive of {queue!r} failed (nothing of the open batch was "
+        what = "delete" if delete else "redrive"
+        raise KafkaAdapterError(f"{what} of {queue!r} failed (nothing of the open batch was "
                                 f"moved; run it again to continue): {exc}") from exc
     finally:
         reader.close()
