@@ -17,7 +17,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # exported, n
     OffsetSpec,
 )
 
-from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,26 @@ class TopicSpec:
     config: Mapping[str, str] | None = None
 
 
+#: How long (s) `KafkaAdmin.commit_group_offsets` leaves alone a Kafka that did not answer.
+UNREACHABLE_FOR = 5.0
+
+
 class KafkaAdmin:
     def __init__(self, config: Mapping[str, Any]) -> None:
-        self._admin = AdminClient(dict(config))
+        settings = {
+            # After all brokers were down for a moment, librdkafka 2.16's default strategy
+            # ("rebootstrap") drops the brokers it knew and learns them again; its group
+            # coordinator requests (`commit_group_offsets`) keep waiting on a dropped broker
+            # and time out for good, while every other request works (measured: a broker
+            # SIGKILLed for 10 s, then every AlterConsumerGroupOffsets timed out for minutes;
+            # with "none", the first one after the restart succeeded). A deployment's `kafka:`
+            # settings may still choose otherwise.
+            "metadata.recovery.strategy": "none",
+            **config,
+        }
+        with translated("cannot create a Kafka admin client"):
+            self._admin = AdminClient(settings)
+        self._unreachable_until = 0.0
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:
         """Create the topics that do not exist yet; returns the names created."""
@@ -40,18 +57,19 @@ class KafkaAdmin:
         missing = [s for n, s in wanted.items() if n not in existing]
         if not missing:
             return []
-        futures = self._admin.create_topics(
-            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1,
-                      config=dict(s.config or {})) for s in missing],
-            operation_timeout=timeout)
+        with translated(f"cannot create topics {[s.name for s in missing]}"):
+            futures = self._admin.create_topics(
+                [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1,
+                          config=dict(s.config or {})) for s in missing],
+                operation_timeout=timeout)
         created = []
         for name, future in futures.items():
             try:
                 future.result(timeout=timeout)
                 created.append(name)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise KafkaAdapterError(f"cannot create topic {name}: {exc}") from exc
+            except DRIVER_ERRORS as exc:
+                if _code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise driver_error(f"cannot create topic {name}", exc) from exc
         self._wait_for_leaders([s.name for s in missing], timeout)
         return created
 
@@ -62,16 +80,17 @@ class KafkaAdmin:
             raise KafkaAdapterError(f"cannot add partitions to {topic}: no such topic")
         if have >= count:
             return False
-        futures = self._admin.create_partitions([NewPartitions(topic, count)],
-                                                operation_timeout=timeout)
+        with translated(f"cannot grow {topic} to {count} partitions"):
+            futures = self._admin.create_partitions([NewPartitions(topic, count)],
+                                                    operation_timeout=timeout)
         for future in futures.values():
             try:
                 future.result(timeout=timeout)
-            except KafkaException as exc:
+            except DRIVER_ERRORS as exc:
                 # Another process grew it first: fine if it has enough now.
                 if self.topics(timeout).get(topic, 0) < count:
-                    raise KafkaAdapterError(
-                        f"cannot grow {topic} to {count} partitions: {exc}") from exc
+                    raise driver_error(f"cannot grow {topic} to {count} partitions",
+                                       exc) from exc
         self._wait_for_leaders([topic], timeout)
         return True
 
@@ -79,7 +98,8 @@ class KafkaAdmin:
         deadline = time.monotonic() + timeout
         pending = set(names)
         while pending and time.monotonic() < deadline:
-            md = self._admin.list_topics(timeout=timeout)
+            with translated(f"waiting for leaders of {sorted(pending)}"):
+                md = self._admin.list_topics(timeout=timeout)
             for name in list(pending):
                 t = md.topics.get(name)
                 if t is not None and t.error is None and t.partitions and all(
@@ -90,12 +110,22 @@ class KafkaAdmin:
         if pending:
             raise KafkaAdapterError(f"topics without leaders after {timeout}s: {sorted(pending)}")
 
+    def ping(self, topic: str, timeout: float = 2.0) -> None:
+        """Raise KafkaAdapterError unless a broker answers a metadata request for ``topic``
+        (an existing one: it is not created) within ``timeout``; a cheap check that Kafka is
+        back, one small request whatever the size of the cluster."""
+        with translated("Kafka does not answer"):
+            md = self._admin.list_topics(topic=topic, timeout=timeout)
+        found = md.topics.get(topic)
+        if not md.brokers or found is None or found.error is not None:
+            raise KafkaAdapterError(
+                f"Kafka does not serve {topic} yet: {found.error if found else 'no metadata'}",
+                retriable=True)
+
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
         """Every topic with its partition count."""
-        try:
+        with translated("cannot list topics"):
             md = self._admin.list_topics(timeout=timeout)
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"cannot list topics: {exc}") from exc
         return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
     def matching_topics(self, pattern: re.Pattern[str], timeout: float = 10.0) -> dict[str, int]:
@@ -105,12 +135,14 @@ class KafkaAdmin:
         names = list(names)
         if not names:
             return
-        for name, future in self._admin.delete_topics(names, operation_timeout=timeout).items():
+        with translated(f"cannot delete topics {names}"):
+            futures = self._admin.delete_topics(names, operation_timeout=timeout)
+        for name, future in futures.items():
             try:
                 future.result(timeout=timeout)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    raise KafkaAdapterError(f"cannot delete topic {name}: {exc}") from exc
+            except DRIVER_ERRORS as exc:
+                if _code(exc) != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    raise driver_error(f"cannot delete topic {name}", exc) from exc
 
     def _offsets(self, pairs: Iterable[tuple[str, int]], spec: OffsetSpec,
                  timeout: float) -> dict[tuple[str, int], int]:
@@ -118,11 +150,9 @@ class KafkaAdmin:
         if not request:
             return {}
         out: dict[tuple[str, int], int] = {}
-        try:
+        with translated("cannot list offsets"):
             for tp, future in self._admin.list_offsets(request, request_timeout=timeout).items():
                 out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"cannot list offsets: {exc}") from exc
         return out
 
     def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
@@ -143,13 +173,32 @@ class KafkaAdmin:
 
     def commit_group_offsets(self, group: str, offsets: Mapping[tuple[str, int], int],
                              timeout: float = 10.0) -> None:
-        """Record a queue's recovery points as a consumer group's offsets, for lag tools."""
+        """Record a queue's recovery points as a consumer group's offsets, for lag tools.
+
+        Asked only of a Kafka that answered a metadata request just before: librdkafka
+        (2.16 and earlier; confluentinc/librdkafka#4605, PR #5397) aborts the whole process
+        with ``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0'`` when a
+        request to a group coordinator (this one) meets a connection going down. A broker
+        that did not answer is not asked again for `UNREACHABLE_FOR` seconds."""
         if not offsets:
             return
+        now = time.monotonic()
+        if now < self._unreachable_until:
+            raise KafkaAdapterError(f"cannot commit offsets of group {group}: Kafka did not "
+                                    "answer a moment ago", retriable=True)
+        try:
+            self.ping(next(iter(offsets))[0], timeout=min(timeout, 2.0))
+        except KafkaAdapterError:
+            self._unreachable_until = now + UNREACHABLE_FOR
+            raise
         request = ConsumerGroupTopicPartitions(
             group, [KTP(t, p, o) for (t, p), o in offsets.items()])
-        try:
+        with translated(f"cannot commit offsets of group {group}"):
             for future in self._admin.alter_consumer_group_offsets([request]).values():
                 future.result(timeout=timeout)
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"cannot commit offsets of group {group}: {exc}") from exc
+
+
+def _code(exc: BaseException) -> int | None:
+    """librdkafka's error code inside a driver exception, if it carries one."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error.code() if isinstance(error, KafkaError) else None

@@ -11,10 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from layer.kafka.admin import KafkaAdmin, TopicSpec
-from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
 from layer.kafka.records import OutgoingRecord
 from layer.kafka.writer import RecordWriter
 from layer.protocol.directory import encode_directory_record
@@ -53,9 +53,10 @@ class DirectoryWriter:
 
     def _live_names(self) -> set[str]:
         """The queues the topic holds now (latest record not a tombstone)."""
-        consumer = Consumer({**self._config, "group.id": self.topic + ".writer",
-                             "enable.auto.commit": False, "enable.partition.eof": True,
-                             "auto.offset.reset": "earliest"})
+        with translated(f"cannot read {self.topic}"):
+            consumer = Consumer({**self._config, "group.id": self.topic + ".writer",
+                                 "enable.auto.commit": False, "enable.partition.eof": True,
+                                 "auto.offset.reset": "earliest"})
         live: dict[str, bool] = {}
         deadline = time.monotonic() + self._timeout
         try:
@@ -80,8 +81,9 @@ class DirectoryWriter:
                         live[key.decode(errors="replace")] = message.value() is not None
                     if (message.offset() or 0) + 1 >= high:
                         done = True
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"cannot read {self.topic}: {exc}") from exc
+        except DRIVER_ERRORS as exc:
+            raise driver_error(f"cannot read {self.topic}", exc) from exc
         finally:
-            consumer.close()
+            with translated(f"cannot read {self.topic}"):
+                consumer.close()
         return {name for name, alive in live.items() if alive}

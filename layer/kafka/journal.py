@@ -19,7 +19,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from layer.kafka.errors import KafkaAdapterError, RetentionGap
+from layer.kafka.errors import RetentionGap, translated
 from layer.kafka.records import JournalRecord
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,21 @@ class JournalReader:
     """Batched reads from explicitly assigned partitions, starting at given offsets."""
 
     def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
+        with translated("cannot create a Kafka consumer"):
+            self._consumer = self._new_consumer(config, group_id)
+        self._assigned: dict[tuple[str, int], int] = {}
+        self._topic_names: dict[str, str] = {}
+        # A record `wait` took, handed out first by the next `poll`.
+        self._held: Message | None = None
+        self.errors = 0
+        # The code of the last read error logged: an error repeated (a broker away) is logged
+        # once, and again only after a record was read or another error came.
+        self._last_error: int | None = None
+
+    @staticmethod
+    def _new_consumer(config: Mapping[str, Any], group_id: str) -> Consumer:
         # group.id is required by librdkafka even without subscribe(); nothing is committed.
-        self._consumer = Consumer({
+        return Consumer({
             **config,
             "group.id": group_id,
             "enable.auto.commit": False,
@@ -51,16 +64,12 @@ class JournalReader:
             "queued.max.messages.kbytes": 32768,
             "queued.min.messages": 20000,
         })
-        self._assigned: dict[tuple[str, int], int] = {}
-        self._topic_names: dict[str, str] = {}
-        # A record `wait` took, handed out first by the next `poll`.
-        self._held: Message | None = None
-        self.errors = 0
 
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
         """Read these partitions from these offsets (replacing any earlier assignment)."""
         self._assigned = dict(positions)
-        self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
+        with translated("assigning journal partitions failed"):
+            self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
 
     def add(self, positions: Mapping[tuple[str, int], int]) -> None:
         """Start reading more partitions without disturbing those already assigned."""
@@ -68,10 +77,13 @@ class JournalReader:
         if not new:
             return
         self._assigned.update(new)
-        self._consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in new.items()])
+        with translated("assigning journal partitions failed"):
+            self._consumer.incremental_assign(
+                [TopicPartition(t, p, o) for (t, p), o in new.items()])
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
-        self._consumer.seek(TopicPartition(topic, partition, offset))
+        with translated(f"seeking {topic}[{partition}] to {offset} failed"):
+            self._consumer.seek(TopicPartition(topic, partition, offset))
 
     @property
     def assignment(self) -> list[tuple[str, int]]:
@@ -83,16 +95,14 @@ class JournalReader:
         a busy shard and wake the moment it comes, rather than after a fixed nap."""
         if self._held is not None:
             return True
-        try:
+        with translated("reading journals failed"):
             self._held = self._consumer.poll(timeout)
-        except Exception as exc:
-            raise KafkaAdapterError(f"reading journals failed: {exc}") from exc
         return self._held is not None
 
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]:
         """Up to max_records records: those already fetched, waiting up to ``timeout`` only
         when there are none. An empty list when none came within timeout."""
-        try:
+        with translated("reading journals failed"):
             # consume(n, timeout) returns early only when n records are there, so every loop
             # iteration would wait the whole timeout: wait for one record, then take what
             # else is there without waiting.
@@ -104,8 +114,6 @@ class JournalReader:
             messages = [first]
             if max_records > 1:
                 messages.extend(self._consumer.consume(max_records - 1, 0))
-        except Exception as exc:  # KafkaException and friends from the C client
-            raise KafkaAdapterError(f"reading journals failed: {exc}") from exc
         out: list[JournalRecord] = []
         append = out.append
         # The client returns a new str for each record's topic; one per topic is kept instead
@@ -120,8 +128,13 @@ class JournalReader:
                         f"retention ({err.str()})")
                 if err.code() != KafkaError._PARTITION_EOF:
                     self.errors += 1
-                    log.warning("journal read error on %s[%s]: %s", m.topic(), m.partition(), err)
+                    if err.code() != self._last_error:
+                        self._last_error = err.code()
+                        log.warning("journal read error on %s[%s]: %s (logged again when "
+                                    "another comes after a record)", m.topic(), m.partition(),
+                                    err)
                 continue
+            self._last_error = None
             # Records without an error always carry topic, partition and offset, and
             # confluent-kafka returns headers as a list of (str, bytes); a cast per record
             # would cost time in the hot path, so the checker is told instead.
@@ -137,10 +150,8 @@ class JournalReader:
         """The group's committed offsets for these partitions (None where nothing was)."""
         if not pairs:
             return {}
-        try:
+        with translated("reading committed offsets failed"):
             found = self._consumer.committed([TopicPartition(t, p) for t, p in pairs], timeout)
-        except Exception as exc:
-            raise KafkaAdapterError(f"reading committed offsets failed: {exc}") from exc
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
                 for tp in found}
 
@@ -148,17 +159,15 @@ class JournalReader:
         """Commit next-offsets to read (asynchronously; a lost commit means a harmless re-read)."""
         if not offsets:
             return
-        try:
+        with translated("committing offsets failed"):
             self._consumer.commit(
                 offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
                 asynchronous=True)
-        except Exception as exc:
-            raise KafkaAdapterError(f"committing offsets failed: {exc}") from exc
 
     def lag(self) -> int | None:
         """Records in the assigned partitions not read yet, from the high watermarks of the
         last fetches (no broker round trip); None before anything was fetched."""
-        try:
+        with translated("reading the lag failed"):
             positions = self._consumer.position(
                 [TopicPartition(t, p) for t, p in self._assigned])
             total, known = 0, False
@@ -168,9 +177,8 @@ class JournalReader:
                     continue
                 known = True
                 total += max(high - tp.offset, 0)
-        except Exception as exc:
-            raise KafkaAdapterError(f"reading the lag failed: {exc}") from exc
         return total if known else None
 
     def close(self) -> None:
-        self._consumer.close()
+        with translated("closing a journal reader failed"):
+            self._consumer.close()

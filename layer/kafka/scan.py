@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.errors import KafkaAdapterError, translated
 from layer.kafka.records import JournalRecord
 
 __all__ = ["RangeScanner"]
@@ -23,11 +23,12 @@ class RangeScanner:
     """
 
     def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
-        self._consumer = Consumer({
-            **config,
-            "group.id": group_id, "enable.auto.commit": False,
-            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-            "enable.partition.eof": True, "isolation.level": "read_committed"})
+        with translated("cannot create a Kafka consumer"):
+            self._consumer = Consumer({
+                **config,
+                "group.id": group_id, "enable.auto.commit": False,
+                "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+                "enable.partition.eof": True, "isolation.level": "read_committed"})
         self._pending: dict[tuple[str, int], int] = {}
 
     def read(self, starts: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int],
@@ -40,13 +41,12 @@ class RangeScanner:
         pending = self._pending
         if not pending:
             return
-        self._consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in pending])
+        with translated(f"reading {sorted(pending)} failed"):
+            self._consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in pending])
         last_progress = time.monotonic()
         while pending:
-            try:
+            with translated(f"reading {sorted(pending)} failed"):
                 messages = self._consumer.consume(1000, 0.5)
-            except KafkaException as exc:
-                raise KafkaAdapterError(f"reading {sorted(pending)} failed: {exc}") from exc
             if not messages and time.monotonic() - last_progress > stall_timeout:
                 raise KafkaAdapterError(
                     f"reading {sorted(pending)} stalled below their end offsets; is Kafka up?")
@@ -75,4 +75,5 @@ class RangeScanner:
         self._pending.pop(partition, None)
 
     def close(self) -> None:
-        self._consumer.close()
+        with translated("closing a Kafka consumer failed"):
+            self._consumer.close()

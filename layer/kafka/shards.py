@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ShardMembership:
         self._on_revoke = on_revoke
         self._changes = MembershipChanges()
         self._shards: set[int] = set()
+        self._last_error: int | None = None
         static = {} if static_id is None else {
             # Static membership (KIP-345): a process that comes back under the same id
             # within the session timeout gets its shards back at once, without a rebalance
@@ -57,7 +58,13 @@ class ShardMembership:
             # clean stop does not leave the group either, so *other* processes take its
             # shards only after the session timeout.
             "group.instance.id": static_id}
-        self._consumer = Consumer({
+        with translated("cannot create the coordinators' group consumer"):
+            self._consumer = self._join(config, static, group_id, instance_id, session_timeout,
+                                        topic)
+
+    def _join(self, config: Mapping[str, Any], static: Mapping[str, str], group_id: str,
+              instance_id: str, session_timeout: float, topic: str) -> Consumer:
+        consumer = Consumer({
             **config,
             **static,
             "group.id": group_id,
@@ -73,8 +80,9 @@ class ShardMembership:
             "auto.offset.reset": "latest",
             "enable.partition.eof": False,
         })
-        self._consumer.subscribe([topic], on_assign=self._assigned,
-                                 on_revoke=self._revoked, on_lost=self._lost)
+        consumer.subscribe([topic], on_assign=self._assigned, on_revoke=self._revoked,
+                           on_lost=self._lost)
+        return consumer
 
     @property
     def shards(self) -> frozenset[int]:
@@ -83,16 +91,18 @@ class ShardMembership:
 
     def poll(self, timeout: float = 0.0) -> MembershipChanges:
         """Serve the group protocol (heartbeats run in the background; rebalances here)."""
-        try:
+        with translated(f"coordinator group on {self.topic}"):
             message = self._consumer.poll(timeout)
-        except KafkaException as exc:
-            raise KafkaAdapterError(f"coordinator group on {self.topic}: {exc}") from exc
         error = message.error() if message is not None else None
         if error is not None:
             if error.fatal():
-                raise KafkaAdapterError(f"coordinator group on {self.topic}: {error}")
-            if error.code() != KafkaError._PARTITION_EOF:
+                raise KafkaAdapterError(f"coordinator group on {self.topic}: {error}",
+                                        code=error.name(), fatal=True)
+            if error.code() != KafkaError._PARTITION_EOF and error.code() != self._last_error:
+                # A broker away makes the same error come again and again: said once, and
+                # again when another comes or after the group assigned shards again.
                 log.warning("coordinator group on %s: %s", self.topic, error)
+            self._last_error = error.code()
         changes, self._changes = self._changes, MembershipChanges()
         return changes
 
@@ -101,13 +111,15 @@ class ShardMembership:
         (the revocation callback runs first, so the caller stops them cleanly)."""
         try:
             self._consumer.close()
-        except KafkaException as exc:
-            log.warning("leaving the coordinator group failed: %s", exc)
+        except DRIVER_ERRORS as exc:
+            log.warning("leaving the coordinator group failed: %s",
+                        driver_error("closing", exc))
 
     # --- rebalance callbacks (run inside poll / close) --------------------------------------
 
     def _assigned(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         shards = sorted(p.partition for p in partitions)
+        self._last_error = None
         if shards:
             log.info("coordinator group assigned shards %s", shards)
         self._shards.update(shards)
