@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -18,7 +18,11 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.consumers import ConsumerInfo, ConsumerService
+
+# layer.services loads SQLAlchemy, the Kafka client and the domain models: imported by the
+# commands that use them, so `qlayer --help` and other commands start without them.
+if TYPE_CHECKING:
+    from layer.services.consumers import ConsumerInfo, ConsumerService
 
 
 class _QueueOrCommand(TyperGroup):
@@ -41,6 +45,8 @@ app = typer.Typer(help="List the consumers of queues; evict one.", invoke_withou
 
 
 def _service(database_url: str | None) -> ConsumerService:
+    from layer.services.consumers import ConsumerService
+
     return ConsumerService.from_settings(load_settings(database_url))
 
 

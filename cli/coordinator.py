@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from layer.settings import Settings
-
 app = typer.Typer(help="Run the qlayer coordinator.", no_args_is_help=True)
 
 
@@ -68,6 +66,8 @@ def run(
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from layer.settings import Settings  # pydantic: when the command runs
+
     settings = Settings.load(bootstrap_servers=bootstrap_servers, database_url=database_url,
                              topic_prefix=topic_prefix)
     options = CoordinatorOptions(owner_id=owner_id or default_owner_id(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -17,8 +17,9 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.coordinators import CoordinatorStatus, coordinator_status
-from layer.store.store import Store
+
+if TYPE_CHECKING:  # SQLAlchemy and the store: loaded by the command (`qlayer --help` stays quick)
+    from layer.services.coordinators import CoordinatorStatus
 
 
 def _document(status: CoordinatorStatus) -> dict[str, Any]:
@@ -43,6 +44,9 @@ def coordinators(json_out: JsonOut = False, database_url: DatabaseUrl = None) ->
     killed process's shards move to the others after the group's session timeout).
     """
     settings = load_settings(database_url, None, None)
+    from layer.services.coordinators import coordinator_status
+    from layer.store.store import Store
+
     with Store(settings.database_url) as store:
         status = coordinator_status(store, time.time())
     if json_out:

@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 
 from layer.domain.shards import DEFAULT_SHARD_COUNT, MAX_SHARD_COUNT
-from layer.settings import Settings
 
 app = typer.Typer(help="Manage qlayer's PostgreSQL schema.", no_args_is_help=True)
 
@@ -26,6 +25,7 @@ def upgrade(
              "docs/coordinator.md, 'How many shards'.")] = None,
 ) -> None:
     """Migrate the database to the newest schema (alembic upgrade head)."""
+    from layer.settings import Settings  # pydantic: when the command runs
     from layer.store.migrate import upgrade as run_upgrade
     from layer.store.store import Store
 
@@ -46,6 +46,7 @@ def upgrade(
 @app.command()
 def current(database_url: DatabaseUrl = None) -> None:
     """Print the schema revision the database is at."""
+    from layer.settings import Settings  # pydantic: when the command runs
     from layer.store.migrate import current_revision
 
     settings = Settings.load(database_url=database_url)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
-
-from layer.settings import Settings
 
 if TYPE_CHECKING:
     from layer.demo.run import DemoReport
@@ -37,6 +38,7 @@ def demo(
     """
     # Imported here: the demo loads the coordinator, which other commands do not need.
     from layer.demo.run import DemoOptions, run_demo
+    from layer.settings import Settings
 
     given = (bootstrap_servers or database_url or os.environ.get("QLAYER_BOOTSTRAP_SERVERS")
              or os.environ.get("QLAYER_DATABASE_URL"))
@@ -110,6 +112,11 @@ def render(report: DemoReport, console: Console) -> None:
     coordinator = ("the demo's coordinator stopped with it" if report.own_coordinator
                    else f"coordinator {report.coordinator} keeps serving the queues")
     console.print(f"\n[bold]Look around[/] (the stack is still up; {coordinator}):")
+    from layer.settings import Settings
+
+    hint = path_hint()
+    if hint:
+        console.print(f"  {hint}", soft_wrap=True)
     defaults = Settings.model_construct()
     env = [f"{name}={value}" for name, value, default in (
         ("QLAYER_BOOTSTRAP_SERVERS", report.bootstrap_servers, defaults.bootstrap_servers),
@@ -125,3 +132,24 @@ def render(report: DemoReport, console: Console) -> None:
         looks.add_row("  qlayer coordinator run", "keep the queues going")
     console.print(looks)
     console.print("[bold]Stop[/]: qlayer dev down")
+
+
+def path_hint(argv0: str | None = None, path: str | None = None) -> str | None:
+    """How to run `qlayer` by that name, when this one is not what the shell finds.
+
+    `make demo` installs qlayer into .venv, which is not on PATH: the commands printed below
+    would fail with "command not found" without this line. Nothing is installed globally.
+    """
+    here = Path(argv0 if argv0 is not None else sys.argv[0]).resolve()
+    if here.name != "qlayer":
+        return None  # run as `python -m cli.main`: no script to point at
+    found = shutil.which("qlayer", path=path)
+    if found is not None and Path(found).resolve() == here:
+        return None
+    bin_dir = here.parent
+    try:
+        shown = bin_dir.relative_to(Path.cwd())
+    except ValueError:
+        shown = bin_dir
+    return (f"qlayer is in {shown}, not on your PATH: run `source {shown}/activate` "
+            f"(or call {shown}/qlayer)")

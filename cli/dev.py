@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from cli.output import table_console
-from layer.localstack import LocalStack, StackConfig
+
+if TYPE_CHECKING:  # imported by the commands that run it: `qlayer --help` stays quick
+    from layer.localstack import LocalStack
 
 app = typer.Typer(help="Run a local Kafka broker and PostgreSQL server (no Docker needed).",
                   no_args_is_help=True)
@@ -33,6 +35,8 @@ def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | 
                                     "postgres_port": postgres_port}
     if kafka_port is not None:
         overrides["controller_port"] = kafka_port + 1
+    from layer.localstack import LocalStack, StackConfig
+
     return LocalStack(StackConfig.from_env(**overrides))
 
 

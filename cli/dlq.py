@@ -4,7 +4,7 @@ drop them (a recorded skip: Kafka cannot delete one record)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -21,13 +21,11 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.messages import (
-    DeadLetter,
-    InvalidOptionError,
-    RedriveResult,
-    list_dead_letters,
-    redrive,
-)
+
+# layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
+# what they use when they run, so `qlayer --help` and the other commands start without them.
+if TYPE_CHECKING:
+    from layer.services.messages import DeadLetter, RedriveResult
 
 app = typer.Typer(help="A queue's dead letters: list them, redrive them, delete them.",
                   no_args_is_help=True)
@@ -79,6 +77,8 @@ def list_(
 
     Each: why, from where (its original bookmark), after how many deliveries.
     """
+    from layer.services.messages import list_dead_letters
+
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
     found = list_dead_letters(settings, queue, limit=limit)
     letters = found.letters
@@ -172,6 +172,8 @@ def delete_(
 
 def _run(settings: Any, queue: str, *, rate: float | None, filter: str | None,
          bookmarks: list[str], delete: bool, dry_run: bool, json_out: bool) -> RedriveResult:
+    from layer.services.messages import InvalidOptionError, redrive
+
     with Progress(TextColumn("redrive {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=True, disable=json_out,
                   console=Console(stderr=True)) as bar:  # stdout stays the result only

@@ -1,4 +1,9 @@
-"""The `qlayer` command: the operator's tool."""
+"""The `qlayer` command: the operator's tool.
+
+Start-up time matters (every command pays it): the command modules import the heavy parts
+(SQLAlchemy, the Kafka client, Avro, PySpark, pydantic models) inside the commands that use
+them; tests/unit/cli/test_startup.py fails if one comes back at import time.
+"""
 
 from __future__ import annotations
 
@@ -47,9 +52,23 @@ app.add_typer(pipeline.app, name="pipeline")
 app.command(name="demo")(demo_command)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"qlayer {version('qlayer')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("qlayer (not installed: no package metadata)")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print the installed qlayer version and exit.")] = False,
 ) -> None:
     """AMPS-style message queues on Apache Kafka.
 

@@ -7,23 +7,16 @@ import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
-from layer.services.messages import (
-    ConsumedMessage,
-    InvalidOptionError,
-    Settle,
-    parse_deliver_at_option,
-    parse_expiration_option,
-    parse_header_options,
-    publish_lines,
-)
-from layer.services.messages import (
-    consume as consume_messages,
-)
+
+# layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
+# what they use when they run, so `qlayer --help` and the other commands start without them.
+if TYPE_CHECKING:
+    from layer.services.messages import ConsumedMessage, Settle
 
 
 def payload_text(value: bytes | None) -> str:
@@ -70,6 +63,14 @@ def publish(
     topic_prefix: TopicPrefix = None,
 ) -> None:
     """Publish one message per line of stdin (or --file)."""
+    from layer.services.messages import (
+        InvalidOptionError,
+        parse_deliver_at_option,
+        parse_expiration_option,
+        parse_header_options,
+        publish_lines,
+    )
+
     # A value that cannot be used is a usage error (exit 2, typer's message), as a wrong flag
     # is, and is found before anything is read or sent.
     try:
@@ -133,6 +134,8 @@ def consume(
         raise typer.BadParameter("give --release or --reject, not both")
     if reason is not None and not reject:
         raise typer.BadParameter("--reason goes with --reject")
+    from layer.services.messages import consume as consume_messages
+
     settle: Settle = "release" if release else "reject" if reject else "ack"
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
 

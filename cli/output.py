@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from layer.domain.durations import format_duration
-from layer.settings import Settings
+
+if TYPE_CHECKING:
+    from layer.settings import Settings
 
 DatabaseUrl = Annotated[str | None, typer.Option(
     "--database-url", help="PostgreSQL URL [env: QLAYER_DATABASE_URL]")]
@@ -35,6 +37,8 @@ def load_settings(
     topic_prefix: str | None = None,
 ) -> Settings:
     """Flags win over QLAYER_* variables, which win over the config file."""
+    from layer.settings import Settings  # pydantic-settings: only for commands that need it
+
     return Settings.load(database_url=database_url, bootstrap_servers=bootstrap_servers,
                          topic_prefix=topic_prefix)
 

@@ -8,7 +8,7 @@ with `layer.pipeline.jobs.run_job` and prints what it did. Exit statuses: 0 done
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -23,21 +23,11 @@ from cli.output import (
     show,
 )
 from layer.domain.errors import QlayerError
-from layer.pipeline.jobs import (
-    EXIT_VIOLATIONS,
-    EventSource,
-    Job,
-    JobResult,
-    LifecycleJob,
-    MetricsJob,
-    PipelineUsageError,
-    ReconcileJob,
-    SessionOptions,
-    StreamOptions,
-    ViewsJob,
-    check_window,
-    run_job,
-)
+
+# layer.pipeline.jobs imports PySpark (about 0.15 s, and numpy): each command imports what it
+# uses when it runs, so `qlayer --help` and the other commands start without it.
+if TYPE_CHECKING:
+    from layer.pipeline.jobs import EventSource, Job, JobResult, StreamOptions
 
 app = typer.Typer(
     help="Spark jobs over the events topic and the journals: lifecycle, reconcile, views, "
@@ -112,6 +102,8 @@ def _millis(option: str, value: str | None) -> int | None:
 
 def _source(bootstrap_servers: str | None, topic_prefix: str | None,
             kafka_option: list[str] | None) -> EventSource:
+    from layer.pipeline.jobs import EventSource
+
     settings = load_settings(None, bootstrap_servers, topic_prefix)
     pairs = [item.partition("=") for item in kafka_option or []]
     bad = [key for key, sep, _ in pairs if not sep]
@@ -124,6 +116,8 @@ def _source(bootstrap_servers: str | None, topic_prefix: str | None,
 
 def _stream(stream: bool, checkpoint: str | None, available_now: bool, trigger: str
             ) -> StreamOptions | None:
+    from layer.pipeline.jobs import StreamOptions
+
     if not stream:
         if checkpoint is not None or available_now:
             raise typer.BadParameter("--checkpoint and --available-now go with --stream",
@@ -137,6 +131,8 @@ def _stream(stream: bool, checkpoint: str | None, available_now: bool, trigger: 
 def _run(job: Job, source: EventSource, master: str, *, start: str | None = None,
          end: str | None = None, output: str | None = None, table: str | None = None,
          stream: StreamOptions | None = None, limit: int = 100) -> JobResult:
+    from layer.pipeline.jobs import SessionOptions, run_job
+
     start_ms, end_ms = _millis("--start", start), _millis("--end", end)
     try:
         return run_job(job, source, session=SessionOptions(master), start_ms=start_ms,
@@ -242,6 +238,8 @@ def lifecycle(
 
     Prints the entries per queue and outcome; --output writes the whole table.
     """
+    from layer.pipeline.jobs import LifecycleJob
+
     result = _run(LifecycleJob(queue), _source(bootstrap_servers, topic_prefix, kafka_option),
                   master, start=start, end=end, output=output, table=table,
                   stream=_stream(stream, checkpoint, available_now, trigger))
@@ -261,6 +259,8 @@ def reconcile(
     outcome or is pending; list every violation. Exit status 3 when there is one.
     """
     journal = _journal(queue, journal, database_url, bootstrap_servers, topic_prefix)
+    from layer.pipeline.jobs import EXIT_VIOLATIONS, ReconcileJob
+
     result = _run(ReconcileJob(queue, journal),
                   _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
                   end=end, output=output, table=table)
@@ -306,6 +306,8 @@ def views(
     (pending, not leased), grouped by fields or expressions.
     """
     journal = _journal(queue, journal, database_url, bootstrap_servers, topic_prefix)
+    from layer.pipeline.jobs import ViewsJob
+
     job = ViewsJob(queue, journal, tuple(field), tuple(group_by or ()), where, include_leased,
                    _millis("--as-of", as_of))
     result = _run(job, _source(bootstrap_servers, topic_prefix, kafka_option), master,
@@ -329,6 +331,8 @@ def metrics(
     """Per queue and window: throughput, latency percentiles (p50/p99/p99.9 of wait, time in
     queue, processing), redelivery and dead-letter rates, each consumer's share of acks.
     """
+    from layer.pipeline.jobs import MetricsJob, PipelineUsageError, check_window
+
     try:
         check_window(window)
     except PipelineUsageError as exc:

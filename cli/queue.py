@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -24,14 +24,18 @@ from cli.output import (
     time_text,
     value_text,
 )
-from layer.services.queues import (
-    AckResult,
-    ApplyResult,
-    QueueChange,
-    QueueDescription,
-    QueueService,
-    ResetResult,
-)
+
+# layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
+# what they use when they run, so `qlayer --help` and the other commands start without them.
+if TYPE_CHECKING:
+    from layer.services.queues import (
+        AckResult,
+        ApplyResult,
+        QueueChange,
+        QueueDescription,
+        QueueService,
+        ResetResult,
+    )
 
 app = typer.Typer(help="Define, inspect, delete, purge, acknowledge and reset queues.",
                   no_args_is_help=True)
@@ -41,6 +45,8 @@ _MARKS = {"create": "+", "change": "~", "delete": "-", "unchanged": "="}
 
 def _service(database_url: str | None, bootstrap_servers: str | None = None,
               topic_prefix: str | None = None) -> QueueService:
+    from layer.services.queues import QueueService
+
     return QueueService.from_settings(load_settings(database_url, bootstrap_servers,
                                                     topic_prefix))
 

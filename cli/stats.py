@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Group
@@ -23,8 +23,12 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.views import FAULT_COUNTERS, RATE_COUNTERS, QueueStats, queue_stats, rates
-from layer.settings import Settings
+
+# layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
+# what they use when they run, so `qlayer --help` and the other commands start without them.
+if TYPE_CHECKING:
+    from layer.services.views import QueueStats
+    from layer.settings import Settings
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
           "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
@@ -33,12 +37,16 @@ _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered"
 
 def _faults(stats: QueueStats) -> str:
     """The journal records read with a fault, e.g. "not JSON 3, deletes 1", or "-"."""
+    from layer.services.views import FAULT_COUNTERS
+
     found = [f"{_SHORT[n]} {stats.counters[n]}" for n in FAULT_COUNTERS if stats.counters.get(n)]
     return ", ".join(found) or "-"
 
 
 def _sample(settings: Settings, queue: str | None, previous: dict[str, QueueStats]
             ) -> list[QueueStats]:
+    from layer.services.views import queue_stats, rates
+
     sample = queue_stats(settings, None if queue is None else [queue], now=time.time())
     out = []
     for stats in sample:
@@ -59,6 +67,8 @@ def _document(stats: QueueStats) -> dict[str, Any]:
 
 
 def _tables(sample: list[QueueStats]) -> Group:
+    from layer.services.views import RATE_COUNTERS
+
     table = new_table("queue", "depth", "leased", "consumers", "oldest",
                       *(f"{_SHORT[n]} (/s)" for n in RATE_COUNTERS), "input faults",
                       title="queues")

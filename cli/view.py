@@ -19,7 +19,6 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.services.views import view_queue
 
 _PREVIEW = 70
 
@@ -41,6 +40,8 @@ def view(
     the coordinator took in the last moment may not show yet; delayed entries are left out.
     """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    from layer.services.views import view_queue  # SQLAlchemy, Kafka: only when it runs
+
     entries = view_queue(settings, queue, now=time.time(), filter=filter, limit=limit)
     if json_out:
         emit_json({"queue": queue, "entries": [{

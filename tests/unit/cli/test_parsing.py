@@ -50,14 +50,15 @@ class FakeService:
 @pytest.fixture
 def fake_consumers(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeService]:
     fake = FakeService()
-    monkeypatch.setattr("cli.consumers.ConsumerService.from_settings", lambda settings: fake)
+    monkeypatch.setattr("layer.services.consumers.ConsumerService.from_settings",
+                        lambda settings: fake)
     yield fake
 
 
 @pytest.fixture
 def fake_queues(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeService]:
     fake = FakeService()
-    monkeypatch.setattr("cli.queue.QueueService.from_settings", lambda settings: fake)
+    monkeypatch.setattr("layer.services.queues.QueueService.from_settings", lambda settings: fake)
     yield fake
 
 

@@ -67,7 +67,6 @@ def test_a_stream_needs_an_output() -> None:
 
 
 def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cli import pipeline
     from layer.pipeline.jobs import JobResult, ReconcileReport, ViolationRow
 
     report = ReconcileReport("Orders", 7, 2, [ViolationRow("Orders", "orders/0/5",
@@ -78,7 +77,7 @@ def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> No
         seen.update(job=job, source=source, **options)
         return JobResult("reconcile", [], None, report=report)
 
-    monkeypatch.setattr(pipeline, "run_job", fake_run_job)
+    monkeypatch.setattr("layer.pipeline.jobs.run_job", fake_run_job)
     monkeypatch.setenv("QLAYER_TOPIC_PREFIX", "audit.")
     result = runner.invoke(app, ["pipeline", "reconcile", "Orders", "--journal", "orders",
                                  "--start", "2026-01-01T00:00:00", "--end", "1767312000000",

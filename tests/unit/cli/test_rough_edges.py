@@ -106,7 +106,6 @@ class _Journals:
 ])
 def test_pipeline_takes_the_journal_from_the_stored_definition(
         command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from cli import pipeline
     from layer.pipeline.jobs import JobResult, ReconcileReport
 
     journals = _Journals("orders-journal")
@@ -118,7 +117,7 @@ def test_pipeline_takes_the_journal_from_the_stored_definition(
         jobs.append(job)
         return JobResult(command[0], [], None, report=ReconcileReport("Orders", 1, 0, []))
 
-    monkeypatch.setattr(pipeline, "run_job", fake_run_job)
+    monkeypatch.setattr("layer.pipeline.jobs.run_job", fake_run_job)
     result = runner.invoke(app, ["pipeline", *command], env=UNREACHABLE)
     assert result.exit_code == 0, result.output
     assert journals.asked == ["Orders"]
