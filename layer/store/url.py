@@ -4,6 +4,10 @@ SQLAlchemy reports a URL it cannot parse, a dialect it does not know (``postgres
 driver that is not installed (``mysql://``) with its own exception types, raised from
 ``create_engine``; they would reach the operator as a traceback. Here they become a
 `DatabaseUrlError` (a `StoreError`, so the CLI prints ``error: ...`` and exits 1).
+
+``postgres://`` and ``postgresql://`` are aliases of ``postgresql+psycopg://``: the first is what
+Heroku, libpq tools and many hosted databases hand out (SQLAlchemy refuses it), and a bare
+``postgresql://`` means psycopg2 to SQLAlchemy 2.0, which qlayer does not install.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ __all__ = ["EXPECTED_FORM", "DatabaseUrlError", "parse_database_url", "redacted"
 EXPECTED_FORM: Final = "postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
 _WHERE_SET: Final = "--database-url, QLAYER_DATABASE_URL or database_url in the config file"
 # The drivers the store runs on: psycopg 3 (SQLAlchemy's default for postgresql://).
-_DRIVERS: Final = frozenset({"postgresql", "postgresql+psycopg"})
+_DRIVER: Final = "postgresql+psycopg"
+_ALIASES: Final = frozenset({"postgres", "postgresql", "postgres+psycopg"})
 # USER:PASSWORD@ after the scheme (or at the start of a URL that has none).
 _PASSWORD: Final = re.compile(r"(?<=://)([^:/@\s]*):[^@]*@")
 _PASSWORD_NO_SCHEME: Final = re.compile(r"^([^:/@\s]*):[^@]*@")
@@ -44,7 +49,8 @@ def redacted(url: str) -> str:
 
 
 def parse_database_url(url: str | URL) -> URL:
-    """``url`` parsed, or `DatabaseUrlError` naming the problem and the form expected."""
+    """``url`` parsed (an alias's scheme as ``postgresql+psycopg``), or `DatabaseUrlError`
+    naming the problem and the form expected."""
     if isinstance(url, URL):
         parsed = url
     else:
@@ -60,12 +66,12 @@ def parse_database_url(url: str | URL) -> URL:
                 f"database URL {redacted(url)!r} cannot be parsed: expected {EXPECTED_FORM} "
                 f"(set by {_WHERE_SET})"
             ) from None
-    if parsed.drivername not in _DRIVERS:
-        postgres = parsed.drivername == "postgres"
-        hint = " (SQLAlchemy does not accept postgres://)" if postgres else ""
+    if parsed.drivername in _ALIASES:
+        return parsed.set(drivername=_DRIVER)
+    if parsed.drivername != _DRIVER:
         raise DatabaseUrlError(
             f"database URL {parsed.render_as_string(hide_password=True)!r}: qlayer runs on "
-            f"PostgreSQL with psycopg, not {parsed.drivername!r}{hint}: expected "
+            f"PostgreSQL with psycopg, not {parsed.drivername!r}: expected "
             f"{EXPECTED_FORM} (set by {_WHERE_SET})"
         )
     return parsed

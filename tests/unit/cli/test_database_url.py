@@ -80,7 +80,26 @@ def test_with_debug_the_traceback_is_shown(tmp_path: Path) -> None:
 ])
 def test_postgresql_urls_are_accepted_as_given(url: str) -> None:
     parsed = parse_database_url(url)
-    assert parsed.render_as_string(hide_password=False) == url
+    assert parsed.render_as_string(hide_password=False) == url.replace(
+        "postgresql://", "postgresql+psycopg://")
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql", "postgres+psycopg"])
+def test_postgres_and_postgresql_are_aliases_of_postgresql_psycopg(scheme: str) -> None:
+    parsed = parse_database_url(f"{scheme}://u:p%40ss@db.example:5433/app?sslmode=require")
+    assert parsed.render_as_string(hide_password=False) == (
+        "postgresql+psycopg://u:p%40ss@db.example:5433/app?sslmode=require")
+
+
+def test_a_postgres_url_reaches_the_server(tmp_path: Path) -> None:
+    # Accepted and used (issue 16 item 4; it was a traceback, then refused): the error is the
+    # server's, not the URL's.
+    code, out, err = qlayer(tmp_path, "stats", "--database-url",
+                            "postgres://x:secret@127.0.0.1:1/db")
+    assert (code, out) == (1, "")
+    [line] = err.splitlines()
+    assert 'connection to server at "127.0.0.1", port 1 failed: Connection refused' in line
+    assert "secret" not in err
 
 
 @pytest.mark.parametrize(("url", "why"), [
@@ -88,7 +107,7 @@ def test_postgresql_urls_are_accepted_as_given(url: str) -> None:
     ("   ", "no database URL"),
     ("localhost/qlayer", "cannot be parsed"),
     ("postgresql://h:notaport/db", "cannot be parsed"),
-    ("postgres://u@h/db", "(SQLAlchemy does not accept postgres://)"),
+    ("mysql+pymysql://u@h/db", "not 'mysql+pymysql'"),
     ("postgresql+psycopg2://u@h/db", "not 'postgresql+psycopg2'"),
     ("sqlite:///tmp/x.db", "not 'sqlite'"),
 ])
