@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
+from layer.domain.errors import QlayerError
 
 # layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
 # what they use when they run, so `qlayer --help` and the other commands start without them.
@@ -37,12 +39,35 @@ def payload_json(value: bytes | None) -> str | None:
 _PAST = {"ack": "acked", "release": "released", "reject": "rejected"}
 
 
+class NotText(QlayerError):
+    """A line of publish's input is not UTF-8: the message names the line and what was sent."""
+
+
 def _lines(file: Path | None) -> Iterator[str]:
-    if file is None:
-        yield from sys.stdin
-        return
-    with file.open(encoding="utf-8") as handle:
-        yield from handle
+    """The input's lines as text, read as bytes and decoded here: a line that is not UTF-8
+    stops the publish with a `NotText` naming it (stdin's own decoding would raise a
+    UnicodeDecodeError traceback, or under a C locale pass surrogates on to the encoder).
+
+    Lines are text, not bytes published as is: `publish` is for JSON and text payloads, and
+    a binary payload split at its 0x0a bytes would be wrong anyway.
+    """
+    name = "stdin" if file is None else str(file)
+    published = 0
+    # stdin in a nullcontext: the process's, not closed on the way out.
+    source = file.open("rb") if file is not None else nullcontext(sys.stdin.buffer)
+    with source as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise NotText(
+                    f"{name} line {number} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                    f"column {exc.start + 1}): publish sends each line as UTF-8 text; "
+                    f"{published} message(s) from the lines before it were published, "
+                    "nothing from it on") from None
+            if line.rstrip("\r\n"):  # publish_lines skips empty lines
+                published += 1
+            yield line
 
 
 def publish(

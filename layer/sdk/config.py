@@ -1,24 +1,23 @@
-"""Where the SDK's Kafka is and how qlayer's topics are named: argument > environment > default.
+"""Where the SDK's Kafka is and how qlayer's topics are named: the CLI's settings.
 
-The SDK reads only ``QLAYER_BOOTSTRAP_SERVERS`` and ``QLAYER_TOPIC_PREFIX``; it needs no config
-file and never PostgreSQL. Security settings (SASL/TLS) are librdkafka properties given as
-``kafka_config`` and passed to every client the SDK creates.
+One settings file configures both (issue 16 item 8): the SDK resolves ``bootstrap_servers``,
+``topic_prefix`` and ``kafka`` (librdkafka properties: SASL/TLS, tuning) as the CLI does
+(`layer.settings.Settings`): arguments > ``QLAYER_*`` environment variables > the config file
+(``QLAYER_CONFIG``, else ./qlayer.yaml) > defaults. The SDK never uses PostgreSQL; a
+``database_url`` in the file is read and ignored.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from layer.protocol.topics import DEFAULT_TOPIC_PREFIX, TopicNames
+from layer.protocol.topics import TopicNames
+from layer.settings import DEFAULT_BOOTSTRAP_SERVERS, Settings
 
 __all__ = ["DEFAULT_BOOTSTRAP_SERVERS", "ClientConfig"]
 
-DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
-_BOOTSTRAP_ENV = "QLAYER_BOOTSTRAP_SERVERS"
-_PREFIX_ENV = "QLAYER_TOPIC_PREFIX"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,15 +36,21 @@ class ClientConfig:
         kafka_config: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> ClientConfig:
-        environ = os.environ if env is None else env
-        servers = bootstrap_servers or environ.get(_BOOTSTRAP_ENV) or DEFAULT_BOOTSTRAP_SERVERS
-        prefix = topic_prefix if topic_prefix is not None else environ.get(_PREFIX_ENV)
-        extra = dict(kafka_config or {})
+        """Arguments > environment (``env``, default os.environ) > config file > defaults.
+
+        ``kafka_config`` is merged over the settings' ``kafka`` properties (a property given
+        here wins; the file's security settings stay). Raises `layer.settings.SettingsError`
+        when the environment or the file cannot be used.
+        """
+        settings = Settings.load(env=env, bootstrap_servers=bootstrap_servers or None,
+                                 topic_prefix=topic_prefix)
+        extra: dict[str, Any] = {**settings.kafka, **(kafka_config or {})}
+        servers = settings.bootstrap_servers
         # bootstrap.servers has one source of truth; two would be a silent surprise.
         given = extra.pop("bootstrap.servers", None)
         if given is not None and bootstrap_servers is None:
             servers = str(given)
-        return cls(servers, TopicNames(prefix or DEFAULT_TOPIC_PREFIX), extra)
+        return cls(servers, TopicNames(settings.topic_prefix), extra)
 
     def client(self, **properties: Any) -> dict[str, Any]:
         """librdkafka properties for one client: servers, the caller's extras, then ours."""

@@ -1,8 +1,13 @@
-"""Where the SDK connects: argument > QLAYER_* environment > default."""
+"""Where the SDK connects: argument > QLAYER_* environment > config file > default."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from layer.sdk import ClientConfig
+from layer.settings import Settings, SettingsError
 
 
 def test_defaults() -> None:
@@ -34,3 +39,56 @@ def test_bootstrap_servers_may_come_in_kafka_config() -> None:
     assert config.client()["bootstrap.servers"] == "x:1"
     assert ClientConfig.resolve("y:2", kafka_config={"bootstrap.servers": "x:1"},
                                 env={}).bootstrap_servers == "y:2"
+
+
+def test_the_sdk_reads_the_clis_config_file(tmp_path: Path) -> None:
+    # One settings file for both (issue 16 item 8): the SDK ignored qlayer.yaml.
+    config = tmp_path / "q.yaml"
+    config.write_text("bootstrap_servers: file:1\ntopic_prefix: fromfile.\n"
+                      "database_url: postgresql://ignored@h/db\n"
+                      "kafka:\n  security.protocol: SASL_SSL\n  linger.ms: 5\n")
+    resolved = ClientConfig.resolve(env={"QLAYER_CONFIG": str(config)})
+    assert resolved.bootstrap_servers == "file:1"
+    assert resolved.topics.ack == "fromfile.ack"
+    assert resolved.client() == {"bootstrap.servers": "file:1", "security.protocol": "SASL_SSL",
+                                 "linger.ms": 5}
+    # The CLI's Settings read the same file the same way.
+    cli = Settings.load(env={"QLAYER_CONFIG": str(config)})
+    assert (cli.bootstrap_servers, cli.topic_prefix) == ("file:1", "fromfile.")
+
+
+def test_arguments_then_environment_then_file(tmp_path: Path) -> None:
+    config = tmp_path / "q.yaml"
+    config.write_text("bootstrap_servers: file:1\ntopic_prefix: fromfile.\n"
+                      "kafka:\n  security.protocol: SASL_SSL\n")
+    env = {"QLAYER_CONFIG": str(config), "QLAYER_BOOTSTRAP_SERVERS": "env:2",
+           "QLAYER_KAFKA": '{"sasl.mechanism": "PLAIN"}'}
+    from_env = ClientConfig.resolve(env=env)
+    assert from_env.bootstrap_servers == "env:2"
+    assert from_env.topics.ack == "fromfile.ack"  # not in the environment: the file's
+    # QLAYER_KAFKA's properties are merged over the file's (pydantic-settings merges the
+    # mappings of its sources), as for the CLI.
+    assert dict(from_env.kafka_config) == {"security.protocol": "SASL_SSL",
+                                           "sasl.mechanism": "PLAIN"}
+    assert Settings.load(env=env).kafka == from_env.kafka_config
+    given = ClientConfig.resolve("arg:3", "arg.", kafka_config={"client.id": "me"}, env=env)
+    assert (given.bootstrap_servers, given.topics.ack) == ("arg:3", "arg.ack")
+    # Properties given in code are merged over the settings' ones.
+    assert dict(given.kafka_config) == {"security.protocol": "SASL_SSL",
+                                        "sasl.mechanism": "PLAIN", "client.id": "me"}
+
+
+def test_qlayer_yaml_in_the_working_directory(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qlayer.yaml").write_text("bootstrap_servers: here:1\n")
+    assert ClientConfig.resolve(env={}).bootstrap_servers == "here:1"
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"QLAYER_KAFKA": "{bad"}, "QLAYER_KAFKA is not a JSON object of librdkafka properties"),
+    ({"QLAYER_CONFIG": "/nonexistent/q.yaml"}, "cannot read config file /nonexistent/q.yaml"),
+])
+def test_unusable_settings_are_a_settings_error(env: dict[str, str], why: str) -> None:
+    with pytest.raises(SettingsError, match=why):
+        ClientConfig.resolve(env=env)
