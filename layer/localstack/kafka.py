@@ -7,9 +7,12 @@ process whose data, config and log live in the stack's state directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from importlib import resources
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from layer.localstack.process import (
     LocalStackError,
+    pid_alive,
     port_open,
     read_end,
     read_pid,
@@ -267,6 +271,23 @@ class KafkaNode:
         terminate(pid, timeout)
         self.pid_file.unlink(missing_ok=True)
         return True
+
+    def kill(self, timeout: float = 10.0) -> int | None:
+        """SIGKILL the broker, as a crash would (fault-injection tests, the soak); returns the
+        PID it had (None when none ran) once it is gone. Its data stays: `up` starts it again
+        on the same data directory and port, after recovering the logs it did not close."""
+        pid = self.pid()
+        if pid is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid):
+            if time.monotonic() > deadline:
+                raise LocalStackError(f"Kafka (pid {pid}) still runs {timeout:.0f}s after SIGKILL")
+            time.sleep(0.05)
+        self.pid_file.unlink(missing_ok=True)
+        return pid
 
     def partitions(self) -> int:
         """How many partition directories the broker's data holds (one open file each)."""
