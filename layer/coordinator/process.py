@@ -9,7 +9,12 @@ fence: a loop takes its shard (a new epoch) before it starts, so a process that 
 without noticing cannot write for it any more.
 
 A failure in one shard (Kafka or PostgreSQL refusing a write, a fenced commit) rebuilds that
-shard alone, after a back-off; the others go on.
+shard alone, after a back-off; the others go on. A failure of Kafka's is also a reason to
+check that Kafka answers at all before any shard is taken again: while it does not (a broker
+outage), the process waits, checking with a back-off, instead of rebuilding its shards over
+and over against a dead broker; it says so once when that starts and once when it ends, and
+takes its shards again as soon as Kafka answers. Nothing is acknowledged meanwhile: acks are
+applied only as they are read from the ack topic.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
@@ -33,8 +39,9 @@ from layer.coordinator.shard import ShardLoop
 from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QlayerError, QueueConfigError
 from layer.domain.shards import shard_key
-from layer.kafka import KafkaAdmin, TopicSpec
+from layer.kafka import KafkaAdapterError, KafkaAdmin, TopicSpec
 from layer.kafka.directory import DirectoryWriter
+from layer.kafka.logs import ClientLog
 from layer.kafka.shards import ShardMembership
 from layer.protocol import TopicNames
 from layer.settings import Settings
@@ -47,6 +54,41 @@ log = logging.getLogger(__name__)
 FORGET_PROCESSES_AFTER = 60.0
 #: How long (s) a shard counts as busy after its last input (see `CoordinatorProcess._idle`).
 BUSY_FOR = 2.0
+#: The longest wait (s) between two retries of a failing shard.
+MAX_BACKOFF = 10.0
+#: The longest wait (s) between two checks whether Kafka answers again, during an outage:
+#: a check is one small metadata request, so Kafka's return is noticed within seconds.
+MAX_PROBE_INTERVAL = 2.0
+#: How long (s) a check whether Kafka answers may wait for the answer.
+PROBE_TIMEOUT = 2.0
+
+
+@dataclass
+class _Trouble:
+    """A failure that repeats: logged when it starts, when its kind changes and when it
+    ends, not at every retry (a broker outage would otherwise log at every back-off)."""
+
+    since: float
+    kind: str
+    count: int = 1
+
+
+def _kind(exc: BaseException) -> str:
+    """Failures of one kind are logged once in a row: Kafka's, or each other class."""
+    return "Kafka" if isinstance(exc, KafkaAdapterError) else type(exc).__name__
+
+
+@dataclass
+class _KafkaOutage:
+    """Kafka failed a shard: no shard is taken again before Kafka answers a check."""
+
+    since: float
+    error: str
+    next_check: float
+    backoff: float = 0.0
+    checks: int = 0
+    #: Whether a check failed, and so the outage was logged.
+    reported: bool = False
 
 
 @dataclass
@@ -63,6 +105,8 @@ class _Slot:
     #: Until when the shard counts as busy (it had input lately): an idle round waits on
     #: the input of busy shards, so their next records are served the moment they come.
     busy_until: float = 0.0
+    #: The failures since the shard last ran an iteration (None: it runs).
+    trouble: _Trouble | None = None
 
 
 class CoordinatorProcess:
@@ -95,6 +139,11 @@ class CoordinatorProcess:
         self._directory_versions: dict[str, tuple[int, int]] | None = None
         self._stop = threading.Event()
         self._process_counters: Counter[str] = Counter()
+        # Set when Kafka failed a shard, cleared once Kafka answers a check.
+        self._outage: _KafkaOutage | None = None
+        # A start-up or a round failing again and again (logged once, see _Trouble).
+        self._trouble: _Trouble | None = None
+        self._client_log = ClientLog()
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ what tests and tools see
@@ -133,8 +182,7 @@ class CoordinatorProcess:
     # ------------------------------------------------------------------ start and stop
     def start(self, now: float) -> None:
         """Make the shared topics, load the catalog and join the coordinators' group."""
-        kafka = self.settings.kafka_config()
-        self._admin = admin = KafkaAdmin(kafka)
+        self._admin = admin = KafkaAdmin(self._kafka_config())
         count = self.store.shard_count()
         topics = self.topics
         admin.ensure_topics([
@@ -148,13 +196,24 @@ class CoordinatorProcess:
         for topic in (topics.control, topics.ack, topics.shards):
             admin.ensure_partitions(topic, count)
         self._load_catalog(now)
-        self._membership = ShardMembership(
-            kafka, group_id=topics.coordinators_group, topic=topics.shards,
-            session_timeout=self.options.group_session_timeout, on_revoke=self._on_revoke,
-            instance_id=self.options.owner_id, static_id=self.options.instance_id)
+        self._join()
         self._report(now)
         log.info("coordinator %s joined %s (%d shards in the installation)",
                  self.options.owner_id, topics.coordinators_group, count)
+
+    def _kafka_config(self) -> dict[str, Any]:
+        """The Kafka settings, with librdkafka's log lines through `ClientLog` (a line that
+        repeats, such as every failed connection to a broker that is away, once a minute)."""
+        return {**self.settings.kafka_config(), "logger": self._client_log}
+
+    def _join(self) -> None:
+        """Join the coordinators' group (again, after a fatal error of the group's client)."""
+        topics = self.topics
+        self._membership = ShardMembership(
+            self._kafka_config(), group_id=topics.coordinators_group,
+            topic=topics.shards, session_timeout=self.options.group_session_timeout,
+            on_revoke=self._on_revoke, instance_id=self.options.owner_id,
+            static_id=self.options.instance_id)
 
     def shutdown(self, now: float) -> None:
         """Stop every shard cleanly (events written, epochs released), leave the group so the
@@ -176,10 +235,21 @@ class CoordinatorProcess:
     def run_once(self, now: float, wait: float | None = None) -> LoopStats:
         """One round: serve the group protocol, then one iteration of every shard loop.
         Waits up to ``wait`` (default: the poll timeout) only when no shard had input."""
-        assert self._membership is not None, "call start first"
-        changes = self._membership.poll(0)
+        assert self._admin is not None, "call start first"
+        if self._membership is None:
+            self._join()
+        assert self._membership is not None
+        try:
+            changes = self._membership.poll(0)
+        except KafkaAdapterError as exc:
+            if not exc.fatal:
+                raise
+            self._rejoin(now, exc)
+            return LoopStats()
         for shard in changes.assigned:
             self._assign(shard)
+        if self._outage is not None:
+            self._check_kafka(now)
         if now >= self._next_catalog:
             self._load_catalog(now)
         total = LoopStats()
@@ -251,23 +321,43 @@ class CoordinatorProcess:
         while not self._stop.is_set():
             try:
                 self.start(clock())
+                self._ok(clock(), "the coordinator started")
                 break
             except QlayerError as exc:
-                backoff = min(max(backoff * 2, 0.5), 10.0)
-                log.error("coordinator start-up failed (%s); again in %.1fs", exc, backoff)
+                backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF)
+                self._repeating(clock(), exc, f"coordinator start-up failed ({exc}); retrying "
+                                f"with back-off up to {MAX_BACKOFF:.0f}s")
                 self._stop.wait(backoff)
         try:
             while not self._stop.is_set():
                 try:
                     self.run_once(clock())
+                    self._ok(clock(), "coordinator rounds run")
                 except QlayerError as exc:
                     # The group protocol or the catalog failed (a shard's own failures are
                     # handled per shard): wait, and go on.
                     self._process_counters["round_failures"] += 1
-                    log.error("coordinator round failed: %s", exc)
+                    self._repeating(clock(), exc, f"coordinator round failed ({exc}); "
+                                    "retrying every second")
                     self._stop.wait(1.0)
         finally:
             self.shutdown(clock())
+
+    def _repeating(self, now: float, exc: BaseException, message: str) -> None:
+        """Log a start-up or round failure when it starts or changes kind, not every time."""
+        trouble = self._trouble
+        if trouble is None or trouble.kind != _kind(exc):
+            self._trouble = _Trouble(now, _kind(exc))
+            log.error("%s; logged again when it changes or passes", message)
+        else:
+            trouble.count += 1
+            log.debug(message)
+
+    def _ok(self, now: float, what: str) -> None:
+        trouble, self._trouble = self._trouble, None
+        if trouble is not None:
+            log.warning("%s again, after %d failures in %.1fs", what, trouble.count,
+                        now - trouble.since)
 
     # ------------------------------------------------------------------ shards
     def _assign(self, shard: int) -> None:
@@ -280,7 +370,7 @@ class CoordinatorProcess:
             loop = self._loop_class(
                 self.settings, self.options, shard, catalog=lambda: self._catalog,
                 store=self.store, admin=self._admin_client(), memory=self._memory,
-                tokens=self._tokens)
+                tokens=self._tokens, client_log=self._client_log)
             self._loops[shard] = loop
         self._slots[shard] = _Slot(loop)
 
@@ -298,18 +388,38 @@ class CoordinatorProcess:
         if lost:
             slot.loop.abandon("the coordinators' group gave the shard to another process")
         else:
-            slot.loop.release(now)
+            # Kafka known to be away: the clean stop writes nothing more to it (each write
+            # would only wait for its timeout).
+            slot.loop.release(now, kafka=self._outage is None)
             slot.loop.abandon("revoked")
+
+    def _rejoin(self, now: float, exc: KafkaAdapterError) -> None:
+        """The group's client failed for good (librdkafka's fatal error): stop every shard
+        without writing (the group may have given them away already) and join again."""
+        log.error("the coordinators' group failed (%s): stopping every shard and joining "
+                  "the group again", exc)
+        self._process_counters["group_rejoins"] += 1
+        for shard in list(self._slots):
+            self._stop_shard(shard, now, lost=True)
+        membership, self._membership = self._membership, None
+        if membership is not None:
+            membership.close()
+        self._join()
 
     def _run_shard(self, slot: _Slot, now: float) -> LoopStats | None:
         loop = slot.loop
         if loop.epoch is None:
-            if slot.parked or now < slot.next_try:
+            if slot.parked or now < slot.next_try or self._outage is not None:
                 return None
             try:
+                if self._catalog.loaded_at < now:
+                    # Restored from what PostgreSQL has now: a catalog loaded before a
+                    # consumer's latest Subscribe would not restore its session (its
+                    # heartbeats then answered UNKNOWN_SESSION, its leases broken).
+                    self._load_catalog(now)
                 loop.take(now)
             except QlayerError as exc:
-                self._failed(slot, now, f"taking shard {loop.shard} failed: {exc}")
+                self._failed(slot, now, exc, f"taking shard {loop.shard} failed")
                 return None
         try:
             stats = loop.run_once(now, poll_timeout=0)
@@ -319,19 +429,66 @@ class CoordinatorProcess:
         except QlayerError as exc:
             # Kafka or PostgreSQL failed mid-iteration: what the engines decided may not be
             # persisted, so the shard's in-memory state is not trusted. Crash-only recovery:
-            # rebuild it from PostgreSQL and the journals, exactly as after a restart.
-            self._failed(slot, now, f"iteration of shard {loop.shard} failed: {exc}")
+            # rebuild it from PostgreSQL and the journals, exactly as after a restart. After
+            # a Kafka failure that may pass (a timeout, a broker away), nothing more is
+            # written to Kafka on the way out: each write would only wait for its timeout.
+            self._failed(slot, now, exc, f"an iteration of shard {loop.shard} failed")
             loop.counters["iteration_failures"] += 1
-            loop.rebuild(now)
+            loop.rebuild(now, kafka=not (isinstance(exc, KafkaAdapterError) and exc.retriable))
             return None
         slot.backoff = 0.0
+        trouble, slot.trouble = slot.trouble, None
+        if trouble is not None:
+            log.warning("shard %d runs again, %.1fs and %d failures after it first failed",
+                        loop.shard, now - trouble.since, trouble.count)
         return stats
 
-    def _failed(self, slot: _Slot, now: float, why: str) -> None:
+    def _failed(self, slot: _Slot, now: float, exc: QlayerError, why: str) -> None:
+        """A shard failed: retried after a back-off (0.5 s doubling to MAX_BACKOFF), from
+        stored state. Logged when its failures start or change kind, not at every retry."""
         self._process_counters["shard_failures"] += 1
-        slot.backoff = min(max(slot.backoff * 2, 0.5), 10.0)
+        slot.backoff = min(max(slot.backoff * 2, 0.5), MAX_BACKOFF)
         slot.next_try = now + slot.backoff
-        log.error("%s; rebuilding from stored state in %.1fs", why, slot.backoff)
+        if isinstance(exc, KafkaAdapterError) and self._outage is None:
+            # Whether Kafka answers at all is checked before any shard is taken again.
+            self._outage = _KafkaOutage(since=now, error=str(exc), next_check=now)
+        trouble = slot.trouble
+        if trouble is None or trouble.kind != _kind(exc):
+            slot.trouble = _Trouble(now, _kind(exc))
+            log.error("%s: %s; rebuilding from stored state, retried with back-off up to "
+                      "%.0fs (logged again when it runs or fails otherwise)", why, exc,
+                      MAX_BACKOFF)
+        else:
+            trouble.count += 1
+            log.debug("%s again (%d in a row): %s", why, trouble.count, exc)
+
+    def _check_kafka(self, now: float) -> None:
+        """During an outage (a shard failed because of Kafka): check, with a back-off, that
+        Kafka answers; once it does, the shards are taken again at once."""
+        outage = self._outage
+        if outage is None or now < outage.next_check:
+            return
+        outage.checks += 1
+        try:
+            self._admin_client().ping(self.topics.shards, timeout=PROBE_TIMEOUT)
+        except QlayerError as exc:
+            outage.backoff = min(max(outage.backoff * 2, 0.25), MAX_PROBE_INTERVAL)
+            outage.next_check = now + outage.backoff
+            if not outage.reported:
+                outage.reported = True
+                self._process_counters["kafka_outages"] += 1
+                log.error("Kafka does not answer (%s; the first failure: %s). The shards of "
+                          "this process wait for it, checked every %.0fs at most, and start "
+                          "again from stored state once it answers; logged again then",
+                          exc, outage.error, MAX_PROBE_INTERVAL)
+            return
+        self._outage = None
+        if outage.reported:
+            # The shards waited for Kafka, not for their back-off: they start at once.
+            log.warning("Kafka answers again, %.1fs after the first failure; the shards "
+                        "start again from stored state", now - outage.since)
+            for slot in self._slots.values():
+                slot.next_try = min(slot.next_try, now)
 
     def _fenced(self, slot: _Slot, now: float) -> None:
         """A newer epoch: a queue moved off the shard (this process is still the owner) or
@@ -340,7 +497,7 @@ class CoordinatorProcess:
         try:
             owner = self.store.owner(loop.key)
         except QlayerError as exc:
-            self._failed(slot, now, f"reading the owner of shard {loop.shard} failed: {exc}")
+            self._failed(slot, now, exc, f"reading the owner of shard {loop.shard} failed")
             return
         if owner is None or owner.owner_id == self.options.owner_id:
             # Rebuilt at once, without the queues that left (and their sessions).
@@ -378,7 +535,7 @@ class CoordinatorProcess:
                 continue  # counted and logged by the loop that serves it
             placed[record.name] = (definition.model_dump(mode="json"), record.shard)
         try:
-            DirectoryWriter(self.settings.kafka_config(), self.topics.queues).sync(
+            DirectoryWriter(self._kafka_config(), self.topics.queues).sync(
                 placed, self._catalog.shard_count)
         except QlayerError as exc:
             log.warning("publishing the queue directory failed (retrying): %s", exc)

@@ -35,6 +35,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore
@@ -55,6 +56,7 @@ from layer.kafka import (
     OutgoingRecord,
     RecordWriter,
 )
+from layer.kafka.logs import ClientLog
 from layer.protocol import Event, EventType, TopicNames
 from layer.settings import Settings
 from layer.store.batch import WriteBatch
@@ -63,6 +65,10 @@ from layer.store.errors import FencedError
 log = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorOptions", "LeaseTokens", "LoopStats", "ShardLoop"]
+
+#: A gap (s) between two iterations of a loop past which its consumers' sessions are given a
+#: fresh timeout (`ShardLoop._forgive`); iterations normally follow each other within ms.
+STALL = 5.0
 
 
 class ShardLoop:
@@ -82,10 +88,14 @@ class ShardLoop:
         admin: KafkaAdmin,
         memory: MemoryPool | None = None,
         tokens: Callable[[], str] | None = None,
+        client_log: ClientLog | None = None,
     ) -> None:
         self.settings = settings
         self.options = options
         self.shard = shard
+        # librdkafka's log lines of the shard's clients, repeats said once a minute (the
+        # process shares one among its loops).
+        self._client_log = client_log or ClientLog()
         self.key = shard_key(shard)
         self.store = store
         self.admin = admin
@@ -108,6 +118,8 @@ class ShardLoop:
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
+        # When the last iteration began (None before the first since the shard was taken).
+        self._last_iteration: float | None = None
 
     @property
     def engines(self) -> dict[str, object]:
@@ -126,6 +138,7 @@ class ShardLoop:
         The core starts empty: a shard this process ran before (revoked, then assigned
         again) is restored from what is stored, never from what this process remembers."""
         self.core.reset()
+        self._last_iteration = None
         self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
         self.core.epoch = self.epoch
         log.info("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
@@ -136,9 +149,16 @@ class ShardLoop:
             self._lose_ownership("start-up failed")
             raise
 
-    def release(self, now: float) -> None:
+    def release(self, now: float, *, kafka: bool = True) -> None:
         """Hand the shard over at once (revocation, clean stop): its OWNERSHIP_LOST events
-        written, best effort, and its row released."""
+        written, best effort, and its row released. Without ``kafka`` (Kafka has just failed)
+        nothing more is written to Kafka: each write would only wait for its timeout."""
+        if not kafka:
+            self._release_row(now)
+            self._close_clients(timeout=0.0)
+            self.epoch = None
+            self.core.reset()
+            return
         if self._writer is not None and self._sent is not None:
             # Batches sent without waiting: known to be written once the producer is empty.
             try:
@@ -166,14 +186,17 @@ class ShardLoop:
             except QlayerError as exc:
                 log.warning("could not trim the events outbox: %s", exc)
             self._published = None
+        self._release_row(now)
+        self._close_clients()
+        self.epoch = None
+        self.core.reset()
+
+    def _release_row(self, now: float) -> None:
         if self.epoch is not None:
             try:
                 self.store.release(self.key, self.options.owner_id, self.epoch, now)
             except QlayerError as exc:
                 log.warning("releasing ownership failed: %s", exc)
-        self._close_clients()
-        self.epoch = None
-        self.core.reset()
 
     def abandon(self, why: str) -> None:
         """Stop at once without writing anything (the shard was lost: another process may
@@ -181,10 +204,11 @@ class ShardLoop:
         if self.epoch is not None:
             self._lose_ownership(why)
 
-    def rebuild(self, now: float) -> None:
+    def rebuild(self, now: float, *, kafka: bool = True) -> None:
         """Drop all in-memory state after a failure; keep nothing that was not persisted.
-        The process takes the shard again (a new epoch) before the next iteration."""
-        self.release(now)
+        The process takes the shard again (a new epoch) before the next iteration. Without
+        ``kafka`` (the failure was Kafka's) nothing is written to Kafka on the way out."""
+        self.release(now, kafka=kafka)
         self.core.reset()
 
     def wait(self, timeout: float) -> bool:
@@ -199,7 +223,8 @@ class ShardLoop:
     def _lose_ownership(self, why: str) -> None:
         log.warning("coordinator %s gives up shard %d: %s", self.options.owner_id,
                     self.shard, why)
-        self._close_clients()
+        # Nothing more is written: what is still queued would come from a former owner.
+        self._close_clients(timeout=0.0)
         self.epoch = None
         self.core.reset()
 
@@ -210,8 +235,12 @@ class ShardLoop:
             Event(type=kind, timestamp_ms=ms(now), coordinator_id=self.options.owner_id,
                   coordinator_epoch=self.epoch, queue=name) for name in self.core.engines)
 
-    def _close_clients(self) -> None:
-        for closer in (self._reader, self._writer, self._range_reader):
+    def _close_clients(self, timeout: float = 10.0) -> None:
+        """Close the shard's Kafka clients; the writer writes what it has queued within
+        ``timeout`` (0: drops it)."""
+        if self._writer is not None:
+            self._writer.close(timeout)  # never raises
+        for closer in (self._reader, self._range_reader):
             if closer is not None:
                 try:
                     closer.close()
@@ -227,7 +256,7 @@ class ShardLoop:
 
     # ------------------------------------------------------------------ start-up
     def _start(self, now: float) -> None:
-        kafka = self.settings.kafka_config()
+        kafka = self._kafka_config()
         # One transactional id per shard: a process that takes the shard fences the producer
         # of the one that had it.
         tid = (f"{self.topics.prefix}coordinator-{self.shard}"
@@ -266,6 +295,9 @@ class ShardLoop:
                                                      self.options.topic_check_interval),
                              GroupOffsets(core, self.admin, self.options.group_commit_interval))
 
+    def _kafka_config(self) -> dict[str, Any]:
+        return {**self.settings.kafka_config(), "logger": self._client_log}
+
     def _publish_outbox(self, writer: RecordWriter) -> None:
         """Publish the event batches the shard's outbox still holds: the previous owner
         committed them and stopped before it knew they were published (DESIGN §2). One that
@@ -301,6 +333,9 @@ class ShardLoop:
         # Delivery reports of what earlier iterations sent, served without waiting.
         self._confirm(writer, now)
         polled = clock()
+        last, self._last_iteration = self._last_iteration, now
+        if last is not None and now - last > STALL:
+            self._forgive(now, now - last)
         plan = self.core.step(records, now, batch, replies)
         stats = plan.stats
         # Records whose bytes were dropped past the memory budget are read again, in
@@ -354,6 +389,23 @@ class ShardLoop:
         self.counters["us_encoding"] += out
         group_offsets.run_once(now)
         return stats
+
+    def _forgive(self, now: float, gap: float) -> None:
+        """The loop did not run for ``gap`` seconds (Kafka or PostgreSQL did not answer, a
+        Kafka transaction waited for a broker, another shard held the thread). The consumers'
+        heartbeats written meanwhile may not be read yet: no session is timed out for the
+        coordinator's own silence. Each gets a fresh session timeout from now, as a restart
+        gives them (`ShardCore.restore_sessions`); one that is really gone times out then."""
+        sessions = self.core.sessions
+        for session in sessions.values():
+            for name in session.every_queue:
+                engine = self.core.engines.get(name)
+                if engine is not None:
+                    engine.heartbeat(session.consumer_id, now, session.session_id)
+        self.counters["stalls"] += 1
+        if sessions:
+            log.warning("shard %d did not run for %.1fs: its %d consumer sessions get a fresh "
+                        "session timeout", self.shard, gap, len(sessions))
 
     def _commit(self, plan: Plan, now: float) -> tuple[int, ...]:
         """One guarded transaction for everything decided; returns its outbox batches' ids."""
@@ -422,7 +474,7 @@ class ShardLoop:
     def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Journal records read again, one sequential range per partition."""
         if self._range_reader is None:
-            self._range_reader = RangeReader(self.settings.kafka_config(),
+            self._range_reader = RangeReader(self._kafka_config(),
                                              group_id=f"{self.topics.prefix}coordinator-reread")
         return self._range_reader.read(bookmarks)
 

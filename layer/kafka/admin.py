@@ -115,16 +115,19 @@ class KafkaAdmin:
         (an existing one: it is not created) within ``timeout``; a cheap check that Kafka is
         back, one small request whatever the size of the cluster."""
         with translated("Kafka does not answer"):
+            self._admin.poll(0)  # the client's log lines, with a `logger` (layer.kafka.logs)
             md = self._admin.list_topics(topic=topic, timeout=timeout)
         found = md.topics.get(topic)
         if not md.brokers or found is None or found.error is not None:
+            error = found.error if found is not None else None
             raise KafkaAdapterError(
-                f"Kafka does not serve {topic} yet: {found.error if found else 'no metadata'}",
-                retriable=True)
+                f"Kafka does not serve {topic}: {error.str() if error else 'no metadata'}",
+                code=error.name() if error else None, retriable=True)
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
         """Every topic with its partition count."""
         with translated("cannot list topics"):
+            self._admin.poll(0)  # the client's log lines, with a `logger` (layer.kafka.logs)
             md = self._admin.list_topics(timeout=timeout)
         return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
 
@@ -188,8 +191,11 @@ class KafkaAdmin:
                                     "answer a moment ago", retriable=True)
         try:
             self.ping(next(iter(offsets))[0], timeout=min(timeout, 2.0))
-        except KafkaAdapterError:
-            self._unreachable_until = now + UNREACHABLE_FOR
+        except KafkaAdapterError as exc:
+            # No broker answered (librdkafka's local codes start with "_"); a broker that
+            # answered about the topic (deleted, say) is still asked for the other groups.
+            if exc.code is None or exc.code.startswith("_"):
+                self._unreachable_until = now + UNREACHABLE_FOR
             raise
         request = ConsumerGroupTopicPartitions(
             group, [KTP(t, p, o) for (t, p), o in offsets.items()])
