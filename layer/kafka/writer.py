@@ -12,12 +12,15 @@ With a transactional id, `flush` commits the Kafka transaction `send` began, and
 librdkafka's rules when that fails (rdkafka.h, "Transactional producer API"): a retriable
 error (a timeout: the commit goes on in the background) is resumed by calling
 ``commit_transaction`` again, within the flush's time and at the next `flush`; an abortable
-one aborts the transaction; a fatal one, or a transaction whose outcome the writer can no
-longer settle, makes the writer *unusable*: every call then raises, and the owner must close
-it and make a new one with the same transactional id, whose ``init_transactions`` fences this
-producer and settles its open transaction on the broker (commit completed or aborted). Either
-outcome is safe for the coordinator: PostgreSQL was committed first, and the rebuild that
-follows sends the deliveries of the restored leases and the outbox's event batches again.
+one aborts the transaction. Then, or after a fatal error, or with a transaction whose outcome
+the writer can no longer settle, the writer is *unusable*: every call raises, and the owner
+must close it and make a new one with the same transactional id, whose ``init_transactions``
+fences this producer and settles its open transaction on the broker (commit completed or
+aborted). (After an abort for a record the broker refused, librdkafka 2.16 failed the next
+transaction too, with OUT_OF_ORDER_SEQUENCE_NUMBER: the refused record's sequence number left
+a gap. A new producer starts from a new epoch.) Either outcome is safe for the coordinator:
+PostgreSQL was committed first, and the rebuild that follows sends the deliveries of the
+restored leases and the outbox's event batches again.
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ class RecordWriter:
                 if error.abortable:
                     self._committing = False
                     self._abort()
+                    self._give_up(error)  # see the module's docstring
                     raise error from exc
                 # Retriable: the commit goes on in the background; resuming it is allowed.
                 self._committing = True

@@ -39,3 +39,43 @@ def test_a_record_refused_half_way_aborts_what_was_queued_before_it(
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_transaction_the_broker_refuses_a_record_of_is_aborted_and_the_writer_goes_on(
+    bootstrap_servers: str, unique_name: Callable[[str], str],
+) -> None:
+    """An abortable error (librdkafka's rule: the transaction can only be aborted): the
+    broker refuses a record over the topic's max.message.bytes at commit time. The writer
+    aborts and says so; it is replaced (as a rebuilt shard replaces it), and the next
+    transaction commits alone."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = unique_name("small")
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[
+        topic].result(30)
+    config = {"bootstrap.servers": bootstrap_servers, "compression.type": "none"}
+    tid = f"test-writer-{uuid.uuid4().hex[:8]}"
+    writer = RecordWriter(config, transactional_id=tid)
+    reader = TopicReader(bootstrap_servers, topic)
+    try:
+        writer.send([OutgoingRecord(topic, b"aborted with it"),
+                     OutgoingRecord(topic, b"x" * 5000)])  # the producer's limit is 1 MB
+        with pytest.raises(DeliveryFailed) as caught:
+            writer.flush()
+        assert caught.value.abortable, caught.value
+        assert writer.unusable is not None
+        with pytest.raises(DeliveryFailed, match="unusable"):
+            writer.send([OutgoingRecord(topic, b"refused")])
+        writer.close()
+        writer = RecordWriter(config, transactional_id=tid)
+        writer.send([OutgoingRecord(topic, b"the next transaction")])
+        writer.flush()
+        deadline = time.monotonic() + 30
+        seen: list[bytes | None] = []
+        while b"the next transaction" not in seen and time.monotonic() < deadline:
+            seen.extend(r.value for r in reader.read())
+        assert seen == [b"the next transaction"]
+    finally:
+        reader.close()
+        writer.close()
