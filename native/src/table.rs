@@ -25,6 +25,8 @@ pub struct Source {
     pub expiry_index: usize,
     pub next_offset: i64,
     pub floor: i64,
+    /// `Source.deferred_from`: the first offset deferred past target_queue_depth (-1: none).
+    pub deferred_from: i64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -45,6 +47,7 @@ impl Source {
             expiry_index: 0,
             next_offset,
             floor: next_offset,
+            deferred_from: -1,
         }
     }
 
@@ -65,8 +68,11 @@ impl Source {
         self.advance_head(state, base);
         if self.head < self.offsets.len() {
             self.offsets[self.head]
-        } else {
+        } else if self.deferred_from < 0 {
             self.next_offset
+        } else {
+            // Deferred records are not settled: the point stays at the first of them.
+            self.deferred_from
         }
     }
 
@@ -88,7 +94,13 @@ impl Source {
         if head < TRIM_AT_LEAST || head * 2 < self.offsets.len() {
             return;
         }
-        self.floor = if head < self.offsets.len() { self.offsets[head] } else { self.next_offset };
+        self.floor = if head < self.offsets.len() {
+            self.offsets[head]
+        } else if self.deferred_from < 0 {
+            self.next_offset
+        } else {
+            self.deferred_from // deferred offsets are not done
+        };
         self.offsets.drain(..head);
         self.seqs.drain(..head);
         self.expiry_index = self.expiry_index.saturating_sub(head);
