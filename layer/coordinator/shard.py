@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore
+from layer.coordinator.deferred import DeferredReader
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
 from layer.coordinator.output import Output
@@ -107,6 +108,7 @@ class ShardLoop:
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
+        self._deferred_reader: DeferredReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
 
     @property
@@ -211,7 +213,7 @@ class ShardLoop:
                   coordinator_epoch=self.epoch, queue=name) for name in self.core.engines)
 
     def _close_clients(self) -> None:
-        for closer in (self._reader, self._writer, self._range_reader):
+        for closer in (self._reader, self._writer, self._range_reader, self._deferred_reader):
             if closer is not None:
                 try:
                     closer.close()
@@ -220,6 +222,7 @@ class ShardLoop:
         self._reader = None
         self._writer = None
         self._range_reader = None
+        self._deferred_reader = None
         self._maintenance = None
         # What this owner sent but could not confirm stays in the outbox: the next owner
         # publishes it again (readers keep the first copy of a batch).
@@ -338,6 +341,13 @@ class ShardLoop:
             # Filters that need fields the projections past the memory window did not keep:
             # their records are read again, and the next iteration decides on them.
             self.core.refresh_documents(self._read_back(plan.wanted_documents))
+        # Queues past their target_queue_depth with room again: their deferred records are
+        # read back now, and the next iteration delivers them.
+        if self.core.records_wanted():
+            if self._deferred_reader is None:
+                self._deferred_reader = DeferredReader(
+                    self.settings.kafka_config(), f"{self.topics.prefix}coordinator-reread")
+            self.counters["deferred_records_read"] += self._deferred_reader.serve(self.core, now)
         # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
         if plan.input_offsets:
             reader.commit(plan.input_offsets)
