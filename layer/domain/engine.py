@@ -113,6 +113,8 @@ _NO_FENCE: Final = 1 << 62  # a sequence number no entry reaches
 #: At most this many entries' documents are asked for at once (`documents_wanted`): a filter
 #: over a deep queue past the memory window re-reads the journal in steps of this size.
 MAX_WANTED_DOCUMENTS: Final = 10_000
+#: Records asked for at once from a partition whose deferred part an operator purged.
+MAX_PURGE_READ: Final = 10_000
 # NamedTuple(...) goes through a generated Python __new__; the few records made once per
 # lease or ack are built with tuple.__new__ directly (half the cost; fields in class order).
 _new: Final = tuple.__new__
@@ -751,7 +753,10 @@ class QueueEngine:
                 admitted = (queue_filter is None or queue_filter.matches(doc)) and self._admit(
                     source, offset, key, doc, timestamp, deliver_at, now, expiration)
                 if reread and table.end > end:
-                    self._expire_stale(end, now)
+                    if offset < source.purge_until:
+                        self._purge_reread(end, now)
+                    else:
+                        self._expire_stale(end, now)
                 if doc.__class__ is RawDocument and doc.failed:
                     # The queue's filter, priority or barrier read a value that is not JSON.
                     self._unparseable += 1
@@ -808,12 +813,30 @@ class QueueEngine:
             return False
         depth = self._policy.target_queue_depth
         assert depth is not None
-        if self._active >= depth:
+        if self._active >= depth and offset >= source.purge_until:
             source.deferred_from = offset
             self._stopped.add(source)
             return False
         source.deferred_from = offset + 1
         return True
+
+    def purge_deferred(self) -> int:
+        """`qlayer queue purge` of the deferred part: every record deferred now is
+        acknowledged (source admin) as it is read back, without waiting for room. Returns how
+        many offsets that covers (an upper bound on the entries: gaps and deletes are among
+        them)."""
+        covered = 0
+        for source in self._deferring:
+            source.purge_until = source.next_offset
+            covered += source.next_offset - source.deferred_from
+        return covered
+
+    def _purge_reread(self, seq: int, now: float) -> None:
+        """A deferred record read back under a purge leaves at once, acknowledged by the
+        operator (as `ack_matching` does for the active part)."""
+        self._not_before.pop(seq, None)
+        if self._table.state_of(seq) < ACKED:
+            self._accept_unleased(seq, AckSource.ADMIN, now)
 
     def _expire_stale(self, seq: int, now: float) -> None:
         """A deferred record read again past its expiration (the queue's or its own) leaves
@@ -838,10 +861,11 @@ class QueueEngine:
         if depth is None or not self._deferring:
             return []
         room = depth - self._active
-        if room <= 0:
-            return []
-        return [RecordsWanted(s.topic, s.partition, s.deferred_from, room, s.next_offset)
-                for s in self._deferring]
+        # A purged partition is read back whatever the room (its records take none).
+        return [RecordsWanted(s.topic, s.partition, s.deferred_from,
+                              max(room, MAX_PURGE_READ) if s.deferred_from < s.purge_until
+                              else room, s.next_offset)
+                for s in self._deferring if room > 0 or s.deferred_from < s.purge_until]
 
     def deferred(self) -> dict[tuple[str, int], int]:
         """Per deferring partition its first deferred offset (nothing from there on was

@@ -168,6 +168,7 @@ class Source:
         "next_offset",
         "offsets",
         "partition",
+        "purge_until",
         "seqs",
         "topic",
     )
@@ -186,6 +187,9 @@ class Source:
         # none). Every offset from here to ``next_offset`` is deferred, not in memory: read
         # again from the journal when there is room (`QueueEngine.records_wanted`).
         self.deferred_from = -1
+        # An operator's purge: deferred records below this offset are acknowledged (source
+        # admin) as they are read back, taking no place in the active part.
+        self.purge_until = -1
 
     def advance_head(self, state: bytearray, base: int) -> None:
         seqs = self.seqs

@@ -180,6 +180,9 @@ class NativeQueueEngine:
     def finish_rereads(self) -> None:
         self._core.finish_rereads()
 
+    def purge_deferred(self) -> int:
+        return int(self._core.purge_deferred())
+
     def readmit(self, records: Iterable[OfferedRecord], through: Mapping[tuple[str, int], int],
                 now: float, projected: frozenset[str] | None = None) -> int:
         self.expect_rereads(through)

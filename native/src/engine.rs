@@ -14,6 +14,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 use std::sync::Arc;
 
+/// `engine.MAX_PURGE_READ`: records asked for at once from a purged deferred part.
+pub const MAX_PURGE_READ: i64 = 10_000;
 /// At most this many entries' documents are asked for at once (`MAX_WANTED_DOCUMENTS`).
 pub const MAX_WANTED_DOCUMENTS: usize = 10_000;
 
@@ -829,7 +831,11 @@ impl Engine {
                 let admitted = keep && self.admit(py, source, offset, record.key, doc, record.timestamp,
                                                   deliver_at, record.expiration, now)?;
                 if reread && self.table.end() > end {
-                    self.expire_stale(py, end, now)?;
+                    if offset < self.table.sources[source].purge_until {
+                        self.purge_reread(py, end, now)?;
+                    } else {
+                        self.expire_stale(py, end, now)?;
+                    }
                 }
                 if let Some(d) = probe {
                     // `QueueEngine.enqueue`: the queue's expressions read a value that is not JSON.
@@ -913,7 +919,7 @@ impl Engine {
             return false;
         }
         let depth = self.policy.target_queue_depth.expect("depth");
-        if self.active >= depth {
+        if self.active >= depth && offset >= self.table.sources[source].purge_until {
             self.table.sources[source].deferred_from = offset;
             self.stopped.insert(source);
             return false;
@@ -945,16 +951,35 @@ impl Engine {
     pub fn records_wanted(&self) -> Vec<(Name, i64, i64, i64, i64)> {
         let Some(depth) = self.policy.target_queue_depth else { return Vec::new() };
         let room = depth - self.active;
-        if room <= 0 {
-            return Vec::new();
-        }
         self.deferring
             .iter()
-            .map(|&i| {
-                let s = &self.table.sources[i];
-                (s.topic.clone(), s.partition, s.deferred_from, room, s.next_offset)
+            .map(|&i| &self.table.sources[i])
+            .filter(|s| room > 0 || s.deferred_from < s.purge_until)
+            .map(|s| {
+                let n = if s.deferred_from < s.purge_until { room.max(MAX_PURGE_READ) } else { room };
+                (s.topic.clone(), s.partition, s.deferred_from, n, s.next_offset)
             })
             .collect()
+    }
+
+    /// `QueueEngine.purge_deferred`.
+    pub fn purge_deferred(&mut self) -> i64 {
+        let mut covered = 0;
+        for &i in &self.deferring {
+            let s = &mut self.table.sources[i];
+            s.purge_until = s.next_offset;
+            covered += s.next_offset - s.deferred_from;
+        }
+        covered
+    }
+
+    /// `QueueEngine._purge_reread`.
+    fn purge_reread(&mut self, py: Python<'_>, seq: Seq, now: f64) -> PyResult<()> {
+        self.not_before.remove(&seq);
+        if self.table.state_of(seq) < ACKED {
+            self.accept_unleased(py, seq, AckSource::Admin, now)?;
+        }
+        Ok(())
     }
 
     /// `QueueEngine.deferred`.

@@ -211,6 +211,10 @@ impl NativeEngine {
         self.core.finish_rereads();
     }
 
+    fn purge_deferred(&mut self) -> i64 {
+        self.core.purge_deferred()
+    }
+
     fn consumers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for c in self.core.consumers.values() {

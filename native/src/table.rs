@@ -27,6 +27,8 @@ pub struct Source {
     pub floor: i64,
     /// `Source.deferred_from`: the first offset deferred past target_queue_depth (-1: none).
     pub deferred_from: i64,
+    /// `Source.purge_until`.
+    pub purge_until: i64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -48,6 +50,7 @@ impl Source {
             next_offset,
             floor: next_offset,
             deferred_from: -1,
+            purge_until: -1,
         }
     }
 

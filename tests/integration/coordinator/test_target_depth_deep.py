@@ -116,3 +116,33 @@ def test_a_deep_queue_delivers_every_record_once_in_journal_order_across_a_resta
     totals = counters(settings, "Deep")
     assert totals["delivered"] == len(expected)
     assert totals["acked"] == RECORDS
+
+
+def test_a_purge_empties_the_deferred_part_too(
+    core: str, settings: Settings, journal: Callable[..., str]
+) -> None:
+    """`qlayer queue purge` on a deep queue: "every entry leaves the queue" -- the records
+    deferred past the depth too, each with its ACKED event (source admin), read back from the
+    journal without being delivered; records produced after it are delivered as usual."""
+    from layer.services.queues import QueueService
+
+    work = journal("Deep", partitions=1)
+    put_queues(settings, {"name": "Deep", "underlying_topic": work, "target_queue_depth": DEPTH,
+                          "lease_period": "60s"})
+    produce(settings.bootstrap_servers, work, [f"m{i}".encode() for i in range(2_000)])
+    with running_coordinator(settings, core=core), Consumers(settings) as pool, \
+            QueueService.from_settings(settings) as service:
+        c = pool.subscribe("Deep", max_backlog=2)
+        held = c.receive(2)
+        service.purge("Deep", wait=20)
+        wait_for_counters(settings, "Deep", acked=2_000, timeout=60)
+        wait_until(lambda: recovery_points(settings, "Deep").get((work, 0)) == 2_000,
+                   timeout=60, what="the purge to pass every record")
+        c.ack(held)  # their leases ended with the purge: answered DUPLICATE
+        assert c.idle(1.0) == []
+        produce(settings.bootstrap_servers, work, [b"after"])
+        (after,) = c.receive(1)
+        assert after.value == b"after"
+        c.ack([after])
+    totals = counters(settings, "Deep")
+    assert (totals["delivered"], totals["acked"]) == (3, 2_001)

@@ -285,6 +285,30 @@ def test_admin_ack_by_filter_applies_only_to_the_active_part() -> None:
     assert queue.stats().available == 2 and queue.stats().not_read == 0
 
 
+def test_a_purge_acknowledges_the_deferred_part_as_it_is_read_back() -> None:
+    queue = engine(target_queue_depth=2)
+    journal = [record(i, {"x": i}) for i in range(6)]
+    queue.enqueue(journal, 0.0)
+    subscribe(queue, "a", max_backlog=5)
+    [held, _] = leases(queue.dispatch(0.0))
+
+    # qlayer queue purge: the active part at once (a lease ends), the rest as it is read,
+    # without waiting for room and without being delivered.
+    assert queue.ack_matching(None, 0.0) == 2
+    assert queue.purge_deferred() == 4
+    assert [w.max_records for w in queue.records_wanted()] == [10_000]
+    assert serve_rereads(queue, journal) == 4
+    assert queue.dispatch(0.0) == []
+    acked = of_type(queue.drain().events, EntryAcked)
+    assert sorted(e.bookmark.offset for e in acked if e.source is AckSource.ADMIN) == [
+        0, 1, 2, 3, 4, 5]
+    assert queue.stats().not_read == 0 and queue.recovery_points() == {("Work", 0): 6}
+    assert queue.ack([EntryAck(held.bookmark, held.token)], 0.0) == [AckOutcome.ALREADY_DONE]
+    # Records after the purge are the queue's as usual.
+    queue.enqueue([record(6, {"x": 6})], 0.0)
+    assert offsets_of(queue.dispatch(0.0)) == [6]
+
+
 def test_strict_queues_do_not_remember_acks_without_a_lease() -> None:
     queue = engine(target_queue_depth=1)
     offer(queue, ["0", "1"])

@@ -265,6 +265,11 @@ class Twins(RuleBasedStateMachine):
         records.sort(key=lambda r: (r.timestamp or 0.0, r.partition))
         self.both("readmit", records, through, self.now)
 
+    @rule(roll=ROLL)
+    def purge_deferred(self, roll: int) -> None:
+        if roll == 0:
+            self.both("purge_deferred")
+
     @rule(partition=st.integers(0, 1), offset=st.integers(0, 6), roll=ROLL)
     def retention(self, partition: int, offset: int, roll: int) -> None:
         if roll == 0:

@@ -451,6 +451,17 @@ class EngineMachine(RuleBasedStateMachine):
             assert result in (AckOutcome.ALREADY_DONE, AckOutcome.UNKNOWN_BOOKMARK)
         self.drain()
 
+    @rule(roll=st.integers(0, 5))
+    def purge(self, roll: int) -> None:
+        """qlayer queue purge: the active part, then the deferred part as it is read back."""
+        if roll:
+            return
+        while self.queue.ack_matching(None, self.now):
+            self.queue.tick(self.now)
+        self.queue.purge_deferred()
+        self.drain()
+        assert self.queue.stats().not_read == 0
+
     @rule(filter=st.sampled_from(["/k = 1", "/p = 3"]), roll=st.integers(0, 5))
     def admin_ack(self, filter: str, roll: int) -> None:
         if roll:  # rare: it settles a third of the queue at once
