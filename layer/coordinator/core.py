@@ -29,6 +29,7 @@ from layer.coordinator.sessions import Session
 from layer.coordinator.translate import add_outbox, lost_to_retention
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
+from layer.domain.engine import RecordsWanted
 from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, is_json_null, parse_document, project
@@ -146,6 +147,11 @@ class ShardCore:
             self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
         self.known_topics: set[str] = set()
         self._queues_by_topic: dict[str, list[AnyEngine]] = {}
+        # target_queue_depth: the queue whose deferred records are being offered again
+        # (`readmit`; they go to it alone and are not counted as input again), and the
+        # records it read back, kept for the next step like a poll's (`Plan.fresh`).
+        self.rereading_for: AnyEngine | None = None
+        self._readmitted: dict[Bookmark, JournalRecord] = {}
         self.persisted_points: dict[PartitionKey, int] = {}
         # Per partition of each queue: the next offset not admitted yet, and what is stored of
         # it. A restart re-admits [recovery point, stored admitted_to) without counting those
@@ -210,6 +216,9 @@ class ShardCore:
             lane.decide(plan, now)
         else:
             plan.fresh = self._enqueue(journal, now) if journal else {}
+            if self._readmitted:
+                plan.fresh.update(self._readmitted)
+                self._readmitted = {}
             if journal:
                 self._count_input_faults(batch, now)
             self._decide(plan, now)
@@ -295,6 +304,8 @@ class ShardCore:
 
     # ------------------------------------------------------------------ journal records
     def _engines_for(self, topic: str) -> list[AnyEngine]:
+        if self.rereading_for is not None:
+            return [self.rereading_for]
         engines = self._queues_by_topic.get(topic)
         if engines is None:
             engines = [e for e in self.engines.values() if e.definition.matches_topic(topic)]
@@ -325,8 +336,9 @@ class ShardCore:
                 doc: object
                 if r.value is None:
                     # A tombstone is a delete, not a publish: no queue gets an entry for it.
-                    self.counters["deletes_passed_over"] += 1
-                    self.input_faults[topic]["deletes"] += 1
+                    if self.rereading_for is None:  # counted when it was first read
+                        self.counters["deletes_passed_over"] += 1
+                        self.input_faults[topic]["deletes"] += 1
                     offered.append(OfferedRecord(r.topic, r.partition, r.offset, r.key, DELETE))
                     continue
                 deliver_at_ms, expiration_ms = self._timing(r) if r.headers else (None, None)
@@ -364,7 +376,7 @@ class ShardCore:
         """A record's document past the memory window: the fields the queues read. A value
         that is not JSON is counted for the queues whose own expressions read it."""
         document = parse_document(value)
-        if document is None and not is_json_null(value):
+        if document is None and not is_json_null(value) and self.rereading_for is None:
             self.input_faults[topic]["unparseable"] += 1
         return project(document, fields)
 
@@ -416,6 +428,39 @@ class ShardCore:
         self.counters["documents_reread"] += refreshed
         return refreshed
 
+    # ------------------------------------------------------------------ deferred records
+    def records_wanted(self) -> list[tuple[str, RecordsWanted]]:
+        """Per queue, the ranges of records deferred past its ``target_queue_depth`` that it
+        has room for now (`QueueEngine.records_wanted`), for the loop to read again."""
+        wanted: list[tuple[str, RecordsWanted]] = []
+        for name, engine in self.engines.items():
+            if engine.definition.target_queue_depth is not None:
+                wanted.extend((name, w) for w in engine.records_wanted())
+        return wanted
+
+    def readmit(self, name: str, records: list[JournalRecord],
+                through: dict[tuple[str, int], int], now: float) -> None:
+        """Records read again for the queue's `records_wanted`, per partition every record
+        from its first deferred offset up to ``through``: offered to that queue alone, the
+        way a poll's records are (payload budget, projections, deliver-at and expiration
+        headers), in record-timestamp order across partitions (the order they arrived in the
+        journals, as near as Kafka says). Their bytes stay for the next step."""
+        engine = self.engines.get(name)
+        if engine is None:
+            return
+        records = sorted(records, key=lambda r: (r.timestamp_ms, r.partition, r.offset))
+        engine.expect_rereads(through)
+        self.rereading_for = engine
+        try:
+            if self.lane is not None:
+                self.lane.enqueue(records, now)
+            else:
+                self._readmitted.update(self._enqueue(records, now))
+        finally:
+            self.rereading_for = None
+            engine.finish_rereads()
+        self.counters["deferred_reread"] += len(records)
+
     def _timing(self, r: JournalRecord) -> tuple[int | None, int | None]:
         """The record's deliver-at time and its own expiration (ms). A malformed header is
         the producer's mistake, so it is counted and ignored (docs/protocol.md §5.3): the
@@ -426,15 +471,17 @@ class ShardCore:
         try:
             deliver_at = parse_deliver_at(r.headers)
         except ProtocolError as exc:
-            self.counters["malformed_deliver_at_headers"] += 1
-            self.input_faults[r.topic]["malformed_headers"] += 1
+            if self.rereading_for is None:  # counted and logged when it was first read
+                self.counters["malformed_deliver_at_headers"] += 1
+                self.input_faults[r.topic]["malformed_headers"] += 1
             log.warning("ignoring the deliver-at header of %s[%d]@%d: %s", r.topic,
                         r.partition, r.offset, exc)
         try:
             expiration = parse_expiration(r.headers)
         except ProtocolError as exc:
-            self.counters["malformed_expiration_headers"] += 1
-            self.input_faults[r.topic]["malformed_headers"] += 1
+            if self.rereading_for is None:
+                self.counters["malformed_expiration_headers"] += 1
+                self.input_faults[r.topic]["malformed_headers"] += 1
             log.warning("ignoring the expiration header of %s[%d]@%d: %s", r.topic,
                         r.partition, r.offset, exc)
         return deliver_at, expiration
@@ -448,9 +495,15 @@ class ShardCore:
 
     def _recovery_points(self, name: str, batch: WriteBatch) -> None:
         """Moved recovery points, each with how far its partition was admitted."""
-        for (topic, partition), offset in self.engines[name].recovery_points().items():
+        engine = self.engines[name]
+        deferred = engine.deferred() if engine.definition.target_queue_depth else {}
+        for (topic, partition), offset in engine.recovery_points().items():
             key = PartitionKey(name, topic, partition)
             admitted = self._admitted_to.get(key)
+            held = deferred.get((topic, partition))
+            if admitted is not None and held is not None and admitted > held:
+                # Deferred records were not admitted: a restart counts them when they are.
+                admitted = self._admitted_to[key] = held
             if (self.persisted_points.get(key) != offset
                     or self._persisted_admitted.get(key) != admitted):
                 batch.set_recovery_point(name, topic, partition, offset)

@@ -61,6 +61,9 @@ class NativeLane:
 
     # ------------------------------------------------------------------ journal records
     def _engines_for(self, topic: str) -> list[Any]:
+        only = self.core.rereading_for
+        if only is not None:  # records read again for one queue go to it alone
+            return [only.core] if isinstance(only, NativeQueueEngine) else []
         found = self._engines_by_topic.get(topic)
         if found is None:
             found = [e.core for e in self.core._engines_for(topic)
@@ -86,6 +89,8 @@ class NativeLane:
             self.lane, records, self._engines_for, now, room, self._project,
             core._timing, API.DELETE)
         for topic, n in deletes:
+            if core.rereading_for is not None:
+                break  # counted when they were first read
             core.counters["deletes_passed_over"] += n
             core.input_faults[topic]["deletes"] += n
         admitted = core._admitted_to

@@ -314,6 +314,13 @@ def purge(core: ShardCore, name: str, now: float, filter: str | None = None) -> 
         purged += n
         if n == 0:
             break
+    if filter is None and engine.definition.target_queue_depth is not None:
+        # Records deferred past the depth are not in memory: each is acknowledged (source
+        # admin) as the loop reads it back, without waiting for room (docs/engine.md).
+        deferred = engine.purge_deferred()
+        if deferred:
+            log.info("queue %s: up to %d deferred records are acknowledged as they are read "
+                     "back", name, deferred)
     core.counters["purged"] += purged
     if filter is None:
         log.info("queue %s purged: %d entries acknowledged by the operator", name, purged)

@@ -39,6 +39,7 @@ from typing import Any
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore
+from layer.coordinator.deferred import DeferredReader
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
 from layer.coordinator.output import Output
@@ -117,6 +118,7 @@ class ShardLoop:
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         self._range_reader: RangeReader | None = None
+        self._deferred_reader: DeferredReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
         # When the last iteration began (None before the first since the shard was taken).
         self._last_iteration: float | None = None
@@ -240,7 +242,7 @@ class ShardLoop:
         ``timeout`` (0: drops it)."""
         if self._writer is not None:
             self._writer.close(timeout)  # never raises
-        for closer in (self._reader, self._range_reader):
+        for closer in (self._reader, self._range_reader, self._deferred_reader):
             if closer is not None:
                 try:
                     closer.close()
@@ -249,6 +251,7 @@ class ShardLoop:
         self._reader = None
         self._writer = None
         self._range_reader = None
+        self._deferred_reader = None
         self._maintenance = None
         # What this owner sent but could not confirm stays in the outbox: the next owner
         # publishes it again (readers keep the first copy of a batch).
@@ -373,6 +376,13 @@ class ShardLoop:
             # Filters that need fields the projections past the memory window did not keep:
             # their records are read again, and the next iteration decides on them.
             self.core.refresh_documents(self._read_back(plan.wanted_documents))
+        # Queues past their target_queue_depth with room again: their deferred records are
+        # read back now, and the next iteration delivers them.
+        if self.core.records_wanted():
+            if self._deferred_reader is None:
+                self._deferred_reader = DeferredReader(
+                    self.settings.kafka_config(), f"{self.topics.prefix}coordinator-reread")
+            self.counters["deferred_records_read"] += self._deferred_reader.serve(self.core, now)
         # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
         if plan.input_offsets:
             reader.commit(plan.input_offsets)

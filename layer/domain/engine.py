@@ -93,6 +93,7 @@ __all__ = [
     "EntryAck",
     "QueueEngine",
     "QueueStats",
+    "RecordsWanted",
     "TokenSource",
     "ViewEntry",
     "random_tokens",
@@ -112,6 +113,8 @@ _NO_FENCE: Final = 1 << 62  # a sequence number no entry reaches
 #: At most this many entries' documents are asked for at once (`documents_wanted`): a filter
 #: over a deep queue past the memory window re-reads the journal in steps of this size.
 MAX_WANTED_DOCUMENTS: Final = 10_000
+#: Records asked for at once from a partition whose deferred part an operator purged.
+MAX_PURGE_READ: Final = 10_000
 # NamedTuple(...) goes through a generated Python __new__; the few records made once per
 # lease or ack are built with tuple.__new__ directly (half the cost; fields in class order).
 _new: Final = tuple.__new__
@@ -175,6 +178,24 @@ class QueueStats(NamedTuple):
     oldest_available_at: float | None  # enqueue time of the first AVAILABLE entry in order
     pending_barriers: int
     remembered_acks: int
+    # target_queue_depth: journal offsets deferred past the depth and not read into memory
+    # (an upper bound on the inactive messages: gaps, deletes and records the queue's filter
+    # refuses are among them until they are read again). ``inactive`` counts only the
+    # INACTIVE entries held in memory (those a restart brings back before a restored lease).
+    not_read: int = 0
+
+
+class RecordsWanted(NamedTuple):
+    """A range of one journal partition the engine asks the coordinator to read again and
+    offer back (`QueueEngine.readmit`): up to ``max_records`` records from ``from_offset``, never
+    at or past ``until`` (the engine's live read position; what lies beyond comes by the live
+    read). Offsets need not be contiguous (compaction, transaction markers)."""
+
+    topic: str
+    partition: int
+    from_offset: int
+    max_records: int
+    until: int
 
 
 class _Policy:
@@ -298,6 +319,17 @@ class QueueEngine:
         self._unparseable = 0
         self._first_unparseable: Bookmark | None = None
         self._early_acks: set[Bookmark] = set()
+        # target_queue_depth: records past the depth are deferred, not held (docs/engine.md
+        # "Target queue depth"). The sources deferring, in the order they began to; while
+        # `readmit` runs, how far each partition's re-read goes and those it stopped in; the
+        # deferred records already acknowledged (ACKED and persisted; skipped when read
+        # again); per partition the highest restored lease, up to which nothing is deferred
+        # (a restored lease must come back as a lease, in its partition's order).
+        self._deferring: dict[Source, None] = {}
+        self._rereading: dict[Source, int] | None = None
+        self._stopped: set[Source] = set()
+        self._acked_ahead: set[Bookmark] = set()
+        self._hold_through: dict[tuple[str, int], int] = {}
         self._restoring: dict[Bookmark, EntryRecord] = {}
         # Restored leases whose records the replay has reached: their deliveries are sent
         # again (see `resends`).
@@ -390,6 +422,7 @@ class QueueEngine:
             oldest_available_at=table.times[first] if first >= 0 else None,
             pending_barriers=len(self._pending_barriers),
             remembered_acks=len(self._early_acks),
+            not_read=sum(s.next_offset - s.deferred_from for s in self._deferring),
         )
 
     def consumers(self) -> list[ConsumerInfo]:
@@ -601,8 +634,12 @@ class QueueEngine:
         """
         for (topic, partition), offset in recovery_points.items():
             self._table.source(topic, partition, offset)
+        hold = self._hold_through
         for record in entries:
             self._restoring[record.bookmark] = record
+            if record.state is EntryState.LEASED:
+                key = (record.bookmark.topic, record.bookmark.partition)
+                hold[key] = max(hold.get(key, -1), record.bookmark.offset)
 
     def expire_before(self, topic: str, partition: int, offset: int, now: float) -> int:
         """Records below ``offset`` were deleted from the journal (Kafka retention).
@@ -638,6 +675,11 @@ class QueueEngine:
             self._expire(seq, ExpiryReason.RETENTION, None, None, now)
             count += 1
         source.next_offset = max(source.next_offset, offset)
+        if source.deferred_from >= 0 and offset > source.deferred_from:
+            # Deferred records below ``offset`` are gone: there is nothing to read again.
+            source.deferred_from = offset
+            if offset >= source.next_offset:
+                self._undefer(source)
         return count
 
     # ------------------------------------------------------------------ enqueue
@@ -671,6 +713,8 @@ class QueueEngine:
         source: Source | None = None
         offsets: list[int] = []
         delivery_delay = self._policy.delivery_delay
+        depth = self._policy.target_queue_depth
+        rereading = self._rereading
         for record in records:
             topic, partition, offset, key, doc, timestamp, deliver_at, expiration = record
             if delivery_delay:
@@ -685,16 +729,34 @@ class QueueEngine:
                 if source is None:
                     source = table.source(topic, partition, offset)
                 offsets = accepted.setdefault(source, [])
-            if offset < source.next_offset:
-                continue
-            source.next_offset = offset + 1
+            reread = offset < source.next_offset
+            if reread:
+                if rereading is None or not self._reread_takes(source, offset):
+                    continue  # a replay or a duplicate
+                if self._acked_ahead:
+                    bookmark = Bookmark(topic, partition, offset)
+                    if bookmark in self._acked_ahead:
+                        self._acked_ahead.discard(bookmark)
+                        self._restoring.pop(bookmark, None)
+                        continue  # acknowledged while deferred: ACKED, announced, persisted
+            else:
+                source.next_offset = offset + 1
+                if depth is not None and self._defers(source, offset):
+                    self._defer(source, offset, doc, now, offsets)
+                    continue
             if doc is DELETE:
                 continue  # not a publish: never an entry, and the recovery point passes it
             if plain and (deliver_at is None or deliver_at <= now) and expiration is None:
                 append_plain(source, offset, now if timestamp is None else timestamp, doc)
             else:
+                end = table.end
                 admitted = (queue_filter is None or queue_filter.matches(doc)) and self._admit(
                     source, offset, key, doc, timestamp, deliver_at, now, expiration)
+                if reread and table.end > end:
+                    if offset < source.purge_until:
+                        self._purge_reread(end, now)
+                    else:
+                        self._expire_stale(end, now)
                 if doc.__class__ is RawDocument and doc.failed:
                     # The queue's filter, priority or barrier read a value that is not JSON.
                     self._unparseable += 1
@@ -710,6 +772,135 @@ class QueueEngine:
         ]
         self._events[mark:mark] = announced
         return sum(len(event.offsets) for event in announced)
+
+    # ------------------------------------------------------------------ deferred records
+    def _defers(self, source: Source, offset: int) -> bool:
+        """Whether a record newly read goes past ``target_queue_depth``: the queue is full,
+        or its partition is deferring already (journal order within a partition is kept)."""
+        depth = self._policy.target_queue_depth
+        assert depth is not None
+        return source.deferred_from >= 0 or (
+            self._active >= depth
+            and offset > self._hold_through.get((source.topic, source.partition), -1))
+
+    def _defer(self, source: Source, offset: int, doc: object, now: float,
+               offsets: list[int]) -> None:
+        """(not an entry) → deferred: only the partition's first deferred offset is kept.
+
+        A remembered ACCEPT for the record is settled now (ACKED, announced and persisted),
+        so that it survives a restart; the record is skipped when it is read again."""
+        if source.deferred_from < 0:
+            source.deferred_from = offset
+            self._deferring[source] = None
+        if self._early_acks and doc is not DELETE:
+            bookmark = Bookmark(source.topic, source.partition, offset)
+            queue_filter = self._policy.filter
+            if bookmark in self._early_acks and (queue_filter is None
+                                                 or queue_filter.matches(doc)):
+                self._early_acks.discard(bookmark)
+                self._settle_early_ack(bookmark, now)
+                self._acked_ahead.add(bookmark)
+                offsets.append(offset)
+
+    def _reread_takes(self, source: Source, offset: int) -> bool:
+        """Whether a record of a re-read (`readmit`) is admitted now: it is the partition's
+        next deferred record (the read is sequential from ``deferred_from``) and there is
+        room. Without room the partition stays deferred from this record on."""
+        assert self._rereading is not None
+        through = self._rereading.get(source)
+        if (through is None or source in self._stopped or source.deferred_from < 0
+                or not source.deferred_from <= offset < through):
+            return False
+        depth = self._policy.target_queue_depth
+        assert depth is not None
+        if self._active >= depth and offset >= source.purge_until:
+            source.deferred_from = offset
+            self._stopped.add(source)
+            return False
+        source.deferred_from = offset + 1
+        return True
+
+    def purge_deferred(self) -> int:
+        """`qlayer queue purge` of the deferred part: every record deferred now is
+        acknowledged (source admin) as it is read back, without waiting for room. Returns how
+        many offsets that covers (an upper bound on the entries: gaps and deletes are among
+        them)."""
+        covered = 0
+        for source in self._deferring:
+            source.purge_until = source.next_offset
+            covered += source.next_offset - source.deferred_from
+        return covered
+
+    def _purge_reread(self, seq: int, now: float) -> None:
+        """A deferred record read back under a purge leaves at once, acknowledged by the
+        operator (as `ack_matching` does for the active part)."""
+        self._not_before.pop(seq, None)
+        if self._table.state_of(seq) < ACKED:
+            self._accept_unleased(seq, AckSource.ADMIN, now)
+
+    def _expire_stale(self, seq: int, now: float) -> None:
+        """A deferred record read again past its expiration (the queue's or its own) leaves
+        at once: it was never active, so it takes no place in the active part."""
+        if self._table.state_of(seq) != LEASED and self._too_old(seq, now):
+            self._expire(seq, ExpiryReason.EXPIRATION, None, None, now)
+
+    def _undefer(self, source: Source) -> None:
+        """deferred → read: every deferred record of the partition was admitted or passed."""
+        source.deferred_from = -1
+        self._deferring.pop(source, None)
+        if self._acked_ahead:
+            key = (source.topic, source.partition)
+            self._acked_ahead = {b for b in self._acked_ahead if (b.topic, b.partition) != key}
+
+    def records_wanted(self) -> list[RecordsWanted]:
+        """The deferred ranges to read again now that the active part has room: per deferring
+        partition up to that many records from its first deferred offset. The coordinator
+        reads them (sequentially; offsets may have gaps) and offers them back through
+        `readmit`; asking again before then asks for the same ranges."""
+        depth = self._policy.target_queue_depth
+        if depth is None or not self._deferring:
+            return []
+        room = depth - self._active
+        # A purged partition is read back whatever the room (its records take none).
+        return [RecordsWanted(s.topic, s.partition, s.deferred_from,
+                              max(room, MAX_PURGE_READ) if s.deferred_from < s.purge_until
+                              else room, s.next_offset)
+                for s in self._deferring if room > 0 or s.deferred_from < s.purge_until]
+
+    def deferred(self) -> dict[tuple[str, int], int]:
+        """Per deferring partition its first deferred offset (nothing from there on was
+        admitted: the coordinator does not count those records as admitted)."""
+        return {(s.topic, s.partition): s.deferred_from for s in self._deferring}
+
+    def expect_rereads(self, through: Mapping[tuple[str, int], int]) -> None:
+        """The next `enqueue` brings records read again for `records_wanted`: per partition
+        every record from its first deferred offset up to ``through`` (exclusive), in order.
+        Call `finish_rereads` after it."""
+        sources = self._table.sources_by_name
+        self._rereading = {sources[key]: end for key, end in through.items() if key in sources}
+        self._stopped = set()
+
+    def finish_rereads(self) -> None:
+        """The re-read is offered: a partition whose records were all taken is deferred from
+        where the read ended (offsets in between had no record), or no more."""
+        rereading, self._rereading = self._rereading, None
+        stopped, self._stopped = self._stopped, set()
+        for source, through in (rereading or {}).items():
+            if source.deferred_from < 0 or source in stopped:
+                continue
+            source.deferred_from = max(source.deferred_from, through)
+            if source.deferred_from >= source.next_offset:
+                self._undefer(source)
+
+    def readmit(self, records: Iterable[OfferedRecord], through: Mapping[tuple[str, int], int],
+                now: float, projected: frozenset[str] | None = None) -> int:
+        """Offer records read again for `records_wanted` (see `expect_rereads`); returns how
+        many became entries."""
+        self.expect_rereads(through)
+        try:
+            return self.enqueue(records, now, projected)
+        finally:
+            self.finish_rereads()
 
     def take_unparseable(self) -> tuple[int, Bookmark | None]:
         """How many records the queue's expressions (filter, priority, barrier) read whose
@@ -1116,6 +1307,16 @@ class QueueEngine:
         if location is Location.DONE:
             return AckOutcome.ALREADY_DONE
         if location is Location.UNKNOWN:
+            if policy.target_queue_depth is not None and self._in_deferred(bookmark):
+                # A message of the queue past its depth, not in memory: inactive.
+                restored = self._restoring.get(bookmark)
+                if bookmark in self._acked_ahead or (restored is not None
+                                                     and restored.state.done):
+                    return AckOutcome.ALREADY_DONE
+                if policy.strict or kind != _ACCEPT:
+                    return AckOutcome.NOT_LEASED
+                self._accept_deferred(bookmark, now)
+                return AckOutcome.APPLIED
             if (
                 policy.target_queue_depth is not None
                 and not policy.strict
@@ -1140,6 +1341,21 @@ class QueueEngine:
             self._expire(seq, ExpiryReason.REJECTED, reason, None, now)
             return AckOutcome.APPLIED
         return AckOutcome.NOT_LEASED
+
+    def _in_deferred(self, bookmark: Bookmark) -> bool:
+        source = self._table.sources_by_name.get((bookmark[0], bookmark[1]))
+        return source is not None and 0 <= source.deferred_from <= bookmark[2] < source.next_offset
+
+    def _accept_deferred(self, bookmark: Bookmark, now: float) -> None:
+        """deferred → ACKED (permissive ACCEPT of an inactive message not in memory): settled
+        now, as an INACTIVE entry would be, and skipped when its record is read again. Taken
+        on trust: if the offset holds no message of the queue (a delete, a record its filter
+        refuses), the ack is counted anyway. Announced as enqueued first, as an early ack
+        settled on arrival is: every outcome has its entry (the events' reconciliation)."""
+        self._events.append(EntriesEnqueued(self._name, bookmark.topic, bookmark.partition,
+                                            (bookmark.offset,), now))
+        self._settle_early_ack(bookmark, now)
+        self._acked_ahead.add(bookmark)
 
     def _not_read_yet(self, bookmark: Bookmark) -> bool:
         source = self._table.sources_by_name.get((bookmark[0], bookmark[1]))

@@ -160,6 +160,7 @@ class Source:
     """
 
     __slots__ = (
+        "deferred_from",
         "expiry_index",
         "floor",
         "head",
@@ -167,6 +168,7 @@ class Source:
         "next_offset",
         "offsets",
         "partition",
+        "purge_until",
         "seqs",
         "topic",
     )
@@ -181,6 +183,13 @@ class Source:
         self.expiry_index = 0  # index of the next entry the expiration timer looks at
         self.next_offset = next_offset  # one past the highest offset offered to the queue
         self.floor = next_offset  # offsets below this are done (or were never enqueued)
+        # target_queue_depth: the first offset offered past the depth and not admitted (-1:
+        # none). Every offset from here to ``next_offset`` is deferred, not in memory: read
+        # again from the journal when there is room (`QueueEngine.records_wanted`).
+        self.deferred_from = -1
+        # An operator's purge: deferred records below this offset are acknowledged (source
+        # admin) as they are read back, taking no place in the active part.
+        self.purge_until = -1
 
     def advance_head(self, state: bytearray, base: int) -> None:
         seqs = self.seqs
@@ -198,7 +207,8 @@ class Source:
         self.advance_head(state, base)
         if self.head < len(self.offsets):
             return self.offsets[self.head]
-        return self.next_offset
+        # Deferred records are not settled: the point stays at the first of them.
+        return self.next_offset if self.deferred_from < 0 else self.deferred_from
 
     def locate(self, offset: int) -> tuple[Location, int]:
         if offset < self.floor:
@@ -215,7 +225,11 @@ class Source:
         head = self.head
         if head < _TRIM_AT_LEAST or head * 2 < len(self.offsets):
             return
-        self.floor = self.offsets[head] if head < len(self.offsets) else self.next_offset
+        if head < len(self.offsets):
+            self.floor = self.offsets[head]
+        else:
+            # Deferred offsets are not done: lookups must still find them not read.
+            self.floor = self.next_offset if self.deferred_from < 0 else self.deferred_from
         del self.offsets[:head]
         del self.seqs[:head]
         self.expiry_index = max(0, self.expiry_index - head)

@@ -28,6 +28,7 @@ from layer.domain.engine import (
     EntryAck,
     QueueEngine,
     QueueStats,
+    RecordsWanted,
     TokenSource,
     ViewEntry,
 )
@@ -166,6 +167,29 @@ class NativeQueueEngine:
 
     def refresh_documents(self, docs: Mapping[Bookmark, object], fields: frozenset[str]) -> int:
         return int(self._core.refresh_documents(dict(docs), fields))
+
+    def records_wanted(self) -> list[RecordsWanted]:
+        return [RecordsWanted(*w) for w in self._core.records_wanted()]
+
+    def deferred(self) -> dict[tuple[str, int], int]:
+        return dict(self._core.deferred())
+
+    def expect_rereads(self, through: Mapping[tuple[str, int], int]) -> None:
+        self._core.expect_rereads(dict(through))
+
+    def finish_rereads(self) -> None:
+        self._core.finish_rereads()
+
+    def purge_deferred(self) -> int:
+        return int(self._core.purge_deferred())
+
+    def readmit(self, records: Iterable[OfferedRecord], through: Mapping[tuple[str, int], int],
+                now: float, projected: frozenset[str] | None = None) -> int:
+        self.expect_rereads(through)
+        try:
+            return self.enqueue(records, now, projected)
+        finally:
+            self.finish_rereads()
 
     # ------------------------------------------------------------------ outbox, restart
     def drain(self) -> _events.Outbox:

@@ -14,6 +14,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 use std::sync::Arc;
 
+/// `engine.MAX_PURGE_READ`: records asked for at once from a purged deferred part.
+pub const MAX_PURGE_READ: i64 = 10_000;
 /// At most this many entries' documents are asked for at once (`MAX_WANTED_DOCUMENTS`).
 pub const MAX_WANTED_DOCUMENTS: usize = 10_000;
 
@@ -295,6 +297,13 @@ pub struct Engine {
     pub unparseable: i64,
     pub first_unparseable: Option<Bm>,
     early_acks: FxHashSet<Bm>,
+    /// `QueueEngine._deferring` (source indexes, in the order they began to defer),
+    /// `_rereading`, `_stopped`, `_acked_ahead`, `_hold_through`.
+    deferring: Vec<usize>,
+    rereading: Option<Vec<(usize, i64)>>,
+    stopped: FxHashSet<usize>,
+    acked_ahead: FxHashSet<Bm>,
+    hold_through: FxHashMap<(Name, i64), i64>,
     restoring: OrderedMap<Bm, Rec>,
     resend: Vec<(Seq, Bm, Option<Name>)>,
     pub events: Vec<Ev>,
@@ -352,6 +361,11 @@ impl Engine {
             unparseable: 0,
             first_unparseable: None,
             early_acks: FxHashSet::default(),
+            deferring: Vec::new(),
+            rereading: None,
+            stopped: FxHashSet::default(),
+            acked_ahead: FxHashSet::default(),
+            hold_through: FxHashMap::default(),
             restoring: OrderedMap::new(),
             resend: Vec::new(),
             events: Vec::new(),
@@ -434,6 +448,17 @@ impl Engine {
             found.push((seq, doc, self.table.times[slot], count));
         }
         Ok(found)
+    }
+
+    /// `QueueStats.not_read`: offsets deferred past the depth.
+    pub fn not_read(&self) -> i64 {
+        self.deferring
+            .iter()
+            .map(|&i| {
+                let s = &self.table.sources[i];
+                s.next_offset - s.deferred_from
+            })
+            .sum()
     }
 
     /// (available, leased, delayed, inactive, consumers, backlog, oldest, barriers, acks)
@@ -641,6 +666,11 @@ impl Engine {
             self.table.source(&topic, partition, offset);
         }
         for record in entries {
+            if record.state == LEASED {
+                let key = (record.bm.topic.clone(), record.bm.partition);
+                let held = self.hold_through.entry(key).or_insert(-1);
+                *held = (*held).max(record.bm.offset);
+            }
             self.restoring.insert(record.bm.clone(), record);
         }
     }
@@ -694,6 +724,13 @@ impl Engine {
         }
         let source = &mut self.table.sources[index];
         source.next_offset = source.next_offset.max(offset);
+        if source.deferred_from >= 0 && offset > source.deferred_from {
+            // Deferred records below `offset` are gone: there is nothing to read again.
+            source.deferred_from = offset;
+            if offset >= source.next_offset {
+                self.undefer(index);
+            }
+        }
         Ok(count)
     }
 
@@ -714,6 +751,7 @@ impl Engine {
         let mut accepted: Vec<(usize, Vec<i64>)> = Vec::new();
         let mark = self.events.len();
         let plain = self.plain && self.restoring.is_empty() && self.early_acks.is_empty();
+        let depth = self.policy.target_queue_depth;
         let mut current: Option<usize> = None; // index into `accepted`
         let mut source: usize = usize::MAX;
         for record in records {
@@ -736,12 +774,27 @@ impl Engine {
             }
             let run = current.expect("a run");
             let offset = record.offset;
-            {
-                let s = &mut self.table.sources[source];
-                if offset < s.next_offset {
+            let reread = offset < self.table.sources[source].next_offset;
+            if reread {
+                if self.rereading.is_none() || !self.reread_takes(source, offset) {
+                    continue; // a replay or a duplicate
+                }
+                if !self.acked_ahead.is_empty() {
+                    let bm = Bm::new(record.topic.clone(), record.partition, offset);
+                    if self.acked_ahead.remove(&bm) {
+                        self.restoring.remove(&bm);
+                        continue; // acknowledged while deferred: ACKED, announced, persisted
+                    }
+                }
+            } else {
+                self.table.sources[source].next_offset = offset + 1;
+                if depth.is_some() && self.defers(source, offset) {
+                    let settled = self.defer(py, source, offset, &record.doc, now)?;
+                    if settled {
+                        accepted[run].1.push(offset);
+                    }
                     continue;
                 }
-                s.next_offset = offset + 1;
             }
             if record.doc.is(&self.hooks.delete) {
                 continue;
@@ -774,8 +827,16 @@ impl Engine {
                 } else {
                     None
                 };
+                let end = self.table.end();
                 let admitted = keep && self.admit(py, source, offset, record.key, doc, record.timestamp,
                                                   deliver_at, record.expiration, now)?;
+                if reread && self.table.end() > end {
+                    if offset < self.table.sources[source].purge_until {
+                        self.purge_reread(py, end, now)?;
+                    } else {
+                        self.expire_stale(py, end, now)?;
+                    }
+                }
                 if let Some(d) = probe {
                     // `QueueEngine.enqueue`: the queue's expressions read a value that is not JSON.
                     if d.bind(py).getattr(pyo3::intern!(py, "failed"))?.is_truthy()? {
@@ -803,6 +864,172 @@ impl Engine {
         }
         self.events.splice(mark..mark, announced);
         Ok(total)
+    }
+
+    // ------------------------------------------------------------------ deferred records
+    /// `QueueEngine._defers`.
+    fn defers(&self, source: usize, offset: i64) -> bool {
+        let depth = self.policy.target_queue_depth.expect("depth");
+        let s = &self.table.sources[source];
+        s.deferred_from >= 0
+            || (self.active >= depth
+                && offset > self.hold_through.get(&(s.topic.clone(), s.partition)).copied().unwrap_or(-1))
+    }
+
+    /// `QueueEngine._defer`; true when a remembered ack settled the record (announced).
+    fn defer(&mut self, py: Python<'_>, source: usize, offset: i64, doc: &Py<PyAny>, now: f64) -> PyResult<bool> {
+        let (topic, partition) = {
+            let s = &mut self.table.sources[source];
+            if s.deferred_from < 0 {
+                s.deferred_from = offset;
+                self.deferring.push(source);
+            }
+            (s.topic.clone(), s.partition)
+        };
+        if self.early_acks.is_empty() || doc.is(&self.hooks.delete) {
+            return Ok(false);
+        }
+        let bm = Bm::new(topic, partition, offset);
+        if !self.early_acks.contains(&bm) {
+            return Ok(false);
+        }
+        if let Some(filter) = &self.policy.filter {
+            // As `_admit`'s callers: a plain value is read as a `RawDocument`.
+            let raw = doc.bind(py).is_exact_instance_of::<pyo3::types::PyBytes>();
+            let doc = if raw { self.hooks.raw_document.call1(py, (doc.clone_ref(py),))? } else { doc.clone_ref(py) };
+            if !call_matches(py, filter, &doc)? {
+                return Ok(false);
+            }
+        }
+        self.early_acks.remove(&bm);
+        self.settle_early_ack(bm.clone(), now);
+        self.acked_ahead.insert(bm);
+        Ok(true)
+    }
+
+    /// `QueueEngine._reread_takes`.
+    fn reread_takes(&mut self, source: usize, offset: i64) -> bool {
+        let through = self
+            .rereading
+            .as_ref()
+            .and_then(|r| r.iter().find(|(s, _)| *s == source).map(|(_, t)| *t));
+        let Some(through) = through else { return false };
+        let from = self.table.sources[source].deferred_from;
+        if self.stopped.contains(&source) || from < 0 || offset < from || offset >= through {
+            return false;
+        }
+        let depth = self.policy.target_queue_depth.expect("depth");
+        if self.active >= depth && offset >= self.table.sources[source].purge_until {
+            self.table.sources[source].deferred_from = offset;
+            self.stopped.insert(source);
+            return false;
+        }
+        self.table.sources[source].deferred_from = offset + 1;
+        true
+    }
+
+    /// `QueueEngine._expire_stale`.
+    fn expire_stale(&mut self, py: Python<'_>, seq: Seq, now: f64) -> PyResult<()> {
+        if self.table.state_of(seq) != LEASED && self.too_old(seq, now) {
+            self.expire(py, seq, Reason::Expiration, None, None, now)?;
+        }
+        Ok(())
+    }
+
+    /// `QueueEngine._undefer`.
+    fn undefer(&mut self, source: usize) {
+        let s = &mut self.table.sources[source];
+        s.deferred_from = -1;
+        let (topic, partition) = (s.topic.clone(), s.partition);
+        self.deferring.retain(|&i| i != source);
+        if !self.acked_ahead.is_empty() {
+            self.acked_ahead.retain(|b| !(*b.topic == *topic && b.partition == partition));
+        }
+    }
+
+    /// `QueueEngine.records_wanted`: (topic, partition, from_offset, max_records, until).
+    pub fn records_wanted(&self) -> Vec<(Name, i64, i64, i64, i64)> {
+        let Some(depth) = self.policy.target_queue_depth else { return Vec::new() };
+        let room = depth - self.active;
+        self.deferring
+            .iter()
+            .map(|&i| &self.table.sources[i])
+            .filter(|s| room > 0 || s.deferred_from < s.purge_until)
+            .map(|s| {
+                let n = if s.deferred_from < s.purge_until { room.max(MAX_PURGE_READ) } else { room };
+                (s.topic.clone(), s.partition, s.deferred_from, n, s.next_offset)
+            })
+            .collect()
+    }
+
+    /// `QueueEngine.purge_deferred`.
+    pub fn purge_deferred(&mut self) -> i64 {
+        let mut covered = 0;
+        for &i in &self.deferring {
+            let s = &mut self.table.sources[i];
+            s.purge_until = s.next_offset;
+            covered += s.next_offset - s.deferred_from;
+        }
+        covered
+    }
+
+    /// `QueueEngine._purge_reread`.
+    fn purge_reread(&mut self, py: Python<'_>, seq: Seq, now: f64) -> PyResult<()> {
+        self.not_before.remove(&seq);
+        if self.table.state_of(seq) < ACKED {
+            self.accept_unleased(py, seq, AckSource::Admin, now)?;
+        }
+        Ok(())
+    }
+
+    /// `QueueEngine.deferred`.
+    pub fn deferred(&self) -> Vec<(Name, i64, i64)> {
+        self.deferring
+            .iter()
+            .map(|&i| {
+                let s = &self.table.sources[i];
+                (s.topic.clone(), s.partition, s.deferred_from)
+            })
+            .collect()
+    }
+
+    /// `QueueEngine.expect_rereads`.
+    pub fn expect_rereads(&mut self, through: Vec<(String, i64, i64)>) {
+        let mut found = Vec::new();
+        for (topic, partition, end) in through {
+            if let Some(i) = self.table.find_source(&topic, partition) {
+                found.push((i, end));
+            }
+        }
+        self.rereading = Some(found);
+        self.stopped.clear();
+    }
+
+    /// `QueueEngine.finish_rereads`.
+    pub fn finish_rereads(&mut self) {
+        let rereading = self.rereading.take().unwrap_or_default();
+        let stopped = std::mem::take(&mut self.stopped);
+        for (source, through) in rereading {
+            let s = &mut self.table.sources[source];
+            if s.deferred_from < 0 || stopped.contains(&source) {
+                continue;
+            }
+            s.deferred_from = s.deferred_from.max(through);
+            if s.deferred_from >= s.next_offset {
+                self.undefer(source);
+            }
+        }
+    }
+
+    /// `QueueEngine._in_deferred`.
+    fn in_deferred(&self, topic: &str, partition: i64, offset: i64) -> bool {
+        match self.table.find_source(topic, partition) {
+            None => false,
+            Some(i) => {
+                let s = &self.table.sources[i];
+                s.deferred_from >= 0 && s.deferred_from <= offset && offset < s.next_offset
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1357,6 +1584,28 @@ impl Engine {
         let seq = match self.table.locate(&item.topic, item.partition, item.offset) {
             Location::Done => return Ok(Outcome::AlreadyDone),
             Location::Unknown => {
+                if self.policy.target_queue_depth.is_some()
+                    && self.in_deferred(&item.topic, item.partition, item.offset)
+                {
+                    // A message of the queue past its depth, not in memory: inactive.
+                    let bm = Bm::new(self.intern(&item.topic), item.partition, item.offset);
+                    if self.acked_ahead.contains(&bm) || self.restoring.get(&bm).is_some_and(|r| r.done()) {
+                        return Ok(Outcome::AlreadyDone);
+                    }
+                    if strict || item.kind != ACCEPT {
+                        return Ok(Outcome::NotLeased);
+                    }
+                    // `QueueEngine._accept_deferred`.
+                    self.events.push(Ev::Enqueued {
+                        topic: bm.topic.clone(),
+                        partition: bm.partition,
+                        offsets: vec![bm.offset],
+                        at: now,
+                    });
+                    self.settle_early_ack(bm.clone(), now);
+                    self.acked_ahead.insert(bm);
+                    return Ok(Outcome::Applied);
+                }
                 if self.policy.target_queue_depth.is_some()
                     && !strict
                     && item.kind == ACCEPT

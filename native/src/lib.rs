@@ -165,6 +165,7 @@ impl NativeEngine {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let (available, leased, delayed, inactive, consumers, backlog, oldest, barriers, acks) =
             self.core.stats();
+        let not_read = self.core.not_read();
         self.api.queue_stats.bind(py).call1((
             &*self.core.policy.name,
             available,
@@ -176,7 +177,42 @@ impl NativeEngine {
             oldest,
             barriers,
             acks,
+            not_read,
         ))
+    }
+
+    fn records_wanted(&self) -> Vec<(String, i64, i64, i64, i64)> {
+        self.core
+            .records_wanted()
+            .into_iter()
+            .map(|(t, p, from, n, until)| (t.to_string(), p, from, n, until))
+            .collect()
+    }
+
+    fn deferred<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (t, p, from) in self.core.deferred() {
+            out.set_item((&*t, p), from)?;
+        }
+        Ok(out)
+    }
+
+    fn expect_rereads(&mut self, through: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut found = Vec::new();
+        for item in through.call_method0("items")?.try_iter()? {
+            let (key, end): ((String, i64), i64) = item?.extract()?;
+            found.push((key.0, key.1, end));
+        }
+        self.core.expect_rereads(found);
+        Ok(())
+    }
+
+    fn finish_rereads(&mut self) {
+        self.core.finish_rereads();
+    }
+
+    fn purge_deferred(&mut self) -> i64 {
+        self.core.purge_deferred()
     }
 
     fn consumers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

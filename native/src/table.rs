@@ -25,6 +25,10 @@ pub struct Source {
     pub expiry_index: usize,
     pub next_offset: i64,
     pub floor: i64,
+    /// `Source.deferred_from`: the first offset deferred past target_queue_depth (-1: none).
+    pub deferred_from: i64,
+    /// `Source.purge_until`.
+    pub purge_until: i64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -45,6 +49,8 @@ impl Source {
             expiry_index: 0,
             next_offset,
             floor: next_offset,
+            deferred_from: -1,
+            purge_until: -1,
         }
     }
 
@@ -65,8 +71,11 @@ impl Source {
         self.advance_head(state, base);
         if self.head < self.offsets.len() {
             self.offsets[self.head]
-        } else {
+        } else if self.deferred_from < 0 {
             self.next_offset
+        } else {
+            // Deferred records are not settled: the point stays at the first of them.
+            self.deferred_from
         }
     }
 
@@ -88,7 +97,13 @@ impl Source {
         if head < TRIM_AT_LEAST || head * 2 < self.offsets.len() {
             return;
         }
-        self.floor = if head < self.offsets.len() { self.offsets[head] } else { self.next_offset };
+        self.floor = if head < self.offsets.len() {
+            self.offsets[head]
+        } else if self.deferred_from < 0 {
+            self.next_offset
+        } else {
+            self.deferred_from // deferred offsets are not done
+        };
         self.offsets.drain(..head);
         self.seqs.drain(..head);
         self.expiry_index = self.expiry_index.saturating_sub(head);

@@ -54,6 +54,30 @@ def offer(queue: QueueEngine, docs: Iterable[object], *, start: int = 0, now: fl
     return queue.enqueue([record(start + i, doc) for i, doc in enumerate(docs)], now)
 
 
+def serve_rereads(queue: QueueEngine, journal: Iterable[OfferedRecord], now: float = 0.0
+                  ) -> int:
+    """Do what the coordinator does for `records_wanted` (target_queue_depth): read the
+    deferred ranges from ``journal`` (every record offered so far) and offer them back, again
+    while that makes progress. Returns how many entries were admitted."""
+    records = sorted(journal, key=lambda r: (r.topic, r.partition, r.offset))
+    admitted = 0
+    asked: list[object] = []
+    wanted = queue.records_wanted()
+    while wanted and wanted != asked:
+        got: list[OfferedRecord] = []
+        through: dict[tuple[str, int], int] = {}
+        for w in wanted:
+            part = [r for r in records if (r.topic, r.partition) == (w.topic, w.partition)
+                    and w.from_offset <= r.offset < w.until][:w.max_records]
+            through[(w.topic, w.partition)] = (part[-1].offset + 1
+                                               if len(part) == w.max_records else w.until)
+            got.extend(part)
+        got.sort(key=lambda r: (r.timestamp or 0.0, r.partition))
+        admitted += queue.readmit(got, through, now)
+        asked, wanted = wanted, queue.records_wanted()
+    return admitted
+
+
 def bm(offset: int, partition: int = 0) -> Bookmark:
     return Bookmark(TOPIC, partition, offset)
 

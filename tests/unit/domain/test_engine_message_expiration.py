@@ -14,7 +14,16 @@ import pytest
 from layer.domain.events import EntryExpired
 from layer.domain.states import AckOutcome, AckType, EntryState, ExpiryReason
 
-from .engine_helpers import bm, engine, leases, of_type, record, settle, subscribe
+from .engine_helpers import (
+    bm,
+    engine,
+    leases,
+    of_type,
+    record,
+    serve_rereads,
+    settle,
+    subscribe,
+)
 
 pytestmark = pytest.mark.usefixtures("engine_implementation")
 
@@ -113,14 +122,21 @@ def test_dead_lettered_when_the_queue_has_a_dead_letter_topic() -> None:
 
 def test_delayed_and_inactive_messages_expire_too() -> None:
     queue = engine(target_queue_depth=1)
-    queue.enqueue([record(0, "active", timestamp=0.0),
-                   record(1, "inactive", timestamp=0.0, expiration=3.0),
-                   record(2, "delayed", timestamp=0.0, expiration=3.0, deliver_at=50.0)], 0.0)
-    assert queue.entry(bm(1)).state is EntryState.INACTIVE
-    queue.tick(3.0)
+    journal = [record(0, "active", timestamp=0.0),
+               record(1, "inactive", timestamp=0.0, expiration=3.0),
+               record(2, "delayed", timestamp=0.0, expiration=3.0, deliver_at=50.0),
+               record(3, "young", timestamp=0.0)]
+    queue.enqueue(journal, 0.0)
+    # 1..3 are deferred past the depth: not in memory, so nothing times them.
+    assert queue.entry(bm(1)) is None and queue.stats().not_read == 3
+    subscribe(queue, "c", max_backlog=5, now=3.0)
+    [first] = leases(queue.dispatch(3.0))
+    assert first.bookmark.offset == 0
+    settle(queue, first, now=3.0)
+    # Read again past their own expiration, 1 and 2 expire at once; 3 takes the place.
+    serve_rereads(queue, journal, now=3.0)
     assert queue.entry(bm(1)).state is EntryState.EXPIRED
     assert queue.entry(bm(2)).state is EntryState.EXPIRED
-    subscribe(queue, "c", max_backlog=5, now=3.0)
-    assert offsets(queue.dispatch(3.0)) == [0]
-    queue.tick(60.0)
-    assert of_type(queue.drain().events, EntryExpired) != []
+    assert offsets(queue.dispatch(3.0)) == [3]
+    expired = of_type(queue.drain().events, EntryExpired)
+    assert sorted(e.bookmark.offset for e in expired) == [1, 2]

@@ -21,6 +21,7 @@ from .engine_helpers import (
     offer,
     offsets_of,
     record,
+    serve_rereads,
     settle,
     subscribe,
 )
@@ -217,10 +218,13 @@ def test_at_most_once_barriers_wait_for_earlier_deliveries_to_be_acknowledged() 
 
 def test_target_queue_depth_keeps_only_the_first_entries_active() -> None:
     queue = engine(target_queue_depth=3)
-    offer(queue, [{"n": i} for i in range(6)])
+    journal = [record(i, {"n": i}) for i in range(6)]
+    queue.enqueue(journal, 0.0)
 
     assert [v.doc for v in queue.view()] == [{"n": 0}, {"n": 1}, {"n": 2}]
-    assert queue.stats().inactive == 3
+    # Beyond the depth only the position is kept: 3..5 are not read into memory.
+    assert (queue.stats().inactive, queue.stats().not_read) == (0, 3)
+    assert queue.entry(bm(3)) is None
     # Nothing beyond the depth is delivered, even if it is what a consumer wants.
     subscribe(queue, "fives", filter="/n = 5")
     assert queue.dispatch(0.0) == []
@@ -228,25 +232,33 @@ def test_target_queue_depth_keeps_only_the_first_entries_active() -> None:
     first = leases(queue.dispatch(0.0))
     assert [d.bookmark.offset for d in first] == [0, 1, 2]
     settle(queue, first[0])
-    # Acknowledging makes room: the next entry becomes active and deliverable.
+    # Acknowledging makes room: the coordinator reads the next record again, and it becomes
+    # active and deliverable.
+    assert [tuple(w) for w in queue.records_wanted()] == [("Work", 0, 3, 1, 6)]
+    assert serve_rereads(queue, journal) == 1
     assert offsets_of(queue.dispatch(0.0)) == [3]
+    assert queue.stats().not_read == 2
 
 
 def test_target_queue_depth_remembers_acks_for_inactive_entries() -> None:
     queue = engine(target_queue_depth=1, leasing="permissive")
-    offer(queue, ["0", "1", "2"])
+    journal = [record(i, str(i)) for i in range(8)]
+    queue.enqueue(journal[:3], 0.0)
 
-    # 2 is inactive: the ack is remembered, and 2 never enters the deliverable part.
+    # 2 is inactive (deferred): the ack is applied at once, and 2 never enters the
+    # deliverable part; a second one is a duplicate.
     assert queue.ack([EntryAck(bm(2), None)], 0.0) == [AckOutcome.APPLIED]
+    assert queue.ack([EntryAck(bm(2), None)], 0.0) == [AckOutcome.ALREADY_DONE]
     # 7 has not even been read: remembered until it arrives.
     assert queue.ack([EntryAck(bm(7), None)], 0.0) == [AckOutcome.REMEMBERED]
     assert queue.stats().remembered_acks == 1
-    offer(queue, ["3", "4", "5", "6", "7"], start=3)
+    queue.enqueue(journal[3:], 0.0)
     assert queue.entry(bm(7)) is None and queue.stats().remembered_acks == 0
 
     subscribe(queue, "a")
     delivered = []
     for _ in range(10):
+        serve_rereads(queue, journal)
         got = leases(queue.dispatch(0.0))
         if not got:
             break
@@ -264,11 +276,37 @@ def test_target_queue_depth_remembers_acks_for_inactive_entries() -> None:
 
 def test_admin_ack_by_filter_applies_only_to_the_active_part() -> None:
     queue = engine(target_queue_depth=2)
-    offer(queue, [{"x": 1}] * 4)
+    journal = [record(i, {"x": 1}) for i in range(4)]
+    queue.enqueue(journal, 0.0)
 
     assert queue.ack_matching("/x = 1", 0.0) == 2
-    # The two inactive entries became active as the first two left.
-    assert queue.stats().available == 2 and queue.stats().inactive == 0
+    # The two inactive entries become active as the first two left (read again).
+    assert serve_rereads(queue, journal) == 2
+    assert queue.stats().available == 2 and queue.stats().not_read == 0
+
+
+def test_a_purge_acknowledges_the_deferred_part_as_it_is_read_back() -> None:
+    queue = engine(target_queue_depth=2)
+    journal = [record(i, {"x": i}) for i in range(6)]
+    queue.enqueue(journal, 0.0)
+    subscribe(queue, "a", max_backlog=5)
+    [held, _] = leases(queue.dispatch(0.0))
+
+    # qlayer queue purge: the active part at once (a lease ends), the rest as it is read,
+    # without waiting for room and without being delivered.
+    assert queue.ack_matching(None, 0.0) == 2
+    assert queue.purge_deferred() == 4
+    assert [w.max_records for w in queue.records_wanted()] == [10_000]
+    assert serve_rereads(queue, journal) == 4
+    assert queue.dispatch(0.0) == []
+    acked = of_type(queue.drain().events, EntryAcked)
+    assert sorted(e.bookmark.offset for e in acked if e.source is AckSource.ADMIN) == [
+        0, 1, 2, 3, 4, 5]
+    assert queue.stats().not_read == 0 and queue.recovery_points() == {("Work", 0): 6}
+    assert queue.ack([EntryAck(held.bookmark, held.token)], 0.0) == [AckOutcome.ALREADY_DONE]
+    # Records after the purge are the queue's as usual.
+    queue.enqueue([record(6, {"x": 6})], 0.0)
+    assert offsets_of(queue.dispatch(0.0)) == [6]
 
 
 def test_strict_queues_do_not_remember_acks_without_a_lease() -> None:
@@ -283,14 +321,17 @@ def test_strict_queues_do_not_remember_acks_without_a_lease() -> None:
 
 def test_inactive_entries_that_expired_meanwhile_do_not_take_active_places() -> None:
     queue = engine(target_queue_depth=2, expiration="10s")
-    queue.enqueue([record(0, timestamp=0.0), record(1, timestamp=0.0)], 0.0)
-    queue.enqueue([record(i, timestamp=0.0) for i in (2, 3)], 0.0)  # inactive, aging
-    queue.enqueue([record(i, timestamp=20.0) for i in (4, 5)], 20.0)
+    journal = [record(i, timestamp=0.0) for i in range(4)]  # 2, 3 deferred, aging
+    journal += [record(i, timestamp=20.0) for i in (4, 5)]
+    queue.enqueue(journal[:4], 0.0)
+    queue.enqueue(journal[4:], 20.0)
     subscribe(queue, "a", max_backlog=2, now=0.0)
     first = leases(queue.dispatch(0.0))
     for lease in first:
         settle(queue, lease, now=20.0)
 
-    # 2 and 3 are too old when their turn comes: they expire, and 4 and 5 become active.
+    # 2 and 3 are too old when they are read again: they expire at once (taking no place),
+    # and 4 and 5 become active.
+    serve_rereads(queue, journal, now=20.0)
     assert offsets_of(queue.dispatch(20.0)) == [4, 5]
     assert queue.stats().inactive == 0

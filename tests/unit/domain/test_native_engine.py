@@ -241,6 +241,35 @@ class Twins(RuleBasedStateMachine):
         docs = {b: by_bookmark.get(b) for b in wanted}
         self.both("refresh_documents", docs, fields)
 
+    @rule(short=st.booleans())
+    def deferred_records_come_back(self, short: bool) -> None:
+        """The coordinator reads the ranges past target_queue_depth again (in timestamp
+        order across partitions) and offers them back; ``short``: a read that stopped early
+        (fewer records than asked, ending before ``until``)."""
+        wanted = self.both("records_wanted")
+        if not wanted:
+            return
+        records: list[OfferedRecord] = []
+        through: dict[tuple[str, int], int] = {}
+        for w in wanted:
+            got = [r for r in self.offered if (r.topic, r.partition) == (w.topic, w.partition)
+                   and w.from_offset <= r.offset < w.until][:w.max_records]
+            if short and len(got) > 1:
+                got = got[:-1]
+                through[(w.topic, w.partition)] = got[-1].offset + 1
+            elif len(got) == w.max_records:
+                through[(w.topic, w.partition)] = got[-1].offset + 1
+            else:
+                through[(w.topic, w.partition)] = w.until
+            records.extend(got)
+        records.sort(key=lambda r: (r.timestamp or 0.0, r.partition))
+        self.both("readmit", records, through, self.now)
+
+    @rule(roll=ROLL)
+    def purge_deferred(self, roll: int) -> None:
+        if roll == 0:
+            self.both("purge_deferred")
+
     @rule(partition=st.integers(0, 1), offset=st.integers(0, 6), roll=ROLL)
     def retention(self, partition: int, offset: int, roll: int) -> None:
         if roll == 0:
@@ -269,6 +298,8 @@ class Twins(RuleBasedStateMachine):
         self.both("consumers")
         self.both("next_deadline")
         self.both("fields_needed")
+        self.both("deferred")
+        self.both("records_wanted")
         for filter in FILTERS:
             self.both("view", filter, 5)
         for partition in (0, 1):
