@@ -4,7 +4,8 @@ Offers RECORDS journal records (each with its own document, as the coordinator o
 to one queue with ``target_queue_depth`` DEPTH, on the Python and the native engine, and
 reports what the engine keeps afterwards: Python allocations still held (tracemalloc, which
 sees the documents and the Python engine's columns) and the process's resident set growth
-(which also sees the native engine's own allocations). docs/benchmarks.md has the figures.
+(which also sees the native engine's own allocations).
+docs/benchmarks-target-depth.md has the figures.
 
     .venv/bin/python benchmarks/bench_target_depth.py [--records 200000] [--depth 100]
 
