@@ -77,7 +77,9 @@ class Acks:
     def reset(self) -> None:
         # Ack items (consumer id, session id, item) for restored leases the replay has not
         # reached yet, retried each step in order.
-        self.deferred: list[tuple[str, str, AckItem]] = []
+        # (consumer id, session id, item, passed on): a passed-on item keeps its quiet
+        # DUPLICATE when it applies later (`retry_deferred`).
+        self.deferred: list[tuple[str, str, AckItem, bool]] = []
         # Per ack partition, the offset of the first record with deferred items: its input
         # position is not stored past it until they are applied (a restart reads them again).
         self.deferred_from: dict[tuple[str, int], int] = {}
@@ -252,7 +254,7 @@ class Acks:
         statuses: Counter[AckStatus] = Counter()
         for item, outcome in zip(items, outcomes, strict=True):
             if outcome is None:
-                self.deferred.append((consumer_id, session_id, item))
+                self.deferred.append((consumer_id, session_id, item, quiet_duplicates))
                 continue
             status, expires, message = outcome
             if quiet_duplicates and status is AckStatus.DUPLICATE:
@@ -279,8 +281,12 @@ class Acks:
         if not self.deferred:
             return
         deferred, self.deferred = self.deferred, []
-        for (consumer_id, session_id), group in groupby(deferred, key=lambda d: d[:2]):
-            self._settle(consumer_id, session_id, [item for _, _, item in group], now, replies)
+        # A passed-on record read twice (its shard was fenced before storing the position
+        # past it) can wait twice; its second copy's DUPLICATE stays quiet here too.
+        for (consumer_id, session_id, quiet), group in groupby(
+                deferred, key=lambda d: (d[0], d[1], d[3])):
+            self._settle(consumer_id, session_id, [item for _, _, item, _ in group], now,
+                         replies, quiet_duplicates=quiet)
         if not self.deferred:
             self.deferred_from.clear()
 
