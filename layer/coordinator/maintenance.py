@@ -40,10 +40,27 @@ def read_from(reader: JournalSource, starts: dict[tuple[str, int], int]) -> None
     assigned = set(reader.assignment)
     reader.add({tp: o for tp, o in starts.items() if tp not in assigned})
     for tp, offset in starts.items():
-        if tp in assigned:
+        if tp in assigned and _ahead(reader.position(*tp), offset):
             # Another queue reads this partition further on: go back; queues skip what they
-            # have seen (the engine ignores offsets below its position).
+            # have seen (the engine ignores offsets below its position). Never forward: a
+            # queue added after another over the same journal (an at-most-once queue whose
+            # recovery point is past an at-least-once queue's restored leases, found by the
+            # soak) would skip the other's replay, and its restored leases would never come
+            # back.
             reader.seek(tp[0], tp[1], offset)
+
+
+#: Kafka's logical offset "the end" (librdkafka's OFFSET_END).
+_OFFSET_END = -1
+
+
+def _ahead(position: int | None, offset: int) -> bool:
+    """True when a partition read from ``position`` would miss ``offset``."""
+    if position is None or position == _OFFSET_END:
+        return True
+    if position < 0:  # OFFSET_BEGINNING or another logical start: reads everything there
+        return False
+    return offset < position
 
 
 class QueueLoader:

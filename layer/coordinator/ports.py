@@ -56,6 +56,8 @@ class JournalSource(Protocol):
 
     def seek(self, topic: str, partition: int, offset: int) -> None: ...
 
+    def position(self, topic: str, partition: int) -> int | None: ...
+
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]: ...
 
     def committed(self, pairs: list[tuple[str, int]],
@@ -168,6 +170,9 @@ class FakeJournal:
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         self.positions[(topic, partition)] = offset
+
+    def position(self, topic: str, partition: int) -> int | None:
+        return self.positions.get((topic, partition))
 
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]:
         out: list[JournalRecord] = []

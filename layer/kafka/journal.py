@@ -36,6 +36,8 @@ class JournalReader:
         with translated("cannot create a Kafka consumer"):
             self._consumer = self._new_consumer(config, group_id)
         self._assigned: dict[tuple[str, int], int] = {}
+        # Per partition, the offset its next record will have (`position`).
+        self._next: dict[tuple[str, int], int] = {}
         self._topic_names: dict[str, str] = {}
         # A record `wait` took, handed out first by the next `poll`.
         self._held: Message | None = None
@@ -68,6 +70,7 @@ class JournalReader:
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
         """Read these partitions from these offsets (replacing any earlier assignment)."""
         self._assigned = dict(positions)
+        self._next = dict(positions)
         with translated("assigning journal partitions failed"):
             self._consumer.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
 
@@ -77,13 +80,23 @@ class JournalReader:
         if not new:
             return
         self._assigned.update(new)
+        self._next.update(new)
         with translated("assigning journal partitions failed"):
             self._consumer.incremental_assign(
                 [TopicPartition(t, p, o) for (t, p), o in new.items()])
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
+        held = self._held
+        if held is not None and held.topic() == topic and held.partition() == partition:
+            self._held = None  # read again from the new offset, in order
         with translated(f"seeking {topic}[{partition}] to {offset} failed"):
             self._consumer.seek(TopicPartition(topic, partition, offset))
+        self._next[(topic, partition)] = offset
+
+    def position(self, topic: str, partition: int) -> int | None:
+        """The offset the next record of this partition will have (None when it is not
+        read; a negative logical offset, such as OFFSET_BEGINNING, until a record came)."""
+        return self._next.get((topic, partition))
 
     @property
     def assignment(self) -> list[tuple[str, int]]:
@@ -143,6 +156,11 @@ class JournalReader:
             append(JournalRecord(topic, m.partition(), m.offset(),  # type: ignore[arg-type]
                                  m.key(), m.value(), m.timestamp()[1],
                                  m.headers()))  # type: ignore[arg-type]
+        # Where each partition goes on (`position`): its last record's offset + 1 (records
+        # come in offset order per partition, so the last write wins).
+        nxt = self._next
+        for r in out:
+            nxt[(r.topic, r.partition)] = r.offset + 1
         return out
 
     def committed(self, pairs: list[tuple[str, int]],
