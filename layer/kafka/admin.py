@@ -87,7 +87,12 @@ class KafkaAdmin:
             try:
                 future.result(timeout=timeout)
             except DRIVER_ERRORS as exc:
-                # Another process grew it first: fine if it has enough now.
+                # Another process grew it first: fine if it has enough now. The broker says
+                # so (INVALID_PARTITIONS, "already has N") before this client's metadata
+                # shows it: two coordinators starting together hit that (seen in the soak).
+                if _code(exc) == KafkaError.INVALID_PARTITIONS \
+                        and _already_has(exc, count):
+                    return False
                 if self.topics(timeout).get(topic, 0) < count:
                     raise driver_error(f"cannot grow {topic} to {count} partitions",
                                        exc) from exc
@@ -208,3 +213,13 @@ def _code(exc: BaseException) -> int | None:
     """librdkafka's error code inside a driver exception, if it carries one."""
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     return error.code() if isinstance(error, KafkaError) else None
+
+
+_ALREADY_HAS = re.compile(r"already has (\d+) partition")
+
+
+def _already_has(exc: BaseException, count: int) -> bool:
+    """True when the broker refused to grow a topic because it has ``count`` or more
+    partitions already (its message: "Topic already has N partition(s)")."""
+    found = _ALREADY_HAS.search(str(exc))
+    return found is not None and int(found.group(1)) >= count
