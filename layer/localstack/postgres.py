@@ -212,6 +212,17 @@ class PostgresNode:
             self.log_file.replace(self.log_file.with_name(self.log_file.name + ".1"))
         return had
 
+    def crash(self) -> bool:
+        """Stop the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, every
+        connection cut; the next `up` runs crash recovery). For fault-injection (the soak).
+        True when one was running."""
+        if self.pid() is None:
+            return False
+        bindir = find_bindir(install=False)
+        self._run([str(bindir / "pg_ctl"), "-D", str(self.data_dir), "-m", "immediate", "-w",
+                   "-t", "60", "stop"], check=False)
+        return True
+
     def down(self) -> bool:
         """Stop the server (fast shutdown). True when one was running."""
         if self.pid() is None:
