@@ -9,12 +9,13 @@ of the secured broker applies the same rules, so the document and the broker can
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from layer.kafka.errors import translated
+from layer.kafka.errors import DRIVER_ERRORS, LoginWatch, driver_error, translated
 from layer.protocol.topics import TopicNames
 
 __all__ = [
@@ -207,8 +208,16 @@ def apply_acls(admin_config: Mapping[str, Any], rules: Iterable[AclRule],
     ]
     if not bindings:
         return 0
-    with translated("creating Kafka ACLs"):
-        admin = AdminClient(dict(admin_config))
+    login = LoginWatch()
+    config = {"error_cb": login, **admin_config}
+    with translated("cannot create a Kafka admin client"):
+        admin = AdminClient(config)
+    try:
         for future in admin.create_acls(bindings, request_timeout=timeout).values():
             future.result(timeout=timeout)
+    except DRIVER_ERRORS as exc:
+        with contextlib.suppress(*DRIVER_ERRORS):
+            admin.poll(0)  # serves error_cb: the reason of a refused login
+        raise driver_error("cannot create Kafka ACLs (that takes a super user or Alter on "
+                           "the cluster)", exc, config=config, login=login) from exc
     return len(bindings)

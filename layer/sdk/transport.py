@@ -62,7 +62,8 @@ def ensure_topic(
     """
     login = LoginWatch()
     properties = config.client()
-    admin = AdminClient({"error_cb": login, **properties})
+    settings: dict[str, Any] = {"error_cb": login, **properties}
+    admin = AdminClient(settings)
 
     def problem(what: str, exc: BaseException) -> KafkaAdapterError:
         with contextlib.suppress(KafkaException, RuntimeError):
