@@ -166,7 +166,7 @@ def test_the_cli_works_over_sasl_and_a_refused_login_is_one_line(
         "--apply", "--bootstrap-servers", secured.node.config.bootstrap_servers,
         "--topic-prefix", topics.prefix], env={"QLAYER_CONFIG": "/dev/null"})
     assert granted.exit_code == 0, granted.output
-    assert "created 6 ACLs for User:operator-" in granted.output
+    assert "created 5 ACLs for User:operator-" in granted.output
     config = tmp_path / "qlayer.yaml"  # the settings file an operator writes
     config.write_text(yaml.safe_dump({"bootstrap_servers": secured.sasl_servers,
                                       "database_url": database_url,
