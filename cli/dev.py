@@ -28,11 +28,17 @@ PostgresPort = Annotated[int | None, typer.Option(
     "--postgres-port", help="PostgreSQL port on 127.0.0.1 [env: QLAYER_DEV_POSTGRES_PORT; "
     "default 15432]")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+Secure = Annotated[bool, typer.Option(
+    "--secure", help="Also a SASL_PLAINTEXT (SCRAM-SHA-512) listener on the broker's port + 2, "
+    "with the StandardAuthorizer and ACLs enforced there (docs/security.md) "
+    "[env: QLAYER_DEV_SECURE=1]")]
 
 
-def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | None) -> LocalStack:
+def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | None,
+           secure: bool = False) -> LocalStack:
     overrides: dict[str, object] = {"state_dir": state_dir, "kafka_port": kafka_port,
-                                    "postgres_port": postgres_port}
+                                    "postgres_port": postgres_port,
+                                    "secure": True if secure else None}
     if kafka_port is not None:
         overrides["controller_port"] = kafka_port + 1
     from layer.localstack import LocalStack, StackConfig
@@ -42,23 +48,33 @@ def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | 
 
 @app.command()
 def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
-       postgres_port: PostgresPort = None, json_out: JsonOut = False) -> None:
+       postgres_port: PostgresPort = None, secure: Secure = False,
+       json_out: JsonOut = False) -> None:
     """Start Kafka and PostgreSQL (idempotent) and print both endpoints.
 
     The first run fetches the Kafka jars with Maven into ~/.cache/qlayer and, as root on
     Debian without PostgreSQL, installs it with apt-get.
     """
-    stack = _stack(state_dir, kafka_port, postgres_port)
+    stack = _stack(state_dir, kafka_port, postgres_port, secure)
     started = time.monotonic()
     endpoints = stack.up()
     took = time.monotonic() - started
+    secured = {}
+    if endpoints.sasl_bootstrap_servers is not None:
+        secured = {"sasl_bootstrap_servers": endpoints.sasl_bootstrap_servers,
+                   "sasl_admin_user": "admin",
+                   "sasl_admin_password_file": str(stack.kafka.admin_password_file)}
     if json_out:
         typer.echo(json.dumps({"bootstrap_servers": endpoints.bootstrap_servers,
                                "database_url": endpoints.database_url,
                                "state_dir": str(stack.config.state_dir),
-                               "seconds": round(took, 2)}))
+                               "seconds": round(took, 2), **secured}))
         return
     typer.echo(f"kafka     {endpoints.bootstrap_servers}")
+    if secured:
+        typer.echo(f"kafka     {endpoints.sasl_bootstrap_servers} (SASL_PLAINTEXT, "
+                   f"SCRAM-SHA-512, ACLs enforced; super user admin, password in "
+                   f"{stack.kafka.admin_password_file})")
     typer.echo(f"postgres  {endpoints.database_url}")
     typer.echo(f"ready in {took:.1f}s; data in {stack.config.state_dir}")
     typer.echo(f"use: export QLAYER_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} "

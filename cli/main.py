@@ -22,6 +22,7 @@ from cli import (
     messages,
     pipeline,
     queue,
+    security,
     stats,
     view,
 )
@@ -49,6 +50,7 @@ app.command(name="stats")(stats.stats)
 app.add_typer(queue.app, name="queue")
 app.add_typer(consumers.app, name="consumers")
 app.add_typer(pipeline.app, name="pipeline")
+app.add_typer(security.app, name="security")
 app.command(name="demo")(demo_command)
 
 

@@ -102,6 +102,7 @@ def _millis(option: str, value: str | None) -> int | None:
 
 def _source(bootstrap_servers: str | None, topic_prefix: str | None,
             kafka_option: list[str] | None) -> EventSource:
+    from layer.pipeline.io import java_kafka_settings
     from layer.pipeline.jobs import EventSource
 
     settings = load_settings(None, bootstrap_servers, topic_prefix)
@@ -110,8 +111,14 @@ def _source(bootstrap_servers: str | None, topic_prefix: str | None,
     if bad:
         raise typer.BadParameter(f"takes KEY=VALUE; got {', '.join(bad)}",
                                  param_hint="--kafka-option")
+    # The same kafka: settings as every other client (SASL, TLS), in the Java client's names;
+    # --kafka-option (Java names already) wins.
+    java, left_out = java_kafka_settings(settings.kafka)
+    if left_out:
+        typer.echo(f"note: kafka: settings with no Spark equivalent are not passed to the "
+                   f"source: {', '.join(left_out)}", err=True)
     return EventSource(settings.bootstrap_servers, settings.topic_prefix,
-                       {key: value for key, _, value in pairs})
+                       {**java, **{key: value for key, _, value in pairs}})
 
 
 def _stream(stream: bool, checkpoint: str | None, available_now: bool, trigger: str

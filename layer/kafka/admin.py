@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,13 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # exported, n
     OffsetSpec,
 )
 
-from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
+from layer.kafka.errors import (
+    DRIVER_ERRORS,
+    KafkaAdapterError,
+    LoginWatch,
+    driver_error,
+    translated,
+)
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,29 @@ class KafkaAdmin:
             "metadata.recovery.strategy": "none",
             **config,
         }
+        self._config = settings
+        # Keeps a refused login's reason for the error a failed call raises (LoginWatch).
+        self._login = LoginWatch()
+        if "error_cb" not in settings:
+            settings["error_cb"] = self._login
         with translated("cannot create a Kafka admin client"):
             self._admin = AdminClient(settings)
         self._unreachable_until = 0.0
+
+    @contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        """`translated`, saying a refused login or a missing ACL as one line (who, where, fix)."""
+        try:
+            yield
+        except KafkaAdapterError:
+            raise
+        except DRIVER_ERRORS as exc:
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: BaseException) -> KafkaAdapterError:
+        with suppress(*DRIVER_ERRORS):
+            self._admin.poll(0)  # serves error_cb: the reason of a refused login
+        return driver_error(what, exc, config=self._config, login=self._login)
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:
         """Create the topics that do not exist yet; returns the names created."""
@@ -57,7 +84,7 @@ class KafkaAdmin:
         missing = [s for n, s in wanted.items() if n not in existing]
         if not missing:
             return []
-        with translated(f"cannot create topics {[s.name for s in missing]}"):
+        with self._translated(f"cannot create topics {[s.name for s in missing]}"):
             futures = self._admin.create_topics(
                 [NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1,
                           config=dict(s.config or {})) for s in missing],
@@ -69,7 +96,7 @@ class KafkaAdmin:
                 created.append(name)
             except DRIVER_ERRORS as exc:
                 if _code(exc) != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise driver_error(f"cannot create topic {name}", exc) from exc
+                    raise self._error(f"cannot create topic {name}", exc) from exc
         self._wait_for_leaders([s.name for s in missing], timeout)
         return created
 
@@ -80,7 +107,7 @@ class KafkaAdmin:
             raise KafkaAdapterError(f"cannot add partitions to {topic}: no such topic")
         if have >= count:
             return False
-        with translated(f"cannot grow {topic} to {count} partitions"):
+        with self._translated(f"cannot grow {topic} to {count} partitions"):
             futures = self._admin.create_partitions([NewPartitions(topic, count)],
                                                     operation_timeout=timeout)
         for future in futures.values():
@@ -94,7 +121,7 @@ class KafkaAdmin:
                         and _already_has(exc, count):
                     return False
                 if self.topics(timeout).get(topic, 0) < count:
-                    raise driver_error(f"cannot grow {topic} to {count} partitions",
+                    raise self._error(f"cannot grow {topic} to {count} partitions",
                                        exc) from exc
         self._wait_for_leaders([topic], timeout)
         return True
@@ -103,7 +130,7 @@ class KafkaAdmin:
         deadline = time.monotonic() + timeout
         pending = set(names)
         while pending and time.monotonic() < deadline:
-            with translated(f"waiting for leaders of {sorted(pending)}"):
+            with self._translated(f"waiting for leaders of {sorted(pending)}"):
                 md = self._admin.list_topics(timeout=timeout)
             for name in list(pending):
                 t = md.topics.get(name)
@@ -119,7 +146,7 @@ class KafkaAdmin:
         """Raise KafkaAdapterError unless a broker answers a metadata request for ``topic``
         (an existing one: it is not created) within ``timeout``; a cheap check that Kafka is
         back, one small request whatever the size of the cluster."""
-        with translated("Kafka does not answer"):
+        with self._translated("Kafka does not answer"):
             self._admin.poll(0)  # the client's log lines, with a `logger` (layer.kafka.logs)
             md = self._admin.list_topics(topic=topic, timeout=timeout)
         found = md.topics.get(topic)
@@ -131,7 +158,7 @@ class KafkaAdmin:
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
         """Every topic with its partition count."""
-        with translated("cannot list topics"):
+        with self._translated("cannot list topics"):
             self._admin.poll(0)  # the client's log lines, with a `logger` (layer.kafka.logs)
             md = self._admin.list_topics(timeout=timeout)
         return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
@@ -143,14 +170,14 @@ class KafkaAdmin:
         names = list(names)
         if not names:
             return
-        with translated(f"cannot delete topics {names}"):
+        with self._translated(f"cannot delete topics {names}"):
             futures = self._admin.delete_topics(names, operation_timeout=timeout)
         for name, future in futures.items():
             try:
                 future.result(timeout=timeout)
             except DRIVER_ERRORS as exc:
                 if _code(exc) != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    raise driver_error(f"cannot delete topic {name}", exc) from exc
+                    raise self._error(f"cannot delete topic {name}", exc) from exc
 
     def _offsets(self, pairs: Iterable[tuple[str, int]], spec: OffsetSpec,
                  timeout: float) -> dict[tuple[str, int], int]:
@@ -158,7 +185,7 @@ class KafkaAdmin:
         if not request:
             return {}
         out: dict[tuple[str, int], int] = {}
-        with translated("cannot list offsets"):
+        with self._translated("cannot list offsets"):
             for tp, future in self._admin.list_offsets(request, request_timeout=timeout).items():
                 out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
         return out
@@ -204,7 +231,7 @@ class KafkaAdmin:
             raise
         request = ConsumerGroupTopicPartitions(
             group, [KTP(t, p, o) for (t, p), o in offsets.items()])
-        with translated(f"cannot commit offsets of group {group}"):
+        with self._translated(f"cannot commit offsets of group {group}"):
             for future in self._admin.alter_consumer_group_offsets([request]).values():
                 future.result(timeout=timeout)
 

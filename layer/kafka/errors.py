@@ -10,8 +10,10 @@ transaction aborted), because the transactional writer's recovery depends on it.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -21,10 +23,19 @@ __all__ = [
     "DRIVER_ERRORS",
     "DeliveryFailed",
     "KafkaAdapterError",
+    "LoginWatch",
     "RetentionGap",
     "driver_error",
+    "security_problem",
     "translated",
 ]
+
+#: librdkafka's names of a broker's refusals by ACL (docs/security.md).
+AUTHORIZATION_CODES = frozenset({
+    "TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED",
+    "CLUSTER_AUTHORIZATION_FAILED", "TRANSACTIONAL_ID_AUTHORIZATION_FAILED",
+})
+_TIMINGS = re.compile(r"\s*\(after \d+ms[^)]*\)")
 
 #: What confluent-kafka raises besides `KafkaException`: a full local queue (BufferError), a
 #: closed client (RuntimeError), the admin client's futures (their TimeoutError, which is the
@@ -63,11 +74,23 @@ class RetentionGap(KafkaAdapterError):
 
 
 def driver_error(what: str, exc: BaseException,
-                 kind: type[KafkaAdapterError] = KafkaAdapterError) -> KafkaAdapterError:
-    """The qlayer error for a driver's exception: ``what`` failed, and librdkafka's verdict."""
+                 kind: type[KafkaAdapterError] = KafkaAdapterError,
+                 config: Mapping[str, Any] | None = None,
+                 login: LoginWatch | None = None) -> KafkaAdapterError:
+    """The qlayer error for a driver's exception: ``what`` failed, and librdkafka's verdict.
+
+    With the client's ``config`` (and its `LoginWatch`), a refused login or a missing ACL is
+    said as `security_problem` says it."""
     if isinstance(exc, KafkaAdapterError):
         return exc
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if config is not None:
+        code = error.name() if isinstance(error, KafkaError) else None
+        line = security_problem(what, config, code,
+                                login.failure if login is not None else None)
+        if line is not None:
+            # Not retriable: a password or an ACL does not fix itself.
+            return kind(line, code=code or "_AUTHENTICATION")
     if isinstance(error, KafkaError):
         return kind(f"{what}: {error.str()} ({error.name()})", code=error.name(),
                     retriable=error.retriable(), fatal=error.fatal(),
@@ -76,6 +99,45 @@ def driver_error(what: str, exc: BaseException,
         # The local queue is full, or a wait ran out: both may pass.
         return kind(f"{what}: {str(exc) or type(exc).__name__}", retriable=True)
     return kind(f"{what}: {str(exc) or type(exc).__name__}")
+
+
+class LoginWatch:
+    """A client's ``error_cb`` that keeps the last login failure (SASL or TLS handshake).
+
+    A wrong password does not fail a call with its reason: librdkafka reports the refused login
+    to ``error_cb`` and the call fails later as "broker transport failure" or a time-out. A
+    caller that saw such a failure polls its client (which serves the callback) and asks
+    `security_problem` for the line to show instead.
+    """
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+
+    def __call__(self, error: KafkaError) -> None:
+        if error.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+            # "sasl_plaintext://h:p/bootstrap: SASL authentication error: ... (after 3ms ...)"
+            self.failure = _TIMINGS.sub("", error.str()).split(": ", 1)[-1]
+
+
+def security_problem(what: str, config: Mapping[str, Any], code: str | None,
+                     login_failure: str | None = None) -> str | None:
+    """One line for a refused login or a missing ACL, naming the broker, the user and the fix;
+    None for any other failure. ``config`` is the client's librdkafka properties."""
+    servers = config.get("bootstrap.servers", "?")
+    user = config.get("sasl.username")
+    protocol = str(config.get("security.protocol", "PLAINTEXT")).upper()
+    who = f"user {user!r}" if user else f"an unauthenticated {protocol} client"
+    if login_failure is not None:
+        mechanism = config.get("sasl.mechanism", "")
+        return (f"{what}: Kafka at {servers} refused the login of {who}"
+                f"{f' ({mechanism})' if mechanism else ''}: {login_failure}. Check "
+                "sasl.username / sasl.password (or the TLS files) in the kafka: settings "
+                "(config file or QLAYER_KAFKA) and that the user exists on the cluster")
+    if code in AUTHORIZATION_CODES:
+        return (f"{what}: Kafka at {servers} does not allow {who} this ({code}). An admin "
+                "grants the rights of its role with `qlayer security acls ... --apply` "
+                "(docs/security.md)")
+    return None
 
 
 @contextmanager

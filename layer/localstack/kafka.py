@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -64,14 +65,75 @@ class KafkaConfig:
     port: int = 9092
     controller_port: int = 9093
     heap: str = "768m"
+    #: A second listener, SASL_PLAINTEXT with SCRAM-SHA-512, and the KRaft StandardAuthorizer
+    #: (docs/security.md): None (the default) leaves the broker as it always was, one
+    #: PLAINTEXT listener and no authorizer.
+    sasl_port: int | None = None
 
     @property
     def bootstrap_servers(self) -> str:
         return f"{self.host}:{self.port}"
 
     @property
+    def sasl_bootstrap_servers(self) -> str | None:
+        return None if self.sasl_port is None else f"{self.host}:{self.sasl_port}"
+
+    @property
     def libs_dir(self) -> Path:
         return self.cache_dir / f"kafka-{KAFKA_VERSION}" / "libs"
+
+
+#: The broker's own SCRAM user on the SASL listener, a super user: tools and tests that must
+#: see everything over SASL use it (its password is in the state directory, `admin.password`).
+ADMIN_USER = "admin"
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+
+
+def listener_properties(c: KafkaConfig) -> list[str]:
+    """The listener (and, with a SASL listener, authorizer) lines of server.properties.
+
+    Without `sasl_port`: one PLAINTEXT listener, no authorizer (every other use of the stack).
+    With it, a second listener takes SCRAM-SHA-512 logins and the StandardAuthorizer checks
+    every request against the ACLs, denying what no ACL allows. The PLAINTEXT listener stays:
+    its principal is User:ANONYMOUS, a super user, because the broker talks to its own
+    controller through it and because a local operator's tools need a door that always opens.
+    It is bound to loopback like everything in the local stack; a real cluster has no such
+    listener (docs/security.md).
+    """
+    listeners = [f"PLAINTEXT://{c.host}:{c.port}"]
+    advertised = [f"PLAINTEXT://{c.host}:{c.port}"]
+    protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+    if c.sasl_port is not None:
+        listeners.append(f"SASL_PLAINTEXT://{c.host}:{c.sasl_port}")
+        advertised.append(f"SASL_PLAINTEXT://{c.host}:{c.sasl_port}")
+        protocols.append("SASL_PLAINTEXT:SASL_PLAINTEXT")
+    lines = [
+        f"listeners={','.join(listeners)},CONTROLLER://{c.host}:{c.controller_port}",
+        f"advertised.listeners={','.join(advertised)}",
+        f"listener.security.protocol.map={','.join(protocols)}",
+    ]
+    if c.sasl_port is None:
+        return lines
+    return [
+        *lines,
+        f"sasl.enabled.mechanisms={SCRAM_MECHANISM}",
+        # The broker only checks SCRAM logins here (inter-broker traffic is PLAINTEXT), so its
+        # login module needs no credentials of its own.
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config="
+        "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        f"super.users=User:ANONYMOUS;User:{ADMIN_USER}",
+        "allow.everyone.if.no.acl.found=false",
+    ]
+
+
+def sasl_client_config(c: KafkaConfig, user: str, password: str) -> dict[str, str]:
+    """librdkafka properties of a client logging in on the SASL listener as ``user``."""
+    if c.sasl_bootstrap_servers is None:
+        raise LocalStackError("this Kafka has no SASL listener: start it with --secure")
+    return {"bootstrap.servers": c.sasl_bootstrap_servers,
+            "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": SCRAM_MECHANISM,
+            "sasl.username": user, "sasl.password": password}
 
 
 def _pom_path() -> Path:
@@ -163,10 +225,8 @@ class KafkaNode:
                     "process.roles=broker,controller",
                     "node.id=1",
                     f"controller.quorum.voters=1@{c.host}:{c.controller_port}",
-                    f"listeners=PLAINTEXT://{c.host}:{c.port},CONTROLLER://{c.host}:{c.controller_port}",
-                    f"advertised.listeners=PLAINTEXT://{c.host}:{c.port}",
+                    *listener_properties(c),
                     "controller.listener.names=CONTROLLER",
-                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
                     "inter.broker.listener.name=PLAINTEXT",
                     f"log.dirs={self.data_dir}",
                     "num.partitions=1",
@@ -206,9 +266,12 @@ class KafkaNode:
         """Start the broker unless it already runs. Returns the bootstrap servers."""
         c = self.config
         if self.running():
+            self._check_listeners()
+            self.ensure_admin_user()
             return c.bootstrap_servers
         if self.pid() is None:
-            for port in (c.port, c.controller_port):
+            ports = [c.port, c.controller_port] + ([c.sasl_port] if c.sasl_port else [])
+            for port in ports:
                 if port_open(c.host, port):
                     raise LocalStackError(
                         f"port {c.host}:{port} is busy but not by this stack's Kafka; stop "
@@ -236,7 +299,76 @@ class KafkaNode:
             alive=lambda: self.pid() is not None,
             on_death=self._death_report,
         )
+        self.ensure_admin_user()
         return c.bootstrap_servers
+
+    def _check_listeners(self) -> None:
+        """A running broker has the listeners asked for: one started without the SASL listener
+        is not silently taken for a secured one."""
+        c = self.config
+        if c.sasl_port is not None and not port_open(c.host, c.sasl_port):
+            raise LocalStackError(
+                f"the running Kafka (pid {self.pid()}) has no SASL listener on "
+                f"{c.host}:{c.sasl_port}: stop it (`qlayer dev down`) and start it with "
+                "`qlayer dev up --secure`")
+
+    @property
+    def admin_password_file(self) -> Path:
+        return self.dir / "admin.password"
+
+    def admin_password(self) -> str:
+        """The SASL admin user's password, made once per state directory (mode 0600)."""
+        path = self.admin_password_file
+        if not path.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(18) + "\n")
+        return path.read_text().strip()
+
+    def ensure_admin_user(self) -> None:
+        """With a SASL listener: the super user `admin` exists with the state dir's password."""
+        if self.config.sasl_port is not None:
+            self.set_scram_user(ADMIN_USER, self.admin_password())
+
+    def set_scram_user(self, user: str, password: str, timeout: float = 30.0) -> None:
+        """Create or change a SCRAM-SHA-512 user (through the PLAINTEXT listener, a super user's
+        door) and wait until the SASL listener accepts its login."""
+        from confluent_kafka.admin import (  # type: ignore[attr-defined]
+            AdminClient,
+            ScramCredentialInfo,
+            ScramMechanism,
+            UserScramCredentialUpsertion,
+        )
+
+        c = self.config
+        if c.sasl_port is None:
+            raise LocalStackError("this Kafka has no SASL listener: start it with --secure")
+        admin = AdminClient({"bootstrap.servers": c.bootstrap_servers})
+        upsert = UserScramCredentialUpsertion(
+            user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), password.encode())
+        try:
+            for future in admin.alter_user_scram_credentials([upsert]).values():
+                future.result(timeout=timeout)
+        except Exception as exc:
+            raise LocalStackError(f"cannot create SCRAM user {user!r} on "
+                                  f"{c.bootstrap_servers}: {exc}") from exc
+        # The credential reaches the SASL listener once the broker applied the metadata record.
+        wait_until(lambda: self._can_log_in(user, password), timeout,
+                   f"a SASL login of {user!r} on {c.sasl_bootstrap_servers}")
+
+    def _can_log_in(self, user: str, password: str) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({**sasl_client_config(self.config, user, password),
+                             "socket.timeout.ms": 2000})
+        try:
+            # Listing topics needs no ACL (an unauthorized client sees no topics), so this
+            # fails only when the login does.
+            admin.list_topics(timeout=2.0)
+        except Exception:
+            return False
+        return True
 
     def _death_report(self) -> str:
         return f"Last lines of {self.log_file}:\n{tail(self.log_file)}{self.death_hint()}"
@@ -249,7 +381,10 @@ class KafkaNode:
         return out_of_files_hint(read_end(self.log_file, 4 << 20), self.partitions())
 
     def _ready(self) -> bool:
-        if not port_open(self.config.host, self.config.port):
+        c = self.config
+        if not port_open(c.host, c.port):
+            return False
+        if c.sasl_port is not None and not port_open(c.host, c.sasl_port):
             return False
         # A listening socket is not yet a serving broker: ask for metadata.
         from confluent_kafka.admin import AdminClient

@@ -44,6 +44,11 @@ class StackConfig:
     controller_port: int = 9093
     postgres_port: int = 15432
     fast_postgres: bool = False
+    #: Start the broker with its SASL_PLAINTEXT (SCRAM-SHA-512) listener and the
+    #: StandardAuthorizer as well (docs/security.md); off by default.
+    secure: bool = False
+    #: The SASL listener's port; None: the broker's port + 2 (the controller has + 1).
+    sasl_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StackConfig:
@@ -59,6 +64,9 @@ class StackConfig:
             e, "QLAYER_DEV_CONTROLLER_PORT", int(str(values["kafka_port"])) + 1
         )
         values["postgres_port"] = _int_env(e, "QLAYER_DEV_POSTGRES_PORT", 15432)
+        values["secure"] = e.get("QLAYER_DEV_SECURE", "").lower() in ("1", "true", "yes")
+        if e.get("QLAYER_DEV_SASL_PORT"):
+            values["sasl_port"] = _int_env(e, "QLAYER_DEV_SASL_PORT", 0)
         given = {k: v for k, v in overrides.items() if v is not None}
         if "kafka_port" in given and "controller_port" not in given:
             # The controller listens next to the broker, wherever the broker was moved.
@@ -67,8 +75,12 @@ class StackConfig:
         return cls(**values)  # type: ignore[arg-type]
 
     def kafka(self) -> KafkaConfig:
+        sasl_port = None
+        if self.secure:
+            sasl_port = self.sasl_port if self.sasl_port is not None else self.kafka_port + 2
         return KafkaConfig(state_dir=self.state_dir, cache_dir=self.cache_dir, host=self.host,
-                           port=self.kafka_port, controller_port=self.controller_port)
+                           port=self.kafka_port, controller_port=self.controller_port,
+                           sasl_port=sasl_port)
 
     def postgres(self) -> PostgresConfig:
         return PostgresConfig(state_dir=self.state_dir, host=self.host, port=self.postgres_port,
@@ -87,6 +99,8 @@ class NodeStatus:
 class Endpoints:
     bootstrap_servers: str
     database_url: str
+    #: The SASL listener of a secured stack (`StackConfig.secure`), else None.
+    sasl_bootstrap_servers: str | None = None
 
 
 class LocalStack:
@@ -101,10 +115,12 @@ class LocalStack:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         database_url = self.postgres.up()
         bootstrap = self.kafka.up()
-        return Endpoints(bootstrap_servers=bootstrap, database_url=database_url)
+        return Endpoints(bootstrap_servers=bootstrap, database_url=database_url,
+                         sasl_bootstrap_servers=self.kafka.config.sasl_bootstrap_servers)
 
     def endpoints(self) -> Endpoints:
-        return Endpoints(self.kafka.config.bootstrap_servers, self.postgres.config.url)
+        return Endpoints(self.kafka.config.bootstrap_servers, self.postgres.config.url,
+                         self.kafka.config.sasl_bootstrap_servers)
 
     def status(self) -> list[NodeStatus]:
         return [

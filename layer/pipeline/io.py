@@ -32,6 +32,7 @@ __all__ = [
     "decode_events",
     "drop_batch_copies",
     "event_header_hex",
+    "java_kafka_settings",
     "jdbc_ready",
     "kafka_options",
     "local_session",
@@ -75,6 +76,56 @@ def kafka_options(bootstrap_servers: str, security: Mapping[str, str] | None = N
                "kafka.isolation.level": "read_committed"}
     options.update({f"kafka.{k}": v for k, v in (security or {}).items()})
     return options
+
+
+#: librdkafka properties whose Java client name and meaning are the same.
+_SAME_IN_JAVA = ("security.protocol", "client.id", "ssl.endpoint.identification.algorithm")
+_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+
+
+def _jaas_quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def java_kafka_settings(librdkafka: Mapping[str, object]) -> tuple[dict[str, str], list[str]]:
+    """qlayer's ``kafka:`` settings (librdkafka names) as Kafka Java client settings, for
+    Spark's Kafka source; and the keys left out (librdkafka tuning with no Java twin).
+
+    ``sasl.username`` / ``sasl.password`` become a ``sasl.jaas.config`` line for the mechanism
+    (PLAIN, SCRAM-SHA-256/512); ``ssl.ca.location`` (a PEM file) a PEM trust store. Mutual TLS
+    files have no Java twin (Java wants one keystore): give ``ssl.keystore.*`` as Java options.
+    Raises `QlayerError` for a SASL login it cannot express.
+    """
+    given = {k: str(v).lower() if isinstance(v, bool) else str(v)
+             for k, v in librdkafka.items()}
+    out: dict[str, str] = {}
+    for key in _SAME_IN_JAVA:
+        if key in given:
+            out[key] = given.pop(key)
+    if out.get("ssl.endpoint.identification.algorithm") == "none":
+        out["ssl.endpoint.identification.algorithm"] = ""  # Java's "off"
+    mechanism = given.pop("sasl.mechanisms", None) or given.pop("sasl.mechanism", None)
+    user, password = given.pop("sasl.username", None), given.pop("sasl.password", None)
+    if mechanism is not None:
+        out["sasl.mechanism"] = mechanism
+    if user is not None or password is not None:
+        module = _LOGIN_MODULES.get((mechanism or "PLAIN").upper())
+        if module is None or user is None or password is None:
+            raise QlayerError(
+                f"the kafka: settings' SASL login (mechanism {mechanism or 'PLAIN'}) has no "
+                "Spark equivalent qlayer can write: give the source's sasl.jaas.config "
+                "with --kafka-option")
+        out["sasl.jaas.config"] = (f"{module} required username={_jaas_quoted(user)} "
+                                   f"password={_jaas_quoted(password)};")
+    ca = given.pop("ssl.ca.location", None)
+    if ca is not None:
+        out["ssl.truststore.type"] = "PEM"
+        out["ssl.truststore.location"] = ca
+    return out, sorted(given)
 
 
 def _read_topic(spark: SparkSession, topic: str, options: Mapping[str, str],

@@ -30,6 +30,7 @@ from layer import __version__
 from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
 from layer.domain.likepattern import name_matcher
+from layer.kafka.acls import sdk_group
 from layer.protocol.batch import BATCH, DELIVERY_FORMAT, DeliveryFormat, decode_delivery_batch
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
@@ -266,7 +267,7 @@ class QueueConsumer:
         self._reader = DeliveryReader(
             self._config,
             self._delivery_topic,
-            group_id=self._topics.prefix + "sdk." + self._consumer_id,
+            group_id=sdk_group(self._topics, self._consumer_id),
         )
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

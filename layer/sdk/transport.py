@@ -8,9 +8,11 @@ Driver errors become qlayer errors here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import (
@@ -19,12 +21,13 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Producer,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from layer.kafka.errors import DeliveryFailed, KafkaAdapterError
+from layer.kafka.errors import DeliveryFailed, KafkaAdapterError, LoginWatch, driver_error
 from layer.kafka.reports import DeliveryFailures
 from layer.sdk.config import ClientConfig
 
@@ -66,9 +69,19 @@ def ensure_topic(
     """Create ``topic`` unless it exists and wait for its leaders; True when it is usable.
 
     False means it does not exist and could not be created here (no permission): the caller
-    decides whether that is fatal.
+    decides whether that is fatal. A topic this client may not even see (no ACL) or a refused
+    login raise `KafkaAdapterError` with one line naming the broker, the user and the fix.
     """
-    admin = AdminClient(config.client())
+    login = LoginWatch()
+    properties = config.client()
+    settings: dict[str, Any] = {"error_cb": login, **properties}
+    admin = AdminClient(settings)
+
+    def problem(what: str, exc: BaseException) -> KafkaAdapterError:
+        with contextlib.suppress(KafkaException, RuntimeError):
+            admin.poll(0)  # serves error_cb: the reason of a refused login
+        return driver_error(what, exc, config=properties, login=login)
+
     future = admin.create_topics(
         [NewTopic(topic, num_partitions=partitions, replication_factor=-1,
                   config=dict(topic_config or {}))],
@@ -80,13 +93,32 @@ def ensure_topic(
     except KafkaException as exc:
         error = exc.args[0]
         if error.code() not in _TOLERATED_CREATE_ERRORS:
-            raise KafkaAdapterError(f"cannot create topic {topic}: {error.str()}") from exc
+            raise problem(f"cannot create topic {topic}", exc) from exc
         if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
             log.info("not allowed to create topic %s (%s); expecting it to exist", topic,
                      error.str())
+            if not _visible(admin, topic, timeout, problem):
+                return False
     except Exception as exc:  # a timeout: the broker did not answer
-        raise KafkaAdapterError(f"cannot create topic {topic}: {exc}") from exc
+        raise problem(f"cannot create topic {topic}", exc) from exc
     return _wait_for_leaders(admin, topic, timeout)
+
+
+def _visible(admin: AdminClient, topic: str, timeout: float,
+             problem: Callable[[str, BaseException], KafkaAdapterError]) -> bool:
+    """Whether a topic this client could not create exists (False: not yet); raises when the
+    client may not see it at all. A plain metadata request cannot tell: it asks to create a
+    missing topic and answers TOPIC_AUTHORIZATION_FAILED for both. DescribeTopics does not."""
+    future = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic]
+    try:
+        future.result(timeout=timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            return False
+        raise problem(f"cannot read topic {topic}", exc) from exc
+    except Exception as exc:
+        raise problem(f"cannot read topic {topic}", exc) from exc
+    return True
 
 
 def _wait_for_leaders(admin: AdminClient, topic: str, timeout: float) -> bool:

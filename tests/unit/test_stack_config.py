@@ -98,3 +98,33 @@ def test_the_hint_finds_the_cause_far_above_the_last_lines(tmp_path: Path) -> No
     assert "3 partitions" in node.death_hint()
     node.log_file.write_text("Kafka stopped for another reason\n")
     assert node.death_hint() == ""
+
+
+def _properties(config: StackConfig) -> dict[str, str]:
+    from layer.localstack.kafka import listener_properties
+
+    return dict(line.split("=", 1) for line in listener_properties(config.kafka()))
+
+
+def test_the_broker_is_unsecured_unless_asked() -> None:
+    props = _properties(StackConfig.from_env({}))
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:9092,CONTROLLER://127.0.0.1:9093"
+    assert "authorizer.class.name" not in props and "sasl.enabled.mechanisms" not in props
+    assert StackConfig.from_env({}).kafka().sasl_bootstrap_servers is None
+
+
+def test_a_secured_broker_adds_a_scram_listener_and_denies_what_no_acl_allows() -> None:
+    for config in (StackConfig.from_env({"QLAYER_DEV_SECURE": "1"}, kafka_port=42092),
+                   StackConfig.from_env({}, kafka_port=42092, secure=True)):
+        props = _properties(config)
+        assert props["listeners"] == ("PLAINTEXT://127.0.0.1:42092,SASL_PLAINTEXT://127.0.0.1:"
+                                      "42094,CONTROLLER://127.0.0.1:42093")
+        assert "SASL_PLAINTEXT:SASL_PLAINTEXT" in props["listener.security.protocol.map"]
+        assert props["sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+        assert props["authorizer.class.name"] == (
+            "org.apache.kafka.metadata.authorizer.StandardAuthorizer")
+        assert props["allow.everyone.if.no.acl.found"] == "false"
+        assert props["super.users"] == "User:ANONYMOUS;User:admin"
+        assert config.kafka().sasl_bootstrap_servers == "127.0.0.1:42094"
+    moved = StackConfig.from_env({"QLAYER_DEV_SECURE": "1", "QLAYER_DEV_SASL_PORT": "42099"})
+    assert moved.kafka().sasl_bootstrap_servers == "127.0.0.1:42099"

@@ -76,3 +76,37 @@ def test_clients_refused_by_the_driver_raise_adapter_errors() -> None:
         JournalReader(bad, group_id="g")
     with pytest.raises(KafkaAdapterError, match=r"no\.such\.property"):
         KafkaAdmin(bad)
+
+
+def test_a_refused_login_is_one_line_naming_broker_user_and_fix() -> None:
+    from layer.kafka.errors import LoginWatch
+
+    login = LoginWatch()
+    login(KafkaError(KafkaError._AUTHENTICATION,
+                     "sasl_plaintext://127.0.0.1:42096/bootstrap: SASL authentication error: "
+                     "Authentication failed during authentication due to invalid credentials "
+                     "with SASL mechanism SCRAM-SHA-512 (after 335ms in state AUTH_REQ)"))
+    login(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))  # not a login
+    config = {"bootstrap.servers": "k1:9093", "security.protocol": "SASL_SSL",
+              "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "bob"}
+    error = driver_error("cannot list topics", KafkaException(
+        KafkaError(KafkaError._TRANSPORT, "Failed to get metadata")), config=config, login=login)
+    assert str(error) == (
+        "cannot list topics: Kafka at k1:9093 refused the login of user 'bob' (SCRAM-SHA-512): "
+        "SASL authentication error: Authentication failed during authentication due to "
+        "invalid credentials with SASL mechanism SCRAM-SHA-512. Check sasl.username / "
+        "sasl.password (or the TLS files) in the kafka: settings (config file or QLAYER_KAFKA) "
+        "and that the user exists on the cluster")
+    assert not error.retriable
+
+
+def test_a_missing_acl_names_the_user_and_the_recipe() -> None:
+    config = {"bootstrap.servers": "k1:9093", "sasl.username": "bob"}
+    error = driver_error("cannot read topic qlayer.ack", KafkaException(
+        KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)), config=config)
+    assert str(error).startswith("cannot read topic qlayer.ack: Kafka at k1:9093 does not "
+                                 "allow user 'bob' this (TOPIC_AUTHORIZATION_FAILED)")
+    assert "qlayer security acls" in str(error)
+    # Without a client config (older callers), the driver's verdict as before.
+    plain = driver_error("x", KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)))
+    assert "does not allow" not in str(plain) and plain.code == "TOPIC_AUTHORIZATION_FAILED"

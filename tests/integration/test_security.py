@@ -1,0 +1,204 @@
+"""The ACL recipe of docs/security.md on a real broker with SASL/SCRAM and the StandardAuthorizer.
+
+The module starts its own broker with the local stack's SASL listener (`KafkaConfig.sasl_port`),
+next to the session's plain one (QLAYER_TEST_KAFKA_PORT + 2 .. + 4), so no other test runs
+against an authorizer. Users and ACLs are made with the same code as `qlayer security acls`
+(`layer.kafka.acls`), through the broker's PLAINTEXT listener (a super user's door).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import Consumer, KafkaError
+from typer.testing import CliRunner
+
+from cli.main import app
+from layer.kafka.acls import Role, apply_acls, recipe, sdk_group
+from layer.kafka.errors import KafkaAdapterError
+from layer.localstack.kafka import KafkaConfig, KafkaNode, sasl_client_config
+from layer.localstack.stack import default_cache_dir
+from layer.protocol import TopicNames
+from layer.sdk import QueueConsumer, QueuePublisher
+from layer.settings import Settings
+from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
+from tests.support.kafka import create_topic
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class SecuredKafka:
+    node: KafkaNode
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """The PLAINTEXT listener: User:ANONYMOUS, a super user."""
+        return {"bootstrap.servers": self.node.config.bootstrap_servers}
+
+    @property
+    def sasl_servers(self) -> str:
+        servers = self.node.config.sasl_bootstrap_servers
+        assert servers is not None
+        return servers
+
+    def user(self, stem: str) -> tuple[str, dict[str, str]]:
+        """A new SCRAM user: its name and the librdkafka settings that log in as it."""
+        name = f"{stem}-{uuid.uuid4().hex[:6]}"
+        password = secrets.token_urlsafe(12)
+        self.node.set_scram_user(name, password)
+        security = sasl_client_config(self.node.config, name, password)
+        del security["bootstrap.servers"]
+        return name, security
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[SecuredKafka]:
+    base = int(os.environ.get("QLAYER_TEST_KAFKA_PORT", "39092"))
+    state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
+                 or Path(tempfile.gettempdir()) / "qlayer-test-stack") / "secured"
+    node = KafkaNode(KafkaConfig(state_dir=state, cache_dir=default_cache_dir(),
+                                 port=base + 2, controller_port=base + 3, sasl_port=base + 4))
+    was_running = node.running()
+    if not was_running:
+        node.wipe()
+    node.up()
+    try:
+        yield SecuredKafka(node)
+    finally:
+        if not was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
+            node.down()
+
+
+def _read_error(servers: str, security: dict[str, str], group: str,
+                topic: str) -> KafkaError | None:
+    """What a plain Kafka consumer logged in with ``security`` gets reading ``topic`` (None: a
+    record), its group id one it may use. Subscribed, not assigned: librdkafka reports a topic
+    it may not read to a subscriber at once, and to an assignment never."""
+    consumer = Consumer({"bootstrap.servers": servers, **security, "group.id": group,
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    try:
+        consumer.subscribe([topic])
+        for _ in range(40):
+            message = consumer.poll(0.25)
+            if message is not None:
+                return message.error()
+        return None
+    finally:
+        consumer.close()
+
+
+def test_consumer_b_cannot_read_what_the_recipe_keeps_from_it(
+        secured: SecuredKafka, database_url: str, unique_name: Callable[[str], str]) -> None:
+    topics = TopicNames(f"qsec{uuid.uuid4().hex[:8]}.")
+    journal = unique_name("Work")
+    create_topic(secured.node.config.bootstrap_servers, journal, partitions=2)
+    coordinator_user, coordinator_kafka = secured.user("coordinator")
+    publisher_user, publisher_kafka = secured.user("publisher")
+    alice, alice_kafka = secured.user("alice")
+    bob, bob_kafka = secured.user("bob")
+    rules = [*recipe(Role.COORDINATOR, coordinator_user, topics, journals=[journal]),
+             *recipe(Role.PUBLISHER, publisher_user, topics, journals=[journal]),
+             *recipe(Role.CONSUMER, alice, topics, consumer_id="alice-worker"),
+             *recipe(Role.CONSUMER, bob, topics, consumer_id="bob-worker")]
+    assert apply_acls(secured.admin, rules) == len(set(rules))
+
+    settings = Settings(bootstrap_servers=secured.sasl_servers, database_url=database_url,
+                        topic_prefix=topics.prefix, kafka=coordinator_kafka)
+    put_queues(settings, {"name": "Jobs", "underlying_topic": journal})
+    with QueuePublisher(secured.sasl_servers, topic_prefix=topics.prefix,
+                        kafka_config=publisher_kafka) as publisher:
+        for i in range(20):
+            publisher.publish(journal, json.dumps({"n": i}).encode(), key=str(i).encode())
+
+    with running_coordinator(settings):
+        with QueueConsumer("Jobs", secured.sasl_servers, topic_prefix=topics.prefix,
+                           kafka_config=alice_kafka, consumer_id="alice-worker",
+                           max_backlog=5) as consumer:
+            seen = []
+            while len(seen) < 20:
+                message = consumer.receive(timeout=30)
+                assert message is not None, f"alice got {len(seen)} of 20"
+                seen.append(message.json()["n"])
+                message.ack()
+        wait_until(lambda: counters(settings, "Jobs").get("acked") == 20 or None,
+                   timeout=30, what="alice's 20 acks applied")
+    assert sorted(seen) == list(range(20))
+
+    # Bob, a consumer with his own ACLs, reads none of it: not alice's deliveries, not the
+    # Subscribes and acks of other sessions.
+    for topic in (topics.delivery("alice-worker"), topics.control, topics.ack):
+        error = _read_error(secured.sasl_servers, bob_kafka, sdk_group(topics, "bob-worker"),
+                            topic)
+        assert error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, (
+            topic, error)
+    # Nor does posing as alice's consumer id get him her delivery topic.
+    with pytest.raises(KafkaAdapterError, match=f"does not allow user {bob!r}"):
+        QueueConsumer("Jobs", secured.sasl_servers, topic_prefix=topics.prefix,
+                      kafka_config=bob_kafka, consumer_id="alice-worker",
+                      subscribe_timeout=10).close()
+    # While the recipe's rights were enough for alice: the same reads as her succeed.
+    assert _read_error(secured.sasl_servers, alice_kafka, sdk_group(topics, "alice-worker"),
+                       topics.delivery("alice-worker")) is None
+
+
+def test_the_cli_works_over_sasl_and_a_refused_login_is_one_line(
+        secured: SecuredKafka, database_url: str, unique_name: Callable[[str], str],
+        tmp_path: Path) -> None:
+    topics = TopicNames(f"qsec{uuid.uuid4().hex[:8]}.")
+    journal = unique_name("Work")
+    create_topic(secured.node.config.bootstrap_servers, journal, partitions=1)
+    operator, operator_kafka = secured.user("operator")
+    runner = CliRunner()
+    # The recipe through the CLI, as docs/security.md has an admin run it (the PLAINTEXT
+    # listener's principal is a super user).
+    granted = runner.invoke(app, [
+        "security", "acls", "--role", "operator", "--user", operator, "--journal", journal,
+        "--apply", "--bootstrap-servers", secured.node.config.bootstrap_servers,
+        "--topic-prefix", topics.prefix], env={"QLAYER_CONFIG": "/dev/null"})
+    assert granted.exit_code == 0, granted.output
+    assert "created 5 ACLs for User:operator-" in granted.output
+    config = tmp_path / "qlayer.yaml"  # the settings file an operator writes
+    config.write_text(yaml.safe_dump({"bootstrap_servers": secured.sasl_servers,
+                                      "database_url": database_url,
+                                      "topic_prefix": topics.prefix, "kafka": operator_kafka}))
+    env = {"QLAYER_CONFIG": str(config)}
+    put_queues(Settings.load(env=env), {"name": "Jobs", "underlying_topic": journal})
+
+    published = runner.invoke(app, ["publish", journal], env=env, input="a\nb\nc\n")
+    assert published.exit_code == 0, published.output
+    stats = runner.invoke(app, ["stats", "Jobs", "--json", "--interval", "0.1"], env=env)
+    assert stats.exit_code == 0, stats.output
+    (row,) = json.loads(stats.stdout)["queues"]
+    assert row["queue"] == "Jobs" and row["problem"] is None, row
+    assert [p["end_offset"] for p in row["partitions"]] == [3], row
+
+    # The same file with a wrong password, overridden by the environment as a deployment
+    # would: one line naming the broker and the user, not librdkafka's log.
+    wrong = {**env, "QLAYER_KAFKA": json.dumps({**operator_kafka, "sasl.password": "wrong"})}
+    refused = runner.invoke(app, ["stats", "Jobs", "--json"], env=wrong)
+    assert refused.exit_code == 1
+    assert str(refused.exception).count("\n") == 0
+    assert (f"Kafka at {secured.sasl_servers} refused the login of user {operator!r} "
+            "(SCRAM-SHA-512)") in str(refused.exception)
+    assert "invalid credentials" in str(refused.exception)
+
+
+def test_a_consumer_with_a_wrong_password_is_told_so(secured: SecuredKafka) -> None:
+    topics = TopicNames(f"qsec{uuid.uuid4().hex[:8]}.")
+    alice, alice_kafka = secured.user("alice")
+    apply_acls(secured.admin, recipe(Role.CONSUMER, alice, topics, consumer_id="alice-worker"))
+    with pytest.raises(KafkaAdapterError, match=(
+            f"refused the login of user {alice!r} .SCRAM-SHA-512.: .*invalid credentials")):
+        QueueConsumer("Jobs", secured.sasl_servers, topic_prefix=topics.prefix,
+                      kafka_config={**alice_kafka, "sasl.password": "wrong"},
+                      consumer_id="alice-worker", subscribe_timeout=5).close()
