@@ -64,7 +64,7 @@ bench-scale: install
 
 # The fault-injection soak (issue 15): a broker and PostgreSQL of its own, 100,000 records at
 # 400/s through an at-least-once and an at-most-once queue, 4 consumers, 7 coordinator SIGKILLs
-# with a standby, 6 consumer SIGKILLs, one broker SIGKILL and one PostgreSQL crash (about 8
+# with a standby, 6 consumer SIGKILLs, one broker SIGKILL and one PostgreSQL crash (about 6
 # minutes on 2 cores). Exits 1 when a record was lost or processed twice at most once.
 # SOAK_ARGS="--messages 20000 --rate 200" for a shorter one; `--help` lists every knob.
 soak: install
