@@ -41,8 +41,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 
 from layer.localstack import StackConfig
-from layer.localstack.process import port_open
-from layer.localstack.stack import LocalStack
+from layer.localstack.process import LocalStackError, port_open
+from layer.localstack.stack import Endpoints, LocalStack
 from layer.protocol import EventType
 from layer.settings import Settings
 from layer.store import migrate
@@ -50,6 +50,10 @@ from layer.store.store import Store
 from tests.support.coordinator import put_queues
 from tests.support.kafka import create_topic
 from tests.support.processes import CoordinatorSubprocess, Subprocess, read_events
+
+#: Below Linux's ephemeral port range (32768-60999), so no client connection holds them.
+KAFKA_PORTS_FROM = 30_092
+POSTGRES_PORTS_FROM = 30_532
 
 ALO = "SoakAtLeastOnce"
 AMO = "SoakAtMostOnce"
@@ -162,7 +166,7 @@ class Publisher(threading.Thread):
 
     def _report(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
-            self.delivered.add(int(msg.value()))
+            self.delivered.add(int(msg.value() or b"-1"))
         else:
             self.failures += 1
 
@@ -188,10 +192,7 @@ class Soak:
     def __init__(self, plan: SoakPlan, state_dir: Path, say: Callable[[str], None],
                  keep_stack: bool = False) -> None:
         self.plan, self.state_dir, self.say, self.keep_stack = plan, state_dir, say, keep_stack
-        kafka_port = _free_port(47_092, pair=True)
-        pg_port = _free_port(47_532, pair=False)
-        self.stack = LocalStack(StackConfig.from_env(
-            {}, state_dir=state_dir / "stack", kafka_port=kafka_port, postgres_port=pg_port))
+        self.stack = self._stack(KAFKA_PORTS_FROM, POSTGRES_PORTS_FROM)
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.coordinators: dict[str, CoordinatorSubprocess] = {}
@@ -201,6 +202,28 @@ class Soak:
         self.result = SoakResult(plan=dataclasses.asdict(plan))
         self.rng = random.Random(plan.seed + 1)
         self._count = 0
+
+    def _stack(self, kafka_from: int, postgres_from: int) -> LocalStack:
+        kafka_port = _free_port(kafka_from, pair=True)
+        pg_port = _free_port(postgres_from, pair=False)
+        return LocalStack(StackConfig.from_env(
+            {}, state_dir=self.state_dir / f"stack-{kafka_port}", kafka_port=kafka_port,
+            postgres_port=pg_port))
+
+    def _up(self) -> Endpoints:
+        """The stack started; on other ports when a port that looked free could not be bound
+        (another process took it between the look and the bind)."""
+        for attempt in range(3):
+            try:
+                return self.stack.up()
+            except LocalStackError as exc:
+                if attempt == 2:
+                    raise
+                self.say(f"the stack did not start ({str(exc).splitlines()[0]}); other ports")
+                self.stack.down()
+                self.stack = self._stack(self.stack.config.kafka_port + 10,
+                                         self.stack.config.postgres_port + 10)
+        raise AssertionError("unreachable")
 
     # --- processes --------------------------------------------------------------------------
 
@@ -283,7 +306,7 @@ class Soak:
 
     def run(self) -> SoakResult:
         began = time.monotonic()
-        endpoints = self.stack.up()
+        endpoints = self._up()
         self.settings = Settings(bootstrap_servers=endpoints.bootstrap_servers,
                                  database_url=endpoints.database_url,
                                  topic_prefix=f"soak{uuid.uuid4().hex[:6]}.")
@@ -389,8 +412,8 @@ class Soak:
             lost = [where[v] for v in r.alo_lost[:8] if v in where]
             unacked = [b for b in sorted(where.values()) if acked[ALO][b] == 0][:8]
             for b in dict.fromkeys(lost + unacked):
-                value = next(v for v, w in where.items() if w == b)
-                r.histories[f"{b} (record {value})"] = history.get(b, [])
+                record = next(v for v, w in where.items() if w == b)
+                r.histories[f"{b} (record {record})"] = history.get(b, [])
 
     def _bookmarks_of(self, published: set[int]) -> dict[int, str]:
         """Each published record's bookmark, read back from the journal."""
@@ -403,7 +426,7 @@ class Soak:
         while len(found) < len(published) and time.monotonic() < deadline:
             for m in consumer.consume(10_000, 0.5):
                 if m.error() is None and m.value():
-                    found[int(m.value())] = f"{m.topic()}/{m.partition()}/{m.offset()}"
+                    found[int(m.value() or b"-1")] = f"{m.topic()}/{m.partition()}/{m.offset()}"
         consumer.close()
         return found
 
@@ -426,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-stack", action="store_true",
                         help="leave the soak's broker and PostgreSQL running afterwards, to "
                              "look into them (stop them with `qlayer dev down` and "
-                             "QLAYER_DEV_STATE_DIR=STATE_DIR/stack)")
+                             "QLAYER_DEV_STATE_DIR=STATE_DIR/stack-KAFKAPORT and the soak's ports)")
     parser.add_argument("--output", type=Path, default=Path("soak-result.json"),
                         help="the figures and the fault log, JSON (default: %(default)s)")
     args = parser.parse_args(argv)
