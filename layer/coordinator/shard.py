@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from layer.coordinator.catalog import Catalog
-from layer.coordinator.core import Plan, ShardCore
+from layer.coordinator.core import Plan, ShardCore, record_limit
 from layer.coordinator.deferred import DeferredReader
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
@@ -107,6 +107,8 @@ class ShardLoop:
                               tokens=tokens or LeaseTokens(), owner_id=options.owner_id,
                               memory=memory, counters=self.counters)
         self.output = Output(self.core)
+        # Records larger than the producer writes never reach it (issue 15, 2a).
+        self.core.record_limit = record_limit(self.settings.kafka_config())
         # Events go to the shard's key's partition of the events topic: in commit order.
         self._event_key = self.key.encode()
         # The newest outbox batch known to be on the events topic (deleted from the outbox by
