@@ -156,6 +156,9 @@ class ShardCore:
         #: (`record_limit`; lowered when a delivery topic refuses a smaller record). A larger
         #: one is never handed to the producer: its entries expire as ``too-large``.
         self.record_limit = DEFAULT_RECORD_LIMIT - DELIVERY_OVERHEAD
+        #: Queues whose journal partitions were deleted while read: which, and when (for the
+        #: shard's report and `qlayer stats`); kept across rebuilds of the shard.
+        self.journal_deleted: dict[str, tuple[str, float]] = {}
         self.reset()
 
     def reset(self) -> None:

@@ -427,3 +427,13 @@ def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now:
                 counters=_counter_values(counters.get(name)),
                 partitions=lags, sampled_at=now))
     return out
+
+
+def shard_counters(settings: Settings) -> dict[str, dict[str, int]]:
+    """Each shard's stored counters of input faults and isolated poison input (malformed ack
+    and control records, refusals by status, records too large to deliver, journals deleted
+    while read; written by the shard's owner every report interval): shard -> name -> n,
+    shards with nothing counted left out."""
+    with Store(settings.database_url) as store:
+        found = store.all_shard_counters()
+    return {shard: dict(sorted(c.items())) for shard, c in found.items() if c}

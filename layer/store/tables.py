@@ -315,6 +315,9 @@ ownership = Table(
     # Journal records the owner had not read yet at `reported_at` (`qlayer coordinators`).
     Column("lag", BigInteger, nullable=True),
     _ts("reported_at", nullable=True),
+    # Running totals of the shard's input faults and isolated poison input, name -> count
+    # (0008; `layer.coordinator.shard.FAULT_COUNTERS`), written with the owner's report.
+    Column("counters", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     CheckConstraint("epoch >= 1", name="epoch_positive"),
 )
 
