@@ -61,7 +61,8 @@ class QueueLoader:
         self.invalid: dict[str, int] = {}
 
     def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float,
-            moved: Mapping[tuple[str, int], tuple[int, int]] | None = None) -> bool:
+            moved: Mapping[tuple[str, int], tuple[int, int]] | None = None,
+            forget: frozenset[tuple[str, int]] = frozenset()) -> bool:
         """Serve the queue; False (counted, logged) when its stored definition is invalid.
 
         ``moved`` (a reset): partition -> (its position before, the new one). The queue starts
@@ -90,9 +91,16 @@ class QueueLoader:
                       definition.underlying_topic, topics.prefix)
         name = definition.name
         stored = self.store.load_recovery_points(name)
-        starts = self.start_positions(definition, self.journal_partitions(definition), stored)
         entries = self.store.load_entries(name)
         admitted = self.store.load_admitted(name)
+        if forget:
+            # Partitions of a deleted journal: what is stored of them is being forgotten by
+            # the batch not committed yet (`journal_deleted`).
+            stored = {k: v for k, v in stored.items() if (k.topic, k.partition) not in forget}
+            entries = [r for r in entries if (r.topic, r.partition) not in forget]
+            admitted = {k: v for k, v in admitted.items()
+                        if (k.topic, k.partition) not in forget}
+        starts = self.start_positions(definition, self.journal_partitions(definition), stored)
         reads = dict(starts)
         if moved:
             entries, admitted = _moved_state(name, entries, admitted, moved)
@@ -351,7 +359,7 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
     starts = loader.admin.log_start_offsets(remade) if remade else {}
     moved = {tp: (points[tp], starts.get(tp, 0)) for tp in remade}
     if record is not None and loader.add(record, core.catalog().consumers.values(), now,
-                                         moved):
+                                         moved, frozenset(lost)):
         core.resubscribe(name, now)
 
 
