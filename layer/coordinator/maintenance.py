@@ -339,7 +339,13 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
         batch.set_recovery_point(name, topic, partition, 0)
         batch.set_admitted(name, topic, partition, 0)
     closed.extend(engine.drain().events)
-    expired = sum(isinstance(e, ev.EntryExpired) for e in closed)
+    expired = 0
+    for e in closed:
+        if isinstance(e, ev.EntryExpired):
+            expired += 1
+            # The bytes held for the entry go now: a journal made again starts its offsets
+            # over, and a new record at the same bookmark must not be delivered with them.
+            core.payloads.release(e.bookmark)
     if closed:
         add_outbox(batch, name, ev.Outbox(closed, []))
         codec = core.codec
