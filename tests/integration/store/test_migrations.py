@@ -83,3 +83,37 @@ def test_0007_counts_input_faults_from_zero_and_its_downgrade_drops_them(
         assert "unparseable" not in columns and "enqueued" in columns
     finally:
         engine.dispose()
+
+
+def test_0008_gives_existing_shards_empty_counters_and_its_downgrade_drops_them(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0007_input_counters")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO ownership (shard, owner_id, epoch, acquired_at, heartbeat_at) "
+                "VALUES ('0', 'c-1', 7, now(), now())"))
+        assert migrate.upgrade(empty_database_url, "0008_shard_counters") == (
+            "0008_shard_counters")
+        with engine.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT epoch, counters FROM ownership")).one() == (7, {})
+            conn.execute(sa.text(
+                "UPDATE ownership SET counters = '{\"too_large\": 2}'::jsonb"))
+            assert conn.execute(sa.text(
+                "SELECT counters FROM ownership")).scalar_one() == {"too_large": 2}
+        assert migrate.downgrade(empty_database_url, "0007_input_counters") == (
+            "0007_input_counters")
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("ownership")}
+            assert conn.execute(sa.text("SELECT epoch FROM ownership")).scalar_one() == 7
+        assert "counters" not in columns and "epoch" in columns
+        # And up again: the shard's counters start over from empty.
+        assert migrate.upgrade(empty_database_url, "0008_shard_counters") == (
+            "0008_shard_counters")
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT counters FROM ownership")).scalar_one() == {}
+    finally:
+        engine.dispose()
