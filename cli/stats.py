@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
           "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
-          "deletes": "deletes", "malformed_headers": "bad headers"}
+          "deletes": "deletes", "malformed_headers": "bad headers",
+          "journal_deleted": "journal deleted"}
 
 
 def _faults(stats: QueueStats) -> str:

@@ -354,6 +354,8 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
             codec.event_item(encode(core.owner_id, core.epoch, *f))
             for f in event_fields(closed, session_of=core.session_id_of)]))
     core.counters["journal_deleted"] += expired
+    if expired:
+        batch.count(name, "journal_deleted", expired)
     core.counters["journals_deleted"] += len(lost)
     core.journal_deleted[name] = (", ".join(f"{t}[{p}]" for t, p in sorted(lost)), now)
     log.error("queue %s: journal partition(s) %s were deleted (or deleted and made again) "

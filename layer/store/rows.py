@@ -210,4 +210,5 @@ class QueueCounters:
     unparseable: int = 0
     deletes: int = 0
     malformed_headers: int = 0
+    journal_deleted: int = 0
     updated_at: float | None = None

@@ -71,6 +71,9 @@ COUNTER_NAMES: Final = (
     "unparseable",
     "deletes",
     "malformed_headers",
+    # Entries that left the queue because their journal partition was deleted while the
+    # queue read it (0008, reason journal_deleted): the queue's mark of a lost journal.
+    "journal_deleted",
 )
 
 # Explicit constraint names, so the hand-written migration and this metadata name every

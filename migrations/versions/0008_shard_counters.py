@@ -7,8 +7,12 @@
   counted to what it found there when it took the shard, and writes the sum with its periodic
   report; `qlayer stats` shows them.
 
+- ``queue_counters.journal_deleted``: the queue's entries that left it because their journal
+  partition was deleted while the queue read it (reason ``journal_deleted``): the queue's
+  mark of a lost journal in ``qlayer stats`` and ``qlayer queue describe``.
+
 Before this revision these were counted only inside the coordinator process. Existing shards
-start at ``{}``. Downgrading drops the column.
+start at ``{}``, existing queues at 0. Downgrading drops the columns.
 
 Revision ID: 0008_shard_counters
 Revises: 0007_input_counters
@@ -30,7 +34,10 @@ depends_on = None
 def upgrade() -> None:
     op.add_column("ownership", sa.Column("counters", postgresql.JSONB(), nullable=False,
                                          server_default=sa.text("'{}'::jsonb")))
+    op.add_column("queue_counters", sa.Column("journal_deleted", sa.BigInteger(),
+                                              nullable=False, server_default=sa.text("0")))
 
 
 def downgrade() -> None:
+    op.drop_column("queue_counters", "journal_deleted")
     op.drop_column("ownership", "counters")

@@ -149,6 +149,16 @@ def test_a_journal_deleted_while_read_expires_its_entries_and_made_again_is_read
                 events.close()
             assert sorted(e.bookmark.offset for e in seen if e.bookmark is not None
                           and e.reason == "journal_deleted") == [0, 1, 2, 3, 4]
+            # The queue's mark: its counter, in stats and describe.
+            assert wait_for_counters(settings, "Doomed", journal_deleted=5)[
+                "journal_deleted"] == 5
+            described = CliRunner().invoke(app, [
+                "queue", "describe", "Doomed", "--database-url", settings.database_url,
+                "--bootstrap-servers", settings.bootstrap_servers,
+                "--topic-prefix", settings.topic_prefix], env={"COLUMNS": "250"})
+            assert described.exit_code == 0, described.output
+            assert "a journal partition was deleted while the queue read it: 5 entries" in (
+                " ".join(described.stdout.split()))
 
             # The other queue of the shard carries on: deliveries flow, acks are accepted.
             produce(settings.bootstrap_servers, other, [b'{"o": 1}', b'{"o": 2}'],
