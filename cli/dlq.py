@@ -120,7 +120,9 @@ def redrive_(
     """Re-publish dead letters to the queue's journal, each exactly once (also across runs).
 
     A second redrive moves what the first left (not selected by --filter or --bookmark) and
-    what was dead-lettered since.
+    what was dead-lettered since. Letters written without their value (reason too_large,
+    header qlayer.dlq.value-omitted) are never moved: they are counted and kept, for
+    `qlayer dlq delete --bookmark`.
     """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
     result = _run(settings, queue, rate=rate, filter=filter, bookmarks=bookmark or [],
@@ -195,7 +197,8 @@ def _result_json(queue: str, result: RedriveResult) -> dict[str, Any]:
             "deleted": result.deleted, "kept_for_later": result.carried,
             "skipped_by_filter": result.carried,
             "skipped_other_queues": result.skipped_other,
-            "skipped_duplicates": result.skipped_duplicate, "targets": result.targets}
+            "skipped_duplicates": result.skipped_duplicate,
+            "skipped_value_omitted": result.value_omitted, "targets": result.targets}
 
 
 def _echo_rest(result: RedriveResult) -> None:
@@ -204,3 +207,9 @@ def _echo_rest(result: RedriveResult) -> None:
         typer.echo(f"{result.carried} not selected {kept} for a later redrive")
     if result.skipped_duplicate:
         typer.echo(f"{result.skipped_duplicate} duplicate dead letter(s) were passed over")
+    if result.value_omitted:
+        kept = "would be kept" if result.dry_run else "were kept"
+        typer.echo(f"{result.value_omitted} dead letter(s) without their value (too large to "
+                   f"deliver: qlayer.dlq.value-omitted) cannot be redriven and {kept}; their "
+                   "records are at their original bookmarks in the journal until retention "
+                   "(`qlayer dlq delete --bookmark` drops the letters)")

@@ -363,6 +363,11 @@ def _print_describe(d: QueueDescription) -> None:
         renderables.append("no consumers attached")
     if d.kafka_problem:
         renderables.append(f"[yellow]journal offsets unavailable: {d.kafka_problem}[/]")
+    if d.counters is not None and d.counters.journal_deleted:
+        renderables.append(
+            f"[yellow]a journal partition was deleted while the queue read it: "
+            f"{d.counters.journal_deleted} entries expired (reason journal_deleted); "
+            f"the coordinator log names the partitions[/]")
     if d.definition_problem:
         renderables.append(
             f"[red]not served: the stored definition is invalid: {escape(d.definition_problem)}"

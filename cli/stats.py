@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
           "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
-          "deletes": "deletes", "malformed_headers": "bad headers"}
+          "deletes": "deletes", "malformed_headers": "bad headers",
+          "journal_deleted": "journal deleted"}
 
 
 def _faults(stats: QueueStats) -> str:
@@ -91,6 +92,26 @@ def _tables(sample: list[QueueStats]) -> Group:
     return Group(*parts)
 
 
+def _shard_counters(settings: Settings, queue: str | None) -> dict[str, dict[str, int]]:
+    """The shards' fault counters (none when one queue was asked for: they are not its)."""
+    if queue is not None:
+        return {}
+    from layer.services.views import shard_counters
+
+    return shard_counters(settings)
+
+
+def _shard_table(shards: dict[str, dict[str, int]]) -> Table:
+    table = Table(title="shard faults (malformed or refused input, isolated poison input)")
+    table.add_column("shard")
+    table.add_column("counter")
+    table.add_column("total", justify="right")
+    for shard, counters in shards.items():
+        for name, n in counters.items():
+            table.add_row(escape(shard), escape(name), str(n))
+    return table
+
+
 def _warn_unowned(settings: Settings) -> None:
     """Numbers of a shard nobody runs stand still: say so before showing them."""
     from cli.coordinators import unowned_warning
@@ -127,10 +148,14 @@ def stats(
     time.sleep(interval)
     sample = _sample(settings, queue, first)
     if json_out and not watch:
-        emit_json({"queues": [_document(s) for s in sample]})
+        emit_json({"queues": [_document(s) for s in sample],
+                   "shards": _shard_counters(settings, queue)})
         return
     if not watch:
         show(_tables(sample))
+        shards = _shard_counters(settings, queue)
+        if shards:
+            show(_shard_table(shards))
         return
     try:
         if json_out:

@@ -23,7 +23,7 @@ from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.options import CoordinatorOptions, LoopStats
-from layer.coordinator.payloads import MemoryPool, PayloadCache, record_size
+from layer.coordinator.payloads import RECORD_OVERHEAD, MemoryPool, PayloadCache, record_size
 from layer.coordinator.ports import TopicAdmin
 from layer.coordinator.sessions import Session
 from layer.coordinator.translate import add_outbox, lost_to_retention
@@ -34,7 +34,7 @@ from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, is_json_null, parse_document, project
 from layer.domain.native import AnyEngine, new_engine
-from layer.domain.states import Bookmark
+from layer.domain.states import Bookmark, ExpiryReason
 from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
     Codec,
@@ -49,7 +49,27 @@ from layer.store.rows import ConsumerRow, EntryRow, PartitionKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "QueueState", "ShardCore"]
+__all__ = ["DEFAULT_RECORD_LIMIT", "DELIVERY_OVERHEAD", "Plan", "QueueState", "ShardCore",
+           "record_limit"]
+
+#: librdkafka's default ``message.max.bytes``: the largest record its producer writes.
+DEFAULT_RECORD_LIMIT = 1_000_000
+#: Bytes a delivery or a dead letter adds to a journal record's key, value and headers at
+#: most (lease fields or ``qlayer.*`` headers, the batch framing, ``qlayer.dlq.*`` headers and
+#: Kafka's own record overhead), beside the names of the queue, consumer and session.
+DELIVERY_OVERHEAD = 4096
+
+
+def record_limit(kafka: dict[str, object]) -> int:
+    """The largest key + value + headers a record may have for the coordinator to deliver
+    it: the producer's ``message.max.bytes`` less what a delivery adds (`DELIVERY_OVERHEAD`).
+    A record over it can never be written to a delivery topic, by any retry."""
+    configured = kafka.get("message.max.bytes", DEFAULT_RECORD_LIMIT)
+    try:
+        limit = int(str(configured))
+    except ValueError:
+        limit = DEFAULT_RECORD_LIMIT
+    return max(limit - DELIVERY_OVERHEAD, 1)
 
 
 @dataclass
@@ -132,6 +152,13 @@ class ShardCore:
         # logged again.
         self.input_faults: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._unparseable_logged: dict[str, float] = {}
+        #: The largest key + value + headers of a journal record the shard can deliver
+        #: (`record_limit`; lowered when a delivery topic refuses a smaller record). A larger
+        #: one is never handed to the producer: its entries expire as ``too-large``.
+        self.record_limit = DEFAULT_RECORD_LIMIT - DELIVERY_OVERHEAD
+        #: Queues whose journal partitions were deleted while read: which, and when (for the
+        #: shard's report and `qlayer stats`); kept across rebuilds of the shard.
+        self.journal_deleted: dict[str, tuple[str, float]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -165,6 +192,9 @@ class ShardCore:
         self._input_offsets: dict[tuple[str, int], int] = {}
         # Positions read past acks that wait for the replay, stored once they are applied.
         self._held_positions: dict[tuple[str, int], int] = {}
+        # Entries found too large to deliver outside a step (a delivery topic refused their
+        # record): expired by the next step, before it dispatches anything.
+        self._too_large: list[Bookmark] = []
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this step (the engines never see what was
         # refused, so these do not come from their outboxes).
         self.pending_events: list[Event] = []
@@ -212,7 +242,9 @@ class ShardCore:
         if lane is not None:
             if journal:
                 lane.enqueue(journal, now)
+                self._expire_too_large(self._oversize(journal), now)
                 self._count_input_faults(batch, now)
+            self._expire_refused(now)
             lane.decide(plan, now)
         else:
             plan.fresh = self._enqueue(journal, now) if journal else {}
@@ -221,6 +253,7 @@ class ShardCore:
                 self._readmitted = {}
             if journal:
                 self._count_input_faults(batch, now)
+            self._expire_refused(now)
             self._decide(plan, now)
         # One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
@@ -320,6 +353,8 @@ class ShardCore:
         fresh: dict[Bookmark, JournalRecord] = {}
         # What the payload budget still takes: records past it are projected below.
         room = self.payloads.budget - self.payloads.bytes
+        too_large_at = self.record_limit + RECORD_OVERHEAD
+        oversize: list[JournalRecord] = []
         for topic, rs in by_topic.items():
             engines = self._engines_for(topic)
             if not engines:
@@ -342,7 +377,10 @@ class ShardCore:
                     offered.append(OfferedRecord(r.topic, r.partition, r.offset, r.key, DELETE))
                     continue
                 deliver_at_ms, expiration_ms = self._timing(r) if r.headers else (None, None)
-                room -= record_size(r)
+                size = record_size(r)
+                room -= size
+                if size > too_large_at:
+                    oversize.append(r)
                 if room >= 0:
                     doc = RawDocument(r.value)
                 else:
@@ -370,7 +408,52 @@ class ShardCore:
                     key = PartitionKey(engine.name, topic, partition)
                     if offset >= admitted.get(key, 0):
                         admitted[key] = offset + 1
+        if oversize:
+            self._expire_too_large(oversize, now)
         return fresh
+
+    def _oversize(self, records: list[JournalRecord]) -> list[JournalRecord]:
+        """The records larger than the shard can deliver (`record_limit`). The values are
+        looked at first (a length each); key and headers only for a value over half the
+        limit, the only ones that can tip it over in practice."""
+        half = self.record_limit // 2
+        limit = self.record_limit + RECORD_OVERHEAD
+        return [r for r in records if r.value is not None and len(r.value) > half
+                and record_size(r) > limit]
+
+    def _expire_too_large(self, records: list[JournalRecord], now: float) -> None:
+        """Entries of records no delivery topic takes leave their queues at once (reason
+        ``too-large``, dead-lettered) in the step that admitted them, before any dispatch:
+        the producer never sees them, so they cannot fail an iteration (issue 15, 2a)."""
+        for r in records:
+            bookmark = Bookmark(r.topic, r.partition, r.offset)
+            size = record_size(r) - RECORD_OVERHEAD
+            detail = (f"key, value and headers are {size} bytes; the coordinator delivers at "
+                      f"most {self.record_limit}")
+            expired = sum(engine.expire_entries([bookmark], ExpiryReason.TOO_LARGE, now, detail)
+                          for engine in self._engines_for(r.topic))
+            if expired:
+                self.counters["too_large"] += expired
+                log.error("%s[%d]@%d is too large to deliver (%s): dead-lettered from %d "
+                          "queue(s), reason too_large", r.topic, r.partition, r.offset,
+                          detail, expired)
+
+    def too_large(self, bookmarks: list[Bookmark]) -> None:
+        """Entries whose delivery a topic refused as too large (a topic's
+        ``max.message.bytes`` under the producer's): the next step expires them."""
+        self._too_large.extend(bookmarks)
+
+    def _expire_refused(self, now: float) -> None:
+        if not self._too_large:
+            return
+        found, self._too_large = self._too_large, []
+        detail = "a delivery topic refused the record as too large"
+        for engine in self.engines.values():
+            n = engine.expire_entries(found, ExpiryReason.TOO_LARGE, now, detail)
+            if n:
+                self.counters["too_large"] += n
+                log.error("queue %s: %d entries dead-lettered, reason too_large (%s)",
+                          engine.name, n, detail)
 
     def project_value(self, topic: str, value: bytes, fields: frozenset[str]) -> object:
         """A record's document past the memory window: the fields the queues read. A value
@@ -454,6 +537,7 @@ class ShardCore:
         try:
             if self.lane is not None:
                 self.lane.enqueue(records, now)
+                self._expire_too_large(self._oversize(records), now)
             else:
                 self._readmitted.update(self._enqueue(records, now))
         finally:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 from layer.coordinator.translate import event_fields, ms, wire_bookmark, wire_reason
 from layer.domain import events as ev
-from layer.domain.states import AckSource, Bookmark
+from layer.domain.states import AckSource, Bookmark, ExpiryReason
 from layer.kafka import JournalRecord, KafkaAdapterError, OutgoingRecord, TopicSpec
 from layer.protocol import (
     BATCH,
@@ -29,7 +29,7 @@ from layer.protocol import (
 )
 from layer.protocol.batch import DEFAULT_MAX_BATCH_BYTES
 from layer.protocol.eventwire import EntryEventEncoder
-from layer.protocol.headers import SESSION
+from layer.protocol.headers import DLQ_VALUE_OMITTED, SESSION
 
 if TYPE_CHECKING:
     from layer.coordinator.core import ShardCore
@@ -307,14 +307,24 @@ class Output:
             log.error("no payload to dead-letter %s of queue %s", e.bookmark, e.queue)
             return []
         engine = self.core.engines[e.queue]
+        value, detail = record.value, e.detail
+        if e.reason is ExpiryReason.TOO_LARGE:
+            # The producer cannot write this value anywhere (the dead-letter topic included):
+            # the letter carries the key, headers and where the record is, and the record
+            # stays in its journal until retention (`qlayer.dlq.value-omitted` says so).
+            value = b""
+            detail = (f"{detail}; value of {len(record.value or b'')} bytes left out, read it "
+                      f"from the journal at {e.bookmark}")
         info = DeadLetterInfo(reason=wire_reason(str(e.reason)), queue=e.queue,
                               bookmark=wire_bookmark(e.bookmark),
                               delivery_count=e.delivery_count, dead_lettered_at_ms=ms(now),
-                              last_consumer=e.consumer_id, detail=e.detail)
+                              last_consumer=e.consumer_id, detail=detail)
+        headers = dead_letter_headers(record.headers or [], info)
+        if e.reason is ExpiryReason.TOO_LARGE:
+            headers.append((DLQ_VALUE_OMITTED, b"%d" % len(record.value or b"")))
         return [OutgoingRecord((engine.definition.dead_letter_topic
-                                or self.core.topics.dead_letter(e.queue)), record.value,
-                               record.key, dead_letter_headers(record.headers or [], info),
-                               record.timestamp_ms)]
+                                or self.core.topics.dead_letter(e.queue)), value,
+                               record.key, headers, record.timestamp_ms)]
 
     def answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
         """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be

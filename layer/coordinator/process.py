@@ -546,6 +546,7 @@ class CoordinatorProcess:
         """Say which shards this process runs and how far behind each is."""
         self._next_report = now + self.options.report_interval
         lags: dict[str, tuple[int, int | None]] = {}
+        counters: dict[str, dict[str, int]] = {}
         for slot in self._slots.values():
             loop = slot.loop
             if loop.epoch is not None:
@@ -554,10 +555,11 @@ class CoordinatorProcess:
                 except QlayerError:
                     lag = None
                 lags[shard_key(loop.shard)] = (loop.epoch, lag)
+                counters[shard_key(loop.shard)] = loop.fault_counters()
         try:
             self.store.report(self.options.owner_id, socket.gethostname(), os.getpid(),
                               self.started_at, self.shards, lags, now,
-                              now - FORGET_PROCESSES_AFTER)
+                              now - FORGET_PROCESSES_AFTER, counters)
         except QlayerError as exc:
             self._process_counters["report_failures"] += 1
             log.warning("reporting to the process registry failed: %s", exc)

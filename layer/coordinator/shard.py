@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from layer.coordinator.catalog import Catalog
-from layer.coordinator.core import Plan, ShardCore
+from layer.coordinator.core import Plan, ShardCore, record_limit
 from layer.coordinator.deferred import DeferredReader
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
@@ -65,7 +65,28 @@ from layer.store.errors import FencedError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatorOptions", "LeaseTokens", "LoopStats", "ShardLoop"]
+__all__ = ["FAULT_COUNTERS", "CoordinatorOptions", "LeaseTokens", "LoopStats", "ShardLoop",
+           "is_fault_counter"]
+
+#: The shard's counters kept in PostgreSQL (`ShardLoop.fault_counters`, 0008) and shown by
+#: `qlayer stats`: what the shard refused or isolated that no queue's counters hold. Names
+#: starting with one of `FAULT_PREFIXES` are kept too (ack and subscribe refusals by status).
+FAULT_COUNTERS = ("malformed_ack_records", "malformed_control_records",
+                  "forward_hops_exceeded", "unknown_session_heartbeats",
+                  "unknown_session_unsubscribes", "unanswerable_replies", "too_large",
+                  "journal_deleted", "journals_deleted", "retention_expired",
+                  "delivery_without_payload", "dead_letter_without_payload",
+                  "invalid_queue_definitions", "malformed_deliver_at_headers",
+                  "malformed_expiration_headers")
+FAULT_PREFIXES = ("ack_", "subscribe_")
+#: Not faults, though they share a prefix.
+_NOT_FAULTS = frozenset({"ack_ok", "ack_items", "ack_duplicate_forwarded", "subscribe_ok"})
+
+
+def is_fault_counter(name: str) -> bool:
+    return name in FAULT_COUNTERS or (name.startswith(FAULT_PREFIXES)
+                                      and name not in _NOT_FAULTS)
+
 
 #: A gap (s) between two iterations of a loop past which its consumers' sessions are given a
 #: fresh timeout (`ShardLoop._forgive`); iterations normally follow each other within ms.
@@ -107,6 +128,8 @@ class ShardLoop:
                               tokens=tokens or LeaseTokens(), owner_id=options.owner_id,
                               memory=memory, counters=self.counters)
         self.output = Output(self.core)
+        # Records larger than the producer writes never reach it (issue 15, 2a).
+        self.core.record_limit = record_limit(self.settings.kafka_config())
         # Events go to the shard's key's partition of the events topic: in commit order.
         self._event_key = self.key.encode()
         # The newest outbox batch known to be on the events topic (deleted from the outbox by
@@ -122,6 +145,10 @@ class ShardLoop:
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
         # When the last iteration began (None before the first since the shard was taken).
         self._last_iteration: float | None = None
+        # The shard's stored fault counters when this process took it, and its own counters
+        # then (`fault_counters`).
+        self._fault_base: dict[str, int] = {}
+        self._faults_at_take: dict[str, int] = {}
 
     @property
     def engines(self) -> dict[str, object]:
@@ -131,6 +158,20 @@ class ShardLoop:
     @property
     def is_owner(self) -> bool:
         return self.epoch is not None
+
+    def fault_counters(self) -> dict[str, int]:
+        """The shard's running totals of input faults and isolated poison input (malformed
+        ack and control records, refusals by status, records too large to deliver, journals
+        deleted while read): what its earlier owners stored, plus what this process counted
+        since it took the shard. A snapshot (a new dict), for the periodic report to
+        PostgreSQL and for any collector (a metrics exporter) to read."""
+        totals = dict(self._fault_base)
+        for name, n in self.counters.items():
+            if n and is_fault_counter(name):
+                grown = n - self._faults_at_take.get(name, 0)
+                if grown > 0:
+                    totals[name] = totals.get(name, 0) + grown
+        return totals
 
     # ------------------------------------------------------------------ ownership
     def take(self, now: float) -> None:
@@ -143,6 +184,8 @@ class ShardLoop:
         self._last_iteration = None
         self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
         self.core.epoch = self.epoch
+        self._fault_base = self.store.shard_counters(self.key)
+        self._faults_at_take = {k: n for k, n in self.counters.items() if is_fault_counter(k)}
         log.info("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
                  self.epoch)
         try:
@@ -328,7 +371,10 @@ class ShardLoop:
         batch, replies = WriteBatch(), list[OutgoingRecord]()
         if refresh.due(now):
             refresh.run_once(now, batch, replies)
-            partitions.run_once(now)
+        # New partitions, and journals deleted or made again (found by the listing, or by
+        # the reader meeting a position outside a partition's log in the last poll).
+        out_of_range, reader.out_of_range = reader.out_of_range, set()
+        partitions.run_once(now, batch, out_of_range)
         clock = time.perf_counter
         started = clock()
         records = reader.poll(self.options.max_batch, self.options.poll_timeout

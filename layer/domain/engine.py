@@ -641,10 +641,12 @@ class QueueEngine:
                 key = (record.bookmark.topic, record.bookmark.partition)
                 hold[key] = max(hold.get(key, -1), record.bookmark.offset)
 
-    def expire_before(self, topic: str, partition: int, offset: int, now: float) -> int:
-        """Records below ``offset`` were deleted from the journal (Kafka retention).
+    def expire_before(self, topic: str, partition: int, offset: int, now: float,
+                      reason: ExpiryReason = ExpiryReason.RETENTION) -> int:
+        """Records below ``offset`` were deleted from the journal (Kafka retention, or the
+        whole topic deleted: reason ``journal-deleted``).
 
-        Their live entries leave the queue as EXPIRED (reason retention), since nothing is
+        Their live entries leave the queue as EXPIRED (with ``reason``), since nothing is
         left to deliver or dead-letter; returns how many.
         """
         table = self._table
@@ -655,7 +657,7 @@ class QueueEngine:
                 record = self._restoring.pop(bookmark)
                 if not record.state.done:
                     self._direct_records.append(
-                        record._replace(state=EntryState.EXPIRED, reason=ExpiryReason.RETENTION)
+                        record._replace(state=EntryState.EXPIRED, reason=reason)
                     )
                     count += 1
         if source is None:
@@ -672,7 +674,7 @@ class QueueEngine:
             touched = self._touched.get(seq)
             if touched is not None and touched.bookmark in self._leased:
                 self._drop_lease(touched)
-            self._expire(seq, ExpiryReason.RETENTION, None, None, now)
+            self._expire(seq, reason, None, None, now)
             count += 1
         source.next_offset = max(source.next_offset, offset)
         if source.deferred_from >= 0 and offset > source.deferred_from:
@@ -680,6 +682,25 @@ class QueueEngine:
             source.deferred_from = offset
             if offset >= source.next_offset:
                 self._undefer(source)
+        return count
+
+    def expire_entries(self, bookmarks: Iterable[Bookmark], reason: ExpiryReason, now: float,
+                       detail: str | None = None) -> int:
+        """These entries leave the queue at once, EXPIRED with ``reason`` (dead-lettered as
+        the reason says), whatever live state they are in: a record the coordinator cannot
+        deliver (``too-large``). Unknown or done entries are passed over; returns how many
+        expired."""
+        table = self._table
+        count = 0
+        for bookmark in bookmarks:
+            location, seq = table.locate(bookmark)
+            if location is not Location.FOUND or table.state_of(seq) >= ACKED:
+                continue
+            touched = self._touched.get(seq)
+            if touched is not None and touched.bookmark in self._leased:
+                self._drop_lease(touched)
+            self._expire(seq, reason, detail, None, now)
+            count += 1
         return count
 
     # ------------------------------------------------------------------ enqueue

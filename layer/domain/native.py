@@ -200,8 +200,14 @@ class NativeQueueEngine:
                 recovery_points: Mapping[tuple[str, int], int]) -> None:
         self._core.restore(list(entries), dict(recovery_points))
 
-    def expire_before(self, topic: str, partition: int, offset: int, now: float) -> int:
-        return int(self._core.expire_before(topic, partition, offset, now))
+    def expire_before(self, topic: str, partition: int, offset: int, now: float,
+                      reason: ExpiryReason = ExpiryReason.RETENTION) -> int:
+        return int(self._core.expire_before(topic, partition, offset, now, str(reason)))
+
+    def expire_entries(self, bookmarks: Iterable[Bookmark], reason: ExpiryReason, now: float,
+                       detail: str | None = None) -> int:
+        return int(self._core.expire_entries(
+            [(b.topic, b.partition, b.offset) for b in bookmarks], str(reason), now, detail))
 
     def enqueue(self, records: Iterable[OfferedRecord], now: float,
                 projected: frozenset[str] | None = None) -> int:

@@ -95,6 +95,11 @@ class ExpiryReason(StrEnum):
     REJECTED = "rejected"
     EXPIRATION = "expiration"
     RETENTION = "retention"  # the journal record was deleted by Kafka retention
+    #: The record is larger than the coordinator may write to a delivery topic (the producer's
+    #: ``message.max.bytes``, or a topic's lower ``max.message.bytes`` learned from a refusal).
+    TOO_LARGE = "too-large"
+    #: The journal topic was deleted while the queue read it: nothing is left to deliver.
+    JOURNAL_DELETED = "journal-deleted"
 
     @property
     def dead_letter(self) -> bool:
@@ -102,12 +107,15 @@ class ExpiryReason(StrEnum):
 
         Expiration by age is a normal way to leave a queue in AMPS, not an error, so it is
         dead-lettered only when the queue asks for it (``dead_letter_topic`` or
-        ``dead_letter_expired``, decided by the engine); retention has no payload to write.
+        ``dead_letter_expired``, decided by the engine); retention and a deleted journal have
+        no payload to write. A record too large to deliver is dead-lettered (its value left
+        out when it does not fit either: `layer.coordinator.output`).
         """
         return self in (
             ExpiryReason.MAX_DELIVERIES,
             ExpiryReason.MAX_CANCELS,
             ExpiryReason.REJECTED,
+            ExpiryReason.TOO_LARGE,
         )
 
 

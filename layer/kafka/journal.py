@@ -19,7 +19,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from layer.kafka.errors import RetentionGap, translated
+from layer.kafka.errors import translated
 from layer.kafka.records import JournalRecord
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ class JournalReader:
         # A record `wait` took, handed out first by the next `poll`.
         self._held: Message | None = None
         self.errors = 0
+        #: Partitions whose position is outside their log (below its start: retention took
+        #: unread records; past its end: the topic was deleted and made again), found by
+        #: `poll`, which reads the other partitions on. The owner decides and clears it.
+        self.out_of_range: set[tuple[str, int]] = set()
         # The code of the last read error logged: an error repeated (a broker away) is logged
         # once, and again only after a record was read or another error came.
         self._last_error: int | None = None
@@ -84,6 +88,17 @@ class JournalReader:
         with translated("assigning journal partitions failed"):
             self._consumer.incremental_assign(
                 [TopicPartition(t, p, o) for (t, p), o in new.items()])
+
+    def remove(self, pairs: list[tuple[str, int]]) -> None:
+        """Stop reading these partitions (a deleted journal's)."""
+        gone = [tp for tp in pairs if tp in self._assigned]
+        if not gone:
+            return
+        for tp in gone:
+            del self._assigned[tp]
+            self.out_of_range.discard(tp)
+        with translated("unassigning journal partitions failed"):
+            self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in gone])
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         held = self._held
@@ -136,9 +151,10 @@ class JournalReader:
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                    raise RetentionGap(
-                        f"{m.topic()}[{m.partition()}]: the offset to read was deleted by "
-                        f"retention ({err.str()})")
+                    # Not raised: one partition must not stop the shard's other inputs (a
+                    # journal deleted and made again looped every rebuild on it, issue 15).
+                    self.out_of_range.add((str(m.topic()), int(m.partition() or 0)))
+                    continue
                 if err.code() != KafkaError._PARTITION_EOF:
                     self.errors += 1
                     if err.code() != self._last_error:

@@ -32,6 +32,7 @@ __all__ = [
     "DLQ_ORIGINAL_TOPIC",
     "DLQ_QUEUE",
     "DLQ_REASON",
+    "DLQ_VALUE_OMITTED",
     "EXPIRATION",
     "FORWARDED",
     "LEASE",
@@ -95,6 +96,9 @@ EXPIRATION = "qlayer.expiration"
 # --- on a dead-letter record ----------------------------------------------------------------
 DLQ_REASON = "qlayer.dlq.reason"
 DLQ_DETAIL = "qlayer.dlq.detail"
+#: On the dead letter of a record too large to write (reason ``too_large``, protocol 6): the
+#: size of the value left out; the record itself stays in its journal at the bookmark.
+DLQ_VALUE_OMITTED = "qlayer.dlq.value-omitted"
 DLQ_QUEUE = "qlayer.dlq.queue"
 DLQ_BOOKMARK = "qlayer.dlq.bookmark"
 DLQ_ORIGINAL_TOPIC = "qlayer.dlq.original-topic"
@@ -109,6 +113,7 @@ DLQ_HEADER_KEYS = frozenset(
     {
         DLQ_REASON,
         DLQ_DETAIL,
+        DLQ_VALUE_OMITTED,
         DLQ_QUEUE,
         DLQ_BOOKMARK,
         DLQ_ORIGINAL_TOPIC,

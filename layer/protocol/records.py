@@ -134,6 +134,8 @@ class ExpiryReason(StrEnum):
     REJECTED = "rejected"
     RETENTION = "retention"
     PURGED = "purged"
+    TOO_LARGE = "too_large"  # protocol 6
+    JOURNAL_DELETED = "journal_deleted"  # protocol 6
 
 
 class LeaseEndReason(StrEnum):

@@ -31,6 +31,7 @@ from layer.protocol.bookmark import Bookmark
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
     DLQ_HEADER_KEYS,
+    DLQ_VALUE_OMITTED,
     DeadLetterInfo,
     header_value,
     parse_dead_letter_headers,
@@ -368,6 +369,11 @@ class RedriveResult:
     position, so a later redrive sees them again."""
     skipped_other: int = 0
     skipped_duplicate: int = 0
+    value_omitted: int = 0
+    """Letters selected but not moved because they carry no value (``qlayer.dlq.value-
+    omitted``: the record was too large to deliver, issue 15): carried forward like the letters
+    not selected, so they stay listed until `qlayer dlq delete` drops them; the record is at
+    its original bookmark in the journal until retention removes it."""
     dry_run: bool = False
     targets: dict[str, int] = field(default_factory=dict)
 
@@ -491,6 +497,17 @@ def redrive(
                   or (selected and letter.info is not None
                       and letter.info.bookmark not in selected)):
                 result.carried += 1
+                if tx is not None:
+                    if in_batch == 0:
+                        batch_started = time.monotonic()
+                    tx.send(topic, letter.value, letter.key, _carried_headers(letter))
+                    in_batch += 1
+            elif not delete and header_value(letter.headers, DLQ_VALUE_OMITTED) is not None:
+                # Written without its value (too large to deliver): republishing it would
+                # publish an empty record under the original's bookmark. It is kept, carried
+                # past the position as an unselected letter is, for an operator to look at
+                # (its record is in the journal at its original bookmark) and delete.
+                result.value_omitted += 1
                 if tx is not None:
                     if in_batch == 0:
                         batch_started = time.monotonic()

@@ -56,8 +56,9 @@ __all__ = [
 
 #: The counters `qlayer stats` turns into per-second rates.
 RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "dead_lettered", "expired")
-#: Journal records read with a fault that stays with the record (shown, not rated).
-FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers")
+#: Journal records read with a fault that stays with the record, and entries lost with a
+#: journal deleted while read (shown, not rated).
+FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers", "journal_deleted")
 _DONE = ("ACKED", "EXPIRED")
 
 
@@ -427,3 +428,13 @@ def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now:
                 counters=_counter_values(counters.get(name)),
                 partitions=lags, sampled_at=now))
     return out
+
+
+def shard_counters(settings: Settings) -> dict[str, dict[str, int]]:
+    """Each shard's stored counters of input faults and isolated poison input (malformed ack
+    and control records, refusals by status, records too large to deliver, journals deleted
+    while read; written by the shard's owner every report interval): shard -> name -> n,
+    shards with nothing counted left out."""
+    with Store(settings.database_url) as store:
+        found = store.all_shard_counters()
+    return {shard: dict(sorted(c.items())) for shard, c in found.items() if c}

@@ -7,7 +7,7 @@ domain objects to them in one place and the store never imports the engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from layer.domain.states import EntryState
@@ -168,6 +168,8 @@ class Ownership:
     #: Journal, control and ack records not read yet at `reported_at` (None: not reported).
     lag: int | None = None
     reported_at: float | None = None
+    #: The shard's running totals of input faults and isolated poison input (0008).
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,4 +210,5 @@ class QueueCounters:
     unparseable: int = 0
     deletes: int = 0
     malformed_headers: int = 0
+    journal_deleted: int = 0
     updated_at: float | None = None

@@ -188,7 +188,7 @@ REPORT_SHARDS: Final = (
     update(ownership)
     .where(_holder)
     .values(heartbeat_at=bindparam("now"), reported_at=bindparam("now"),
-            lag=bindparam("the_lag"))
+            lag=bindparam("the_lag"), counters=bindparam("the_counters"))
 )
 
 # First statement of every guarded transaction. The UPDATE row-locks the ownership row until
@@ -205,6 +205,10 @@ GUARD: Final = (
 SELECT_OWNER: Final = select(ownership).where(
     ownership.c.shard == bindparam("the_shard"), ownership.c.owner_id.is_not(None)
 )
+SELECT_SHARD_COUNTERS: Final = select(ownership.c.counters).where(
+    ownership.c.shard == bindparam("the_shard"))
+SELECT_ALL_SHARD_COUNTERS: Final = select(ownership.c.shard, ownership.c.counters).order_by(
+    ownership.c.shard)
 SELECT_OWNERS: Final = (
     select(ownership).where(ownership.c.owner_id.is_not(None)).order_by(ownership.c.shard)
 )

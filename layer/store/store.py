@@ -188,9 +188,23 @@ class Store:
                 "the_started_at": _to_datetime(started_at), "now": _to_datetime(now),
                 "the_shards": sorted(shards)})
 
+    def shard_counters(self, shard: str) -> dict[str, int]:
+        """The shard's stored running totals (0008), whoever holds it; {} when none."""
+        with translate_errors(f"reading counters of shard {shard!r}"), \
+                self._engine.connect() as conn:
+            found = conn.execute(sql.SELECT_SHARD_COUNTERS, {"the_shard": shard}).scalar()
+        return {str(k): int(v) for k, v in (found or {}).items()}
+
+    def all_shard_counters(self) -> dict[str, dict[str, int]]:
+        """Every shard's stored running totals (0008), owned or not: shard -> name -> n."""
+        with translate_errors("reading shard counters"), self._engine.connect() as conn:
+            return {row.shard: {str(k): int(v) for k, v in (row.counters or {}).items()}
+                    for row in conn.execute(sql.SELECT_ALL_SHARD_COUNTERS)}
+
     def report(self, owner_id: str, host: str, pid: int, started_at: float,
                shards: Iterable[int], lags: Mapping[str, tuple[int, int | None]],
-               now: float, forget_before: float) -> None:
+               now: float, forget_before: float,
+               counters: Mapping[str, Mapping[str, int]] | None = None) -> None:
         """A coordinator process's periodic report, in one transaction: it is alive and was
         assigned ``shards``; the lag of each shard it holds (``lags``: shard -> (epoch, lag);
         a shard another process holds by now is left alone); and the rows of processes silent
@@ -204,7 +218,8 @@ class Store:
                 "the_shards": sorted(shards)})
             if lags:
                 conn.execute(sql.REPORT_SHARDS, [
-                    {**_holder_params(shard, owner_id, epoch, moment), "the_lag": lag}
+                    {**_holder_params(shard, owner_id, epoch, moment), "the_lag": lag,
+                     "the_counters": dict((counters or {}).get(shard, {}))}
                     for shard, (epoch, lag) in sorted(lags.items())])
             conn.execute(sql.FORGET_PROCESSES_SEEN_BEFORE,
                          {"before": _to_datetime(forget_before)})
@@ -971,6 +986,7 @@ def _ownership(row: Row[Any]) -> Ownership:
         heartbeat_at=_to_seconds(row.heartbeat_at),
         lag=None if row.lag is None else int(row.lag),
         reported_at=_to_seconds_or_none(row.reported_at),
+        counters={str(k): int(v) for k, v in (row.counters or {}).items()},
     )
 
 

@@ -71,6 +71,9 @@ COUNTER_NAMES: Final = (
     "unparseable",
     "deletes",
     "malformed_headers",
+    # Entries that left the queue because their journal partition was deleted while the
+    # queue read it (0008, reason journal_deleted): the queue's mark of a lost journal.
+    "journal_deleted",
 )
 
 # Explicit constraint names, so the hand-written migration and this metadata name every
@@ -315,6 +318,9 @@ ownership = Table(
     # Journal records the owner had not read yet at `reported_at` (`qlayer coordinators`).
     Column("lag", BigInteger, nullable=True),
     _ts("reported_at", nullable=True),
+    # Running totals of the shard's input faults and isolated poison input, name -> count
+    # (0008; `layer.coordinator.shard.FAULT_COUNTERS`), written with the owner's report.
+    Column("counters", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     CheckConstraint("epoch >= 1", name="epoch_positive"),
 )
 

@@ -675,7 +675,7 @@ impl Engine {
         }
     }
 
-    pub fn expire_before(&mut self, py: Python<'_>, topic: &Name, partition: i64, offset: i64, now: f64) -> PyResult<i64> {
+    pub fn expire_before(&mut self, py: Python<'_>, topic: &Name, partition: i64, offset: i64, now: f64, reason: Reason) -> PyResult<i64> {
         let mut count = 0;
         let matching: Vec<Bm> = self
             .restoring
@@ -689,7 +689,7 @@ impl Engine {
                 if !record.done() {
                     let mut expired = record;
                     expired.state = EXPIRED;
-                    expired.reason = Some(Reason::Retention);
+                    expired.reason = Some(reason);
                     self.direct_records.push(expired);
                     count += 1;
                 }
@@ -719,7 +719,7 @@ impl Engine {
                     self.drop_lease(py, seq);
                 }
             }
-            self.expire(py, seq, Reason::Retention, None, None, now)?;
+            self.expire(py, seq, reason, None, None, now)?;
             count += 1;
         }
         let source = &mut self.table.sources[index];
@@ -730,6 +730,27 @@ impl Engine {
             if offset >= source.next_offset {
                 self.undefer(index);
             }
+        }
+        Ok(count)
+    }
+
+    /// `QueueEngine.expire_entries`: these entries leave the queue at once with `reason`.
+    pub fn expire_entries(&mut self, py: Python<'_>, bookmarks: Vec<(String, i64, i64)>, reason: Reason, now: f64, detail: Option<String>) -> PyResult<i64> {
+        let mut count = 0;
+        for (topic, partition, offset) in bookmarks {
+            let Location::Found(seq) = self.table.locate(&topic, partition, offset) else { continue };
+            if self.table.state_of(seq) >= ACKED {
+                continue;
+            }
+            let leased = match self.touched.get(&seq) {
+                Some(t) => self.leased.contains_key(&t.bm),
+                None => false,
+            };
+            if leased {
+                self.drop_lease(py, seq);
+            }
+            self.expire(py, seq, reason, detail.clone(), None, now)?;
+            count += 1;
         }
         Ok(count)
     }

@@ -307,9 +307,19 @@ impl NativeEngine {
         Ok(())
     }
 
-    fn expire_before(&mut self, py: Python<'_>, topic: &str, partition: i64, offset: i64, now: f64) -> PyResult<i64> {
+    #[pyo3(signature = (topic, partition, offset, now, reason="retention"))]
+    fn expire_before(&mut self, py: Python<'_>, topic: &str, partition: i64, offset: i64, now: f64, reason: &str) -> PyResult<i64> {
         let topic = self.core.intern(topic);
-        self.core.expire_before(py, &topic, partition, offset, now)
+        let reason = Reason::parse(reason)
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown expiry reason {reason:?}")))?;
+        self.core.expire_before(py, &topic, partition, offset, now, reason)
+    }
+
+    #[pyo3(signature = (bookmarks, reason, now, detail=None))]
+    fn expire_entries(&mut self, py: Python<'_>, bookmarks: Vec<(String, i64, i64)>, reason: &str, now: f64, detail: Option<String>) -> PyResult<i64> {
+        let reason = Reason::parse(reason)
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown expiry reason {reason:?}")))?;
+        self.core.expire_entries(py, bookmarks, reason, now, detail)
     }
 
     #[pyo3(signature = (records, now, projected=None))]

@@ -81,6 +81,8 @@ pub enum Reason {
     Rejected,
     Expiration,
     Retention,
+    TooLarge,
+    JournalDeleted,
 }
 
 impl Reason {
@@ -91,6 +93,8 @@ impl Reason {
             Reason::Rejected => "rejected",
             Reason::Expiration => "expiration",
             Reason::Retention => "retention",
+            Reason::TooLarge => "too-large",
+            Reason::JournalDeleted => "journal-deleted",
         }
     }
 
@@ -101,13 +105,15 @@ impl Reason {
             "rejected" => Reason::Rejected,
             "expiration" => Reason::Expiration,
             "retention" => Reason::Retention,
+            "too-large" => Reason::TooLarge,
+            "journal-deleted" => Reason::JournalDeleted,
             _ => return None,
         })
     }
 
     /// `ExpiryReason.dead_letter`.
     pub fn dead_letter(self) -> bool {
-        matches!(self, Reason::MaxDeliveries | Reason::MaxCancels | Reason::Rejected)
+        matches!(self, Reason::MaxDeliveries | Reason::MaxCancels | Reason::Rejected | Reason::TooLarge)
     }
 }
 

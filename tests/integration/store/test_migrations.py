@@ -83,3 +83,44 @@ def test_0007_counts_input_faults_from_zero_and_its_downgrade_drops_them(
         assert "unparseable" not in columns and "enqueued" in columns
     finally:
         engine.dispose()
+
+
+def test_0008_gives_existing_shards_and_queues_empty_counters_and_its_downgrade_drops_them(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0007_input_counters")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO ownership (shard, owner_id, epoch, acquired_at, heartbeat_at) "
+                "VALUES ('0', 'c-1', 7, now(), now())"))
+            conn.execute(sa.text(
+                "INSERT INTO queue_counters (queue, enqueued, updated_at) "
+                "VALUES ('Work', 5, now())"))
+        assert migrate.upgrade(empty_database_url, "0008_shard_counters") == (
+            "0008_shard_counters")
+        with engine.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT epoch, counters FROM ownership")).one() == (7, {})
+            assert conn.execute(sa.text(
+                "SELECT enqueued, journal_deleted FROM queue_counters")).one() == (5, 0)
+            conn.execute(sa.text(
+                "UPDATE ownership SET counters = '{\"too_large\": 2}'::jsonb"))
+            assert conn.execute(sa.text(
+                "SELECT counters FROM ownership")).scalar_one() == {"too_large": 2}
+        assert migrate.downgrade(empty_database_url, "0007_input_counters") == (
+            "0007_input_counters")
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("ownership")}
+            counted = {c["name"] for c in sa.inspect(conn).get_columns("queue_counters")}
+            assert conn.execute(sa.text("SELECT epoch FROM ownership")).scalar_one() == 7
+        assert "counters" not in columns and "epoch" in columns
+        assert "journal_deleted" not in counted and "enqueued" in counted
+        # And up again: the shard's counters start over from empty.
+        assert migrate.upgrade(empty_database_url, "0008_shard_counters") == (
+            "0008_shard_counters")
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT counters FROM ownership")).scalar_one() == {}
+    finally:
+        engine.dispose()

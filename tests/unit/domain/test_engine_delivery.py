@@ -485,6 +485,39 @@ def test_expire_before_retention_settles_entries_whose_records_are_gone() -> Non
     assert queue.recovery_points() == {("Work", 0): 2}
 
 
+def test_a_deleted_journal_expires_every_live_entry_with_its_reason() -> None:
+    queue = engine()
+    offer(queue, ["0", "1", "2"])
+    subscribe(queue, "a")
+    [lease] = leases(queue.dispatch(0.0))
+    assert settle(queue, lease, now=0.5) is AckOutcome.APPLIED
+
+    assert queue.expire_before("Work", 0, 1 << 62, 1.0, ExpiryReason.JOURNAL_DELETED) == 2
+    expired = of_type(queue.drain().events, EntryExpired)
+    assert [(e.bookmark.offset, e.reason, e.dead_letter) for e in expired] == [
+        (1, ExpiryReason.JOURNAL_DELETED, False), (2, ExpiryReason.JOURNAL_DELETED, False)]
+    assert (queue.stats().available, queue.stats().leased) == (0, 0)
+
+
+def test_an_entry_too_large_to_deliver_is_dead_lettered_in_any_live_state() -> None:
+    queue = engine()
+    offer(queue, ["0", "1", "2"])
+    subscribe(queue, "a")
+    [lease] = leases(queue.dispatch(0.0))  # offset 0 leased; 1 and 2 available
+
+    detail = "key, value and headers are 2000000 bytes"
+    assert queue.expire_entries([bm(0), bm(2), bm(7)], ExpiryReason.TOO_LARGE, 1.0,
+                                detail) == 2
+    expired = of_type(queue.drain().events, EntryExpired)
+    assert [(e.bookmark.offset, e.reason, e.dead_letter, e.detail) for e in expired] == [
+        (0, ExpiryReason.TOO_LARGE, True, detail), (2, ExpiryReason.TOO_LARGE, True, detail)]
+    assert queue.consumers()[0].backlog == 0  # the lease ended with the entry
+    assert settle(queue, lease, now=2.0) is AckOutcome.ALREADY_DONE
+    assert offsets_of(queue.dispatch(2.0)) == [1]
+    # Done entries are passed over.
+    assert queue.expire_entries([bm(0)], ExpiryReason.TOO_LARGE, 3.0) == 0
+
+
 @pytest.mark.parametrize("kind", [AckType.RELEASE, AckType.ACCEPT])
 def test_acks_of_a_consumer_that_left_are_refused(kind: AckType) -> None:
     queue = engine()

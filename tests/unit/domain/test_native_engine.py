@@ -33,7 +33,7 @@ from layer.domain.entries import DELETE, EntryRecord, OfferedRecord
 from layer.domain.events import EntryLeased, Outbox
 from layer.domain.expressions import RawDocument, project
 from layer.domain.native import NativeQueueEngine, native_available
-from layer.domain.states import AckType, Bookmark, LeaveReason
+from layer.domain.states import AckType, Bookmark, ExpiryReason, LeaveReason
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="never: make install builds it")
 
@@ -274,6 +274,19 @@ class Twins(RuleBasedStateMachine):
     def retention(self, partition: int, offset: int, roll: int) -> None:
         if roll == 0:
             self.both("expire_before", TOPIC, partition, offset, self.now)
+
+    @rule(partition=st.integers(0, 1), roll=ROLL)
+    def journal_deleted(self, partition: int, roll: int) -> None:
+        if roll == 0:
+            self.both("expire_before", TOPIC, partition, 1 << 62, self.now,
+                      ExpiryReason.JOURNAL_DELETED)
+
+    @rule(partition=st.integers(0, 1), offset=st.integers(0, 6),
+          delivered=st.booleans())
+    def too_large(self, partition: int, offset: int, delivered: bool) -> None:
+        # An entry in any state (available, leased, done, unknown) found too large to deliver.
+        self.both("expire_entries", [Bookmark(TOPIC, partition, offset)],
+                  ExpiryReason.TOO_LARGE, self.now, "over the limit" if delivered else None)
 
     @rule(roll=ROLL)
     def restart(self, roll: int) -> None:

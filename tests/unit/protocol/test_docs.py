@@ -127,7 +127,7 @@ def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
-    assert len(names) == 21  # 8 delivery, reply, shard, deliver-at, expiration, 8 dlq, forwarded
+    assert len(names) == 22  # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded
     assert [n for n in names if f"`{n}`" not in DOC] == []
 
 
