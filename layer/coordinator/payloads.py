@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layer.domain.states import Bookmark
-from layer.kafka import JournalReader, JournalRecord
+from layer.kafka import JournalReader, JournalRecord, RetentionGap
 
 #: 32 MiB: tens of thousands of records in flight (about 50,000 of 200 bytes, 22,000 of 1 KiB),
 #: so consumers' backlogs are served from memory, while a deep queue costs about 100 bytes per
@@ -158,7 +158,15 @@ class RangeReader:
             deadline = time.monotonic() + timeout
             position = first
             while position <= last and time.monotonic() < deadline:
-                for r in self._reader.poll(min(10_000, last - position + 1), 0.1):
+                batch = self._reader.poll(min(10_000, last - position + 1), 0.1)
+                if self._reader.out_of_range:
+                    # The range starts below the log's start: retention deleted records
+                    # whose bytes were dropped. The shard's rebuild expires exactly those
+                    # (reason retention); waiting here would stall their deliveries.
+                    gone, self._reader.out_of_range = self._reader.out_of_range, set()
+                    raise RetentionGap(f"{', '.join(f'{t}[{p}]' for t, p in sorted(gone))}: "
+                                       "records to read again were deleted by retention")
+                for r in batch:
                     self.records_read += 1
                     position = r.offset + 1
                     if r.offset in offsets:

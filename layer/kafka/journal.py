@@ -96,6 +96,7 @@ class JournalReader:
             return
         for tp in gone:
             del self._assigned[tp]
+            self._next.pop(tp, None)
             self.out_of_range.discard(tp)
         with translated("unassigning journal partitions failed"):
             self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in gone])
