@@ -309,7 +309,8 @@ class MetricsServer:
         self._snapshot = snapshot
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()  # waits for serve_forever, which must be running
         self._server.server_close()
 
     def readiness(self) -> tuple[int, dict[str, object]]:
