@@ -44,7 +44,17 @@ def run(
         envvar="QLAYER_CORE",
         help="Which shard core decides: native (the Rust port, built by make install), "
         "python (the reference), or auto (native when installed)")] = "auto",
+    metrics_port: Annotated[int | None, typer.Option(
+        envvar="QLAYER_METRICS_PORT", min=0, max=65535,
+        help="Serve Prometheus metrics (/metrics), /healthz and /readyz on this port "
+        "(docs/operations.md, \"Metrics and health\"); off when not given")] = None,
+    metrics_host: Annotated[str, typer.Option(
+        help="The address the metrics port listens on")] = "0.0.0.0",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    log_format: Annotated[str, typer.Option(
+        envvar="QLAYER_LOG_FORMAT",
+        help="text, or json: one JSON object per line with time, level, logger, message "
+        "and the line's queue, shard and epoch fields")] = "text",
 ) -> None:
     """Run a coordinator process until SIGTERM or Ctrl-C.
 
@@ -64,8 +74,12 @@ def run(
                                  "`pip install ./native`), or use --core python",
                                  param_hint="--core")
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from layer.coordinator.logformat import LOG_FORMATS, configure
+
+    if log_format not in LOG_FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(LOG_FORMATS)}",
+                                 param_hint="--log-format")
+    configure(log_level, log_format)
     from layer.settings import Settings  # pydantic: when the command runs
 
     settings = Settings.load(bootstrap_servers=bootstrap_servers, database_url=database_url,
@@ -76,7 +90,8 @@ def run(
                                  default_session_timeout=session_timeout,
                                  transactional=transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024,
-                                 core=core)
+                                 core=core, metrics_port=metrics_port,
+                                 metrics_host=metrics_host)
     logging.getLogger("layer.coordinator").info(
         "shard core: %s", "native" if options.native_core else "python (the reference)")
     CoordinatorProcess(settings, options).run()

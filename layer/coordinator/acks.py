@@ -96,6 +96,7 @@ class Acks:
         if isinstance(decoded, AcceptRecord):
             applied = self._accept(r, decoded, now, replies)
             if applied is not None:
+                self.core.consumer_acks[decoded.consumer_id] += applied
                 return applied
             record = decoded.as_ack_record()
         else:
@@ -113,6 +114,7 @@ class Acks:
         if len(self.deferred) > waiting:
             self.core.counters["acks_deferred_for_replay"] += len(self.deferred) - waiting
             self.deferred_from.setdefault((r.topic, r.partition), r.offset)
+        self.core.consumer_acks[record.consumer_id] += len(record.items)
         return len(record.items)
 
     def _forward_acks(self, r: JournalRecord, record: AckRecord) -> tuple[AckItem, ...]:

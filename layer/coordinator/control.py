@@ -8,6 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from layer.coordinator.acks import MAX_FORWARD_HOPS
+from layer.coordinator.logformat import fields
 from layer.coordinator.sessions import Session
 from layer.coordinator.translate import ms
 from layer.domain import events as ev
@@ -166,7 +167,9 @@ class Control:
             self.core.counters[f"subscribe_{status.value.lower()}"] += 1
             self.refused(EventType.SUBSCRIBE_REFUSED, now, status.value, m.consumer_id,
                           m.session_id, m.queue if not m.queue_is_regex else None)
-            log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why)
+            log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why,
+                     extra=fields(consumer=m.consumer_id, queue=m.queue, shard=self.core.shard,
+                                  reason=status.value))
             topic = (m.delivery_topic if topic_name_problem(m.delivery_topic) is None
                      else self.delivery_topic_of(m.consumer_id))
             replies.append(self.reply(topic, SubscribeResult(
@@ -310,4 +313,6 @@ class Control:
         del self.core.sessions[e.consumer_id]
         batch.delete_consumer(e.consumer_id, e.session_id)
         self.core.counters["session_timeouts"] += 1
-        log.info("consumer %s timed out; its leases were broken", e.consumer_id)
+        log.info("consumer %s timed out; its leases were broken", e.consumer_id,
+                 extra=fields(consumer=e.consumer_id, queue=e.queue, shard=self.core.shard,
+                              reason="session timeout"))

@@ -22,6 +22,7 @@ from layer.coordinator.acks import Acks
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
 from layer.coordinator.lane import NativeLane
+from layer.coordinator.logformat import fields
 from layer.coordinator.options import CoordinatorOptions, LoopStats
 from layer.coordinator.payloads import RECORD_OVERHEAD, MemoryPool, PayloadCache, record_size
 from layer.coordinator.ports import TopicAdmin
@@ -138,6 +139,10 @@ class ShardCore:
         self.memory = memory
         self.codec = Codec()
         self.counters: Counter[str] = counters if counters is not None else Counter()
+        #: Ack items read per consumer id (one addition per ack record, for the metrics
+        #: endpoint); kept through rebuilds like ``counters``, pruned to the live sessions
+        #: when the metrics are read (`layer.coordinator.metrics`).
+        self.consumer_acks: Counter[str] = Counter()
         self.epoch = 0
         #: Whether the queues' engines are the native port (`CoordinatorOptions.core`).
         self.native = options.native_core
@@ -489,7 +494,8 @@ class ShardCore:
                     "priority or barrier (e.g. %s): the filter is false, the priority lowest "
                     "(counted as unparseable in qlayer stats; logged at most once a minute)",
                     engine.name, n, "-" if first is None
-                    else f"{first.topic}[{first.partition}]@{first.offset}")
+                    else f"{first.topic}[{first.partition}]@{first.offset}",
+                    extra=fields(queue=engine.name, shard=self.shard, reason="unparseable"))
 
     def refresh_documents(self, records: dict[Bookmark, JournalRecord]) -> int:
         """Records read again for `Plan.wanted_documents`: each queue over their journal gets

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from layer.coordinator.core import QueueState, ShardCore
+from layer.coordinator.logformat import fields
 from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
 from layer.coordinator.translate import add_outbox, event_fields
 from layer.domain import events as ev
@@ -240,13 +241,16 @@ class Refresh:
                 elsewhere = catalog.shard_of(name)
                 core.drop_queue(name)
                 if elsewhere is None:
-                    log.info("queue %s was deleted", name)
+                    log.info("queue %s was deleted", name,
+                             extra=fields(queue=name, shard=core.shard, reason="deleted"))
                 else:
-                    log.info("queue %s moved to shard %d", name, elsewhere)
+                    log.info("queue %s moved to shard %d", name, elsewhere,
+                             extra=fields(queue=name, shard=core.shard, reason="moved"))
                     core.forget_empty_sessions()
         for name, record in known.items():
             if name not in core.engines:
-                log.info("queue %s is served by shard %d from now on", name, core.shard)
+                log.info("queue %s is served by shard %d from now on", name, core.shard,
+                         extra=fields(queue=name, shard=core.shard, epoch=core.epoch))
                 if self.loader.add(record, rows, now):
                     core.subscribe_regex_sessions(name, now)
                     # The sessions of a queue that moved here: their consumers still write to
@@ -256,7 +260,8 @@ class Refresh:
                 # Rebuild the queue from its persisted state under the new definition: leases
                 # are persisted, so they survive; what is in flight is not lost because the
                 # journal is re-read from the recovery points.
-                log.info("queue %s changed (version %d); rebuilding it", name, record.version)
+                log.info("queue %s changed (version %d); rebuilding it", name, record.version,
+                         extra=fields(queue=name, shard=core.shard, reason="changed"))
                 core.drop_queue(name, keep_sessions=True)
                 if self.loader.add(record, rows, now):
                     core.resubscribe(name, now)

@@ -58,6 +58,11 @@ class CoordinatorOptions:
     #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
     #: reference) or ``auto`` (native when the extension is installed).
     core: str = "auto"
+    #: Serve Prometheus metrics, /healthz and /readyz on this port (0: one the system
+    #: chooses); None: no endpoint (`layer.coordinator.metrics`).
+    metrics_port: int | None = None
+    #: The address the metrics endpoint listens on.
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.core not in CORES:

@@ -30,9 +30,19 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layer.coordinator.catalog import Catalog
+from layer.coordinator.figures import (
+    ConsumerFigures,
+    PartitionLag,
+    QueueFigures,
+    Readiness,
+    ShardFigures,
+    Snapshot,
+    loop_figures,
+)
+from layer.coordinator.logformat import fields
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
 from layer.coordinator.payloads import MemoryPool
 from layer.coordinator.shard import ShardLoop
@@ -45,8 +55,12 @@ from layer.kafka.logs import ClientLog
 from layer.kafka.shards import ShardMembership
 from layer.protocol import TopicNames
 from layer.settings import Settings
-from layer.store.errors import FencedError
+from layer.store.errors import FencedError, StoreError
 from layer.store.store import Store
+from layer.store.tables import COUNTER_NAMES
+
+if TYPE_CHECKING:
+    from layer.coordinator.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +92,13 @@ def _kind(exc: BaseException) -> str:
     return "Kafka" if isinstance(exc, KafkaAdapterError) else type(exc).__name__
 
 
+def _source(exc: BaseException) -> str:
+    """Whom a failure came from, for /readyz: "Kafka: ", "PostgreSQL: " or nothing."""
+    if isinstance(exc, KafkaAdapterError):
+        return "Kafka: "
+    return "PostgreSQL: " if isinstance(exc, StoreError) else ""
+
+
 @dataclass
 class _KafkaOutage:
     """Kafka failed a shard: no shard is taken again before Kafka answers a check."""
@@ -107,6 +128,8 @@ class _Slot:
     busy_until: float = 0.0
     #: The failures since the shard last ran an iteration (None: it runs).
     trouble: _Trouble | None = None
+    #: Why the shard is (to be) taken, for the log line that says so.
+    why: str = "assigned by the coordinators' group"
 
 
 class CoordinatorProcess:
@@ -145,6 +168,11 @@ class CoordinatorProcess:
         self._trouble: _Trouble | None = None
         self._client_log = ClientLog()
         self.started_at = time.time()
+        # The metrics endpoint (--metrics-port), fed one snapshot per report period.
+        self._metrics: MetricsServer | None = None
+        self._started = False
+        # Shards taken this round, (shard, epoch, why): said in one line per reason.
+        self._taken: list[tuple[int, int, str]] = []
 
     # ------------------------------------------------------------------ what tests and tools see
     @property
@@ -172,6 +200,11 @@ class CoordinatorProcess:
     def shard_count(self) -> int:
         return self._catalog.shard_count
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the metrics endpoint, once `run` started it."""
+        return self._metrics.port if self._metrics is not None else None
+
     def loop_for(self, queue: str) -> ShardLoop | None:
         """The running loop that serves ``queue`` in this process, if any."""
         for slot in self._slots.values():
@@ -197,6 +230,7 @@ class CoordinatorProcess:
             admin.ensure_partitions(topic, count)
         self._load_catalog(now)
         self._join()
+        self._started = True
         self._report(now)
         log.info("coordinator %s joined %s (%d shards in the installation)",
                  self.options.owner_id, topics.coordinators_group, count)
@@ -268,6 +302,8 @@ class CoordinatorProcess:
                 total.deliveries += stats.deliveries
                 total.replies += stats.replies
                 total.events += stats.events
+        if self._taken:
+            self._say_taken()
         if now >= self._next_report:
             self._report(now)
         busy = total.journal_records or total.control_records or total.ack_items
@@ -317,6 +353,14 @@ class CoordinatorProcess:
             # re-walking the queues' long-lived objects each time. Nothing in the loop makes
             # reference cycles, so collecting less often costs no memory.
             gc.set_threshold(self.options.gc_threshold, 50, 100)
+        if self.options.metrics_port is not None and self._metrics is None:
+            # Imported here: prometheus-client is loaded only by processes that serve it.
+            from layer.coordinator.metrics import MetricsServer
+
+            self._metrics = MetricsServer(
+                self.options.metrics_host, self.options.metrics_port,
+                stale_after=max(15.0, 5 * self.options.report_interval), clock=clock)
+            self._metrics.start()
         backoff = 0.0
         while not self._stop.is_set():
             try:
@@ -327,6 +371,7 @@ class CoordinatorProcess:
                 backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF)
                 self._repeating(clock(), exc, f"coordinator start-up failed ({exc}); retrying "
                                 f"with back-off up to {MAX_BACKOFF:.0f}s")
+                self._publish(clock(), [f"starting: {_source(exc)}{exc}"])
                 self._stop.wait(backoff)
         try:
             while not self._stop.is_set():
@@ -339,9 +384,13 @@ class CoordinatorProcess:
                     self._process_counters["round_failures"] += 1
                     self._repeating(clock(), exc, f"coordinator round failed ({exc}); "
                                     "retrying every second")
+                    self._publish(clock(), [f"a round failed: {_source(exc)}{exc}"])
                     self._stop.wait(1.0)
         finally:
             self.shutdown(clock())
+            if self._metrics is not None:
+                self._metrics.close()
+                self._metrics = None
 
     def _repeating(self, now: float, exc: BaseException, message: str) -> None:
         """Log a start-up or round failure when it starts or changes kind, not every time."""
@@ -367,12 +416,15 @@ class CoordinatorProcess:
             return
         loop = self._loops.get(shard)
         if loop is None:
+            why = "assigned by the coordinators' group"
             loop = self._loop_class(
                 self.settings, self.options, shard, catalog=lambda: self._catalog,
                 store=self.store, admin=self._admin_client(), memory=self._memory,
                 tokens=self._tokens, client_log=self._client_log)
             self._loops[shard] = loop
-        self._slots[shard] = _Slot(loop)
+        else:
+            why = "assigned again by the coordinators' group"
+        self._slots[shard] = _Slot(loop, why=why)
 
     def _on_revoke(self, shards: list[int], lost: bool) -> None:
         """Called inside the group protocol: stop writing for these shards before Kafka
@@ -417,7 +469,7 @@ class CoordinatorProcess:
                     # consumer's latest Subscribe would not restore its session (its
                     # heartbeats then answered UNKNOWN_SESSION, its leases broken).
                     self._load_catalog(now)
-                loop.take(now)
+                self._taken.append((loop.shard, loop.take(now), slot.why))
             except QlayerError as exc:
                 self._failed(slot, now, exc, f"taking shard {loop.shard} failed")
                 return None
@@ -443,10 +495,27 @@ class CoordinatorProcess:
                         loop.shard, now - trouble.since, trouble.count)
         return stats
 
+    def _say_taken(self) -> None:
+        """Say which shards this process took in this round, and why: one line per reason
+        (a process starting takes all its shards in one round)."""
+        taken, self._taken = self._taken, []
+        by_why: dict[str, list[tuple[int, int]]] = {}
+        for shard, epoch, why in taken:
+            by_why.setdefault(why, []).append((shard, epoch))
+        for why, pairs in by_why.items():
+            shards, epochs = [s for s, _ in pairs], [e for _, e in pairs]
+            log.info("coordinator %s took shard%s %s at epoch%s %s: %s", self.options.owner_id,
+                     "s" if len(pairs) > 1 else "", ", ".join(map(str, shards)),
+                     "s" if len(set(epochs)) > 1 else "",
+                     ", ".join(map(str, epochs)) if len(set(epochs)) > 1 else epochs[0], why,
+                     extra=fields(owner=self.options.owner_id, shards=shards, epochs=epochs,
+                                  reason=why))
+
     def _failed(self, slot: _Slot, now: float, exc: QlayerError, why: str) -> None:
         """A shard failed: retried after a back-off (0.5 s doubling to MAX_BACKOFF), from
         stored state. Logged when its failures start or change kind, not at every retry."""
         self._process_counters["shard_failures"] += 1
+        slot.why = f"taken again after a failure ({why}: {exc}), rebuilt from stored state"
         slot.backoff = min(max(slot.backoff * 2, 0.5), MAX_BACKOFF)
         slot.next_try = now + slot.backoff
         if isinstance(exc, KafkaAdapterError) and self._outage is None:
@@ -457,7 +526,7 @@ class CoordinatorProcess:
             slot.trouble = _Trouble(now, _kind(exc))
             log.error("%s: %s; rebuilding from stored state, retried with back-off up to "
                       "%.0fs (logged again when it runs or fails otherwise)", why, exc,
-                      MAX_BACKOFF)
+                      MAX_BACKOFF, extra=fields(shard=slot.loop.shard, reason=_kind(exc)))
         else:
             trouble.count += 1
             log.debug("%s again (%d in a row): %s", why, trouble.count, exc)
@@ -489,6 +558,8 @@ class CoordinatorProcess:
                         "start again from stored state", now - outage.since)
             for slot in self._slots.values():
                 slot.next_try = min(slot.next_try, now)
+                slot.why = (f"taken again: Kafka answers again after "
+                            f"{now - outage.since:.1f}s away")
 
     def _fenced(self, slot: _Slot, now: float) -> None:
         """A newer epoch: a queue moved off the shard (this process is still the owner) or
@@ -503,9 +574,11 @@ class CoordinatorProcess:
             # Rebuilt at once, without the queues that left (and their sessions).
             self._load_catalog(now)
             slot.next_try = now
+            slot.why = "taken again at a new epoch: a queue moved to or from it"
             return
         log.warning("shard %d is held by %s although the group assigned it here: waiting "
-                    "for the group", loop.shard, owner.owner_id)
+                    "for the group", loop.shard, owner.owner_id,
+                    extra=fields(shard=loop.shard, reason="held by another process"))
         slot.parked = True
 
     def _admin_client(self) -> KafkaAdmin:
@@ -556,6 +629,7 @@ class CoordinatorProcess:
                     lag = None
                 lags[shard_key(loop.shard)] = (loop.epoch, lag)
                 counters[shard_key(loop.shard)] = loop.fault_counters()
+        problems: list[str] = []
         try:
             self.store.report(self.options.owner_id, socket.gethostname(), os.getpid(),
                               self.started_at, self.shards, lags, now,
@@ -563,3 +637,66 @@ class CoordinatorProcess:
         except QlayerError as exc:
             self._process_counters["report_failures"] += 1
             log.warning("reporting to the process registry failed: %s", exc)
+            problems.append(f"PostgreSQL: {exc}")
+        if self._metrics is not None:
+            self._publish(now, problems)
+
+    # ------------------------------------------------------------------ metrics
+    def _publish(self, now: float, problems: list[str]) -> None:
+        """Hand the metrics endpoint a snapshot of this process (once per report period;
+        `layer.coordinator.figures`). ``problems``: why it is not ready, found so far."""
+        if self._metrics is None:
+            return
+        reasons = list(problems)
+        totals: dict[str, dict[str, int]] = {}
+        queues: list[QueueFigures] = []
+        consumers: list[ConsumerFigures] = []
+        partitions: list[PartitionLag] = []
+        shards: list[ShardFigures] = []
+        if self._started:
+            for shard, loop in sorted(self._loops.items()):
+                running = loop.epoch is not None
+                try:
+                    lag = loop.lag() if running else None
+                    ends = loop.end_offsets() if running else {}
+                except QlayerError:
+                    lag, ends = None, {}
+                figures, q, c, p = loop_figures(
+                    shard, loop.epoch, loop.core.engines if running else {},
+                    loop.core.sessions, loop.core.consumer_acks, loop.counters, loop.phases,
+                    lag, ends, now)
+                shards.append(figures)
+                queues += q
+                consumers += c
+                partitions += p
+            if queues and not problems:
+                try:
+                    stored = self.store.load_counters()
+                except QlayerError as exc:
+                    reasons.append(f"PostgreSQL: {exc}")
+                else:
+                    served = {q.queue for q in queues}
+                    totals = {name: {n: getattr(c, n) for n in COUNTER_NAMES}
+                              for name, c in stored.items() if name in served}
+            if self._membership is None or not self._membership.joined:
+                reasons.append("waiting for the coordinators' group to assign shards")
+            if self._outage is not None:
+                reasons.append(f"Kafka: {self._outage.error}")
+            for shard, slot in sorted(self._slots.items()):
+                if slot.loop.epoch is None:
+                    why = ("held by another process" if slot.parked
+                           else "failing" if slot.trouble is not None else "not taken yet")
+                    reasons.append(f"shard {shard} is assigned here but does not run ({why})")
+        elif not reasons:
+            reasons.append("starting")
+        acks: dict[str, int] = {}
+        for loop in self._loops.values():
+            for consumer, n in loop.core.consumer_acks.items():
+                acks[consumer] = acks.get(consumer, 0) + n
+        self._metrics.publish(Snapshot(
+            taken_at=now, owner_id=self.options.owner_id,
+            core="native" if self.options.native_core else "python",
+            readiness=Readiness(not reasons, tuple(self.shards), tuple(reasons)),
+            queues=tuple(queues), totals=totals, partitions=tuple(partitions),
+            consumers=tuple(consumers), consumer_acks=acks, shards=tuple(shards),
+            process_counters=dict(self._process_counters)))

@@ -40,10 +40,12 @@ from typing import Any
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore, record_limit
 from layer.coordinator.deferred import DeferredReader
+from layer.coordinator.logformat import fields
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
 from layer.coordinator.output import Output
 from layer.coordinator.payloads import MemoryPool, RangeReader
+from layer.coordinator.phases import PhaseTimes
 from layer.coordinator.ports import StateStore
 from layer.coordinator.translate import ms
 from layer.domain.errors import QlayerError
@@ -123,6 +125,8 @@ class ShardLoop:
         self.admin = admin
         self.topics = TopicNames(settings.topic_prefix)
         self.counters: Counter[str] = Counter()
+        #: Each phase's time per iteration, as a histogram (the metrics endpoint).
+        self.phases = PhaseTimes()
         self.epoch: int | None = None
         self.core = ShardCore(shard, options, topics=self.topics, catalog=catalog, admin=admin,
                               tokens=tokens or LeaseTokens(), owner_id=options.owner_id,
@@ -174,9 +178,10 @@ class ShardLoop:
         return totals
 
     # ------------------------------------------------------------------ ownership
-    def take(self, now: float) -> None:
+    def take(self, now: float) -> int:
         """Take the shard (a new epoch, which fences any earlier holder) and start serving it:
         restore its queues from PostgreSQL and read on. The group assigned it to us.
+        Returns the epoch taken.
 
         The core starts empty: a shard this process ran before (revoked, then assigned
         again) is restored from what is stored, never from what this process remembers."""
@@ -186,13 +191,15 @@ class ShardLoop:
         self.core.epoch = self.epoch
         self._fault_base = self.store.shard_counters(self.key)
         self._faults_at_take = {k: n for k, n in self.counters.items() if is_fault_counter(k)}
-        log.info("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
-                 self.epoch)
+        # The process says which shards it took and why, in one line per round.
+        log.debug("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
+                  self.epoch, extra=fields(shard=self.shard, epoch=self.epoch))
         try:
             self._start(now)
         except BaseException:
             self._lose_ownership("start-up failed")
             raise
+        return self.epoch
 
     def release(self, now: float, *, kafka: bool = True) -> None:
         """Hand the shard over at once (revocation, clean stop): its OWNERSHIP_LOST events
@@ -265,9 +272,14 @@ class ShardLoop:
         """Records of this shard's inputs not read yet (from the last fetches)."""
         return self._reader.lag() if self._reader is not None else None
 
+    def end_offsets(self) -> dict[tuple[str, int], int]:
+        """Each input partition's end offset as the last fetches saw it (no round trip)."""
+        return self._reader.high_watermarks() if self._reader is not None else {}
+
     def _lose_ownership(self, why: str) -> None:
         log.warning("coordinator %s gives up shard %d: %s", self.options.owner_id,
-                    self.shard, why)
+                    self.shard, why, extra=fields(owner=self.options.owner_id, shard=self.shard,
+                                                  epoch=self.epoch, reason=why))
         # Nothing more is written: what is still queued would come from a former owner.
         self._close_clients(timeout=0.0)
         self.epoch = None
@@ -359,7 +371,7 @@ class ShardLoop:
         self._published = batches[-1][0]
         self.counters["outbox_republished"] += len(batches)
         log.info("shard %d: published %d event batches its outbox held", self.shard,
-                 len(batches))
+                 len(batches), extra=fields(shard=self.shard, epoch=self.epoch))
 
     # ------------------------------------------------------------------ the loop
     def run_once(self, now: float, poll_timeout: float | None = None) -> LoopStats:
@@ -438,11 +450,16 @@ class ShardLoop:
         self.counters["ack_items"] += stats.ack_items
         # Where the loop's wall time goes (µs), for diagnosis and the benchmarks: waiting for
         # input, deciding, PostgreSQL, encoding and writing to Kafka.
-        self.counters["us_polling"] += int((polled - started) * 1e6)
-        self.counters["us_deciding"] += int((decided - polled) * 1e6)
-        self.counters["us_committing"] += int((committed - decided) * 1e6)
-        self.counters["us_writing"] += int((written - committed) * 1e6) - out
+        polling = int((polled - started) * 1e6)
+        deciding = int((decided - polled) * 1e6)
+        committing = int((committed - decided) * 1e6)
+        writing = int((written - committed) * 1e6) - out
+        self.counters["us_polling"] += polling
+        self.counters["us_deciding"] += deciding
+        self.counters["us_committing"] += committing
+        self.counters["us_writing"] += writing
         self.counters["us_encoding"] += out
+        self.phases.observe(polling, deciding, committing, out, writing)
         group_offsets.run_once(now)
         return stats
 
@@ -461,7 +478,8 @@ class ShardLoop:
         self.counters["stalls"] += 1
         if sessions:
             log.warning("shard %d did not run for %.1fs: its %d consumer sessions get a fresh "
-                        "session timeout", self.shard, gap, len(sessions))
+                        "session timeout", self.shard, gap, len(sessions),
+                        extra=fields(shard=self.shard, epoch=self.epoch))
 
     def _commit(self, plan: Plan, now: float) -> tuple[int, ...]:
         """One guarded transaction for everything decided; returns its outbox batches' ids."""

@@ -214,6 +214,18 @@ class JournalReader:
                 total += max(high - tp.offset, 0)
         return total if known else None
 
+    def high_watermarks(self) -> dict[tuple[str, int], int]:
+        """The end offset of each assigned partition as the last fetches saw it (no broker
+        round trip); partitions not fetched from yet are left out."""
+        found: dict[tuple[str, int], int] = {}
+        with translated("reading the high watermarks failed"):
+            for topic, partition in self._assigned:
+                _low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), cached=True)
+                if high >= 0:
+                    found[(topic, partition)] = high
+        return found
+
     def close(self) -> None:
         with translated("closing a journal reader failed"):
             self._consumer.close()

@@ -84,6 +84,9 @@ class ShardMembership:
                            on_lost=self._lost)
         return consumer
 
+    #: Whether the group has given this process an assignment (perhaps empty: a standby).
+    joined = False
+
     @property
     def shards(self) -> frozenset[int]:
         """The shards the group has assigned this process (and it has not given up)."""
@@ -120,8 +123,10 @@ class ShardMembership:
     def _assigned(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         shards = sorted(p.partition for p in partitions)
         self._last_error = None
+        self.joined = True
         if shards:
-            log.info("coordinator group assigned shards %s", shards)
+            # At debug: the process says which shards it took, and why, once it runs them.
+            log.debug("coordinator group assigned shards %s", shards)
         self._shards.update(shards)
         self._changes.assigned.extend(shards)
 

@@ -64,6 +64,11 @@ def renew_ms(extend: float | timedelta | None) -> int | None:
     return ms
 
 
+def _text(value: bytes | None) -> str | None:
+    """A trace header as text (W3C trace context is ASCII; anything else is replaced)."""
+    return None if value is None else value.decode("ascii", errors="replace")
+
+
 class Message:
     """One leased delivery. Settle it exactly once: :meth:`ack`, :meth:`release` or
     :meth:`reject`; :meth:`renew` extends the lease while you work on it.
@@ -168,6 +173,18 @@ class Message:
     def header(self, name: str) -> bytes | None:
         """The value of the record header ``name`` (the last one when repeated), or None."""
         return header_value(self.headers, name)
+
+    @property
+    def traceparent(self) -> str | None:
+        """The record's W3C trace context ``traceparent`` header, as its producer wrote it
+        (None when it has none): pass it to OpenTelemetry's propagator to continue the trace.
+        The coordinator passes every record header through, in both delivery formats."""
+        return _text(self.header("traceparent"))
+
+    @property
+    def tracestate(self) -> str | None:
+        """The record's W3C ``tracestate`` header (vendor trace data), or None."""
+        return _text(self.header("tracestate"))
 
     def json(self) -> Any:
         """The value parsed as JSON (``ValueError`` when it is not)."""

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from layer.protocol import AckType, Bookmark, DeliveryInfo, ProtocolError, with_delivery_headers
+from layer.protocol.batch import BatchEntry
 from layer.sdk import Message, MessageSettledError
 
 
@@ -138,3 +139,21 @@ def test_barrier_flag() -> None:
     barrier = DeliveryInfo(queue="Q", bookmark=Bookmark("t", 0, 1), lease="l",
                            lease_expires_ms=0, delivery_count=1, barrier=True)
     assert build(info=barrier).is_barrier
+
+
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_w3c_trace_context_of_the_record_is_on_the_message_in_both_formats() -> None:
+    headers: list[tuple[str, bytes | None]] = [
+        ("traceparent", TRACEPARENT), ("tracestate", b"congo=t61rcWkgMzE")]
+    from_record = build(headers)
+    from_batch = Message.from_batch(
+        BatchEntry("WorkToDo", "orders", 2, 41, "9f1c2e7a", 1_767_225_630_000, 1, False,
+                   1_767_225_600_000, b"k", b"{}", headers),
+        consumer_id="worker-1", session_id="s-1", settler=RecordingSettler())
+    for message in (from_record, from_batch):
+        assert message.traceparent == TRACEPARENT.decode()
+        assert message.tracestate == "congo=t61rcWkgMzE"
+    untraced = build([("trace", b"abc")])
+    assert (untraced.traceparent, untraced.tracestate) == (None, None)
