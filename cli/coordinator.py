@@ -44,6 +44,12 @@ def run(
         envvar="QLAYER_CORE",
         help="Which shard core decides: native (the Rust port, built by make install), "
         "python (the reference), or auto (native when installed)")] = "auto",
+    require_identity: Annotated[bool, typer.Option(
+        "--require-identity/--no-require-identity", envvar="QLAYER_REQUIRE_IDENTITY",
+        help="Refuse a Subscribe that carries no session secret (protocol 5; the SDK sends "
+        "one from qlayer 0.5 on). Off: a consumer of protocol 1 to 4 still subscribes, as an "
+        "unproven session that can never take over or act for a proven one "
+        "(docs/security.md, 'Session identity')")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run a coordinator process until SIGTERM or Ctrl-C.
@@ -76,7 +82,7 @@ def run(
                                  default_session_timeout=session_timeout,
                                  transactional=transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024,
-                                 core=core)
+                                 core=core, require_identity=require_identity)
     logging.getLogger("layer.coordinator").info(
         "shard core: %s", "native" if options.native_core else "python (the reference)")
     CoordinatorProcess(settings, options).run()

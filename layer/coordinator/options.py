@@ -58,6 +58,10 @@ class CoordinatorOptions:
     #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
     #: reference) or ``auto`` (native when the extension is installed).
     core: str = "auto"
+    #: Refuse a Subscribe without a session secret (protocol 5, docs/security.md "Session
+    #: identity"). Off, a session without one is unproven: it behaves as before protocol 5,
+    #: but none of its records can take over or act for a proven session.
+    require_identity: bool = False
 
     def __post_init__(self) -> None:
         if self.core not in CORES:

@@ -83,3 +83,30 @@ def test_0007_counts_input_faults_from_zero_and_its_downgrade_drops_them(
         assert "unparseable" not in columns and "enqueued" in columns
     finally:
         engine.dispose()
+
+
+def test_0008_leaves_existing_sessions_unproven_and_its_downgrade_drops_the_hashes(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0007_input_counters")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO consumers (consumer_id, session_id, queue, is_regex, "
+                "delivery_topic, session_timeout_ms, subscribed_at, last_heartbeat_at) "
+                "VALUES ('w-1', 's-1', 'Work', false, 'q.delivery.w-1', 30000, now(), now())"))
+        assert migrate.upgrade(empty_database_url, "0008_session_secrets") == (
+            "0008_session_secrets")
+        with engine.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT consumer_id, secret_sha256 FROM consumers")).one() == ("w-1", None)
+            conn.execute(sa.text("UPDATE consumers SET secret_sha256 = '\\x00ff'::bytea"))
+        assert migrate.downgrade(empty_database_url, "0007_input_counters") == (
+            "0007_input_counters")
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("consumers")}
+            assert conn.execute(sa.text("SELECT session_id FROM consumers")).scalar_one() == "s-1"
+        assert "secret_sha256" not in columns
+    finally:
+        engine.dispose()
