@@ -46,8 +46,8 @@ def run(
         "python (the reference), or auto (native when installed)")] = "auto",
     require_identity: Annotated[bool, typer.Option(
         "--require-identity/--no-require-identity", envvar="QLAYER_REQUIRE_IDENTITY",
-        help="Refuse a Subscribe that carries no session secret (protocol 5; the SDK sends "
-        "one from qlayer 0.5 on). Off: a consumer of protocol 1 to 4 still subscribes, as an "
+        help="Refuse a Subscribe that carries no session secret (protocol 5; the Python SDK sends "
+        "one). Off: a consumer of protocol 1 to 4 still subscribes, as an "
         "unproven session that can never take over or act for a proven one "
         "(docs/security.md, 'Session identity')")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",

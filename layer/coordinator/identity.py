@@ -9,7 +9,8 @@ allowed while ``require_identity`` is off) is unproven and behaves as before, bu
 unproven can take over or act for a proven session.
 
 Refused records are counted per kind and reason (``identity_refused_<kind>_<reason>``) and
-logged at most once a minute per consumer id; they change nothing and are not answered: an
+logged at most once a minute per consumer id (records of unknown sessions: once a minute per
+kind, whatever ids they make up); they change nothing and are not answered: an
 answer would go to the victim's delivery topic, or make the forger's.
 """
 
@@ -123,15 +124,21 @@ class Identity:
         self.log(kind, reason, consumer_id, now, detail,
                  f"counted as identity_refused_{kind}_{reason.value}")
 
+    def logged_keys(self) -> int:
+        """How many log limits are remembered (bounded; for tests)."""
+        return len(self._logged)
+
     def log(self, kind: str, reason: Refusal, consumer_id: str, now: float, detail: str,
             counted: str) -> None:
         """Log a record not acted on, unless this consumer id's were logged within the last
-        minute (``counted`` names its counter)."""
-        last = self._logged.get(consumer_id)
+        minute (``counted`` names its counter). Records of unknown sessions share one
+        limit per kind: their consumer ids are whatever a vandal makes up."""
+        key = (f"\0unknown {kind}" if reason is Refusal.UNKNOWN_SESSION else consumer_id)
+        last = self._logged.get(key)
         if last is not None and now - last < LOG_INTERVAL:
             return
         if len(self._logged) >= _MAX_REMEMBERED:
             self._logged.clear()
-        self._logged[consumer_id] = now
+        self._logged[key] = now
         log.warning("%s record of consumer %r not acted on (%s): %s (%s; logged at most once "
                     "a minute per consumer id)", kind, consumer_id, reason.value, detail, counted)

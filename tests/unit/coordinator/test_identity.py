@@ -322,3 +322,22 @@ def test_a_restored_session_stays_proven(shard: Shard) -> None:
     plan = shard.subscribe("v", "s1", secret_headers(secret("v")))
     row = plan.batch.consumers["v"]
     assert Session.from_row(row).secret_hash == secret_hash(secret("v"))
+
+
+def test_refusals_are_logged_at_most_once_a_minute_per_consumer_and_unknown_ids_share_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from collections import Counter
+
+    from layer.coordinator.identity import Identity, Refusal
+
+    counters: Counter[str] = Counter()
+    identity = Identity(counters, require=False)
+    with caplog.at_level("WARNING", logger="layer.coordinator.identity"):
+        for i in range(100):
+            identity.refuse("ack", Refusal.UNKNOWN_SESSION, f"random-{i}", 10.0 + i / 100, "x")
+            identity.refuse("heartbeat", Refusal.WRONG_PROOF, "victim", 10.0 + i / 100, "x")
+        identity.refuse("heartbeat", Refusal.WRONG_PROOF, "victim", 70.5, "x")
+    assert counters == {"identity_refused_ack_unknown_session": 100,
+                        "identity_refused_heartbeat_wrong_proof": 101}
+    assert len(caplog.records) == 3  # one per limit, and the victim's again a minute later
+    assert identity.logged_keys() == 2
