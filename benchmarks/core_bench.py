@@ -51,6 +51,7 @@ from layer.protocol import (  # noqa: E402
     TopicNames,
 )
 from layer.protocol.batch import DELIVERY_FORMAT, decode_delivery_batch  # noqa: E402
+from layer.protocol.headers import PROOF, SECRET  # noqa: E402
 from layer.store.rows import QueueRecord  # noqa: E402
 from layer.store.store import _split_passed_entries, runs_of  # noqa: E402
 
@@ -93,8 +94,15 @@ class Bench:
             queue_is_regex=False, max_backlog=backlog, filter=None,
             delivery_topic=TOPICS.delivery(f"c{i}"), session_timeout_ms=600_000,
             client_name="bench", client_version="0", sent_at_ms=0)), f"c{i}".encode(),
-            [(DELIVERY_FORMAT, b"batch")]) for i in range(CONSUMERS)]
+            [(DELIVERY_FORMAT, b"batch"), (SECRET, self._secret(f"c{i}"))])
+            for i in range(CONSUMERS)]
         self.run(subscribes, 0.0)
+
+    @staticmethod
+    def _secret(consumer: str) -> bytes:
+        """Each consumer's session secret (protocol 5): its AcceptRecords prove it, so the
+        figure includes the coordinator's identity check, once per record."""
+        return (consumer * 64)[:64].encode()
 
     def _input(self, topic: str, value: bytes, key: bytes | None = None,
                headers: list[tuple[str, bytes | None]] | None = None) -> JournalRecord:
@@ -119,7 +127,7 @@ class Bench:
                 AcceptGroup(queue="Work", topic=JOURNAL, partition=p,
                             offsets=tuple(d.bookmark.offset for d in ds),
                             leases=tuple(d.token for d in ds)) for p, ds in parts.items()))),
-            c.encode()) for c, parts in by.items()]
+            c.encode(), [(PROOF, self._secret(c))]) for c, parts in by.items()]
 
     def run(self, records: list[JournalRecord], now: float) -> list[ev.EntryLeased]:
         """One loop iteration's work on the coordinator's side, without the I/O."""

@@ -50,6 +50,12 @@ def run(
         "(docs/operations.md, \"Metrics and health\"); off when not given")] = None,
     metrics_host: Annotated[str, typer.Option(
         help="The address the metrics port listens on")] = "0.0.0.0",
+    require_identity: Annotated[bool, typer.Option(
+        "--require-identity/--no-require-identity", envvar="QLAYER_REQUIRE_IDENTITY",
+        help="Refuse a Subscribe that carries no session secret (protocol 5; the Python SDK sends "
+        "one). Off: a consumer of protocol 1 to 4 still subscribes, as an "
+        "unproven session that can never take over or act for a proven one "
+        "(docs/security.md, 'Session identity')")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
     log_format: Annotated[str, typer.Option(
         envvar="QLAYER_LOG_FORMAT",
@@ -91,7 +97,8 @@ def run(
                                  transactional=transactions,
                                  payload_budget=payload_budget_mb * 1024 * 1024,
                                  core=core, metrics_port=metrics_port,
-                                 metrics_host=metrics_host)
+                                 metrics_host=metrics_host,
+                                 require_identity=require_identity)
     logging.getLogger("layer.coordinator").info(
         "shard core: %s", "native" if options.native_core else "python (the reference)")
     CoordinatorProcess(settings, options).run()

@@ -21,6 +21,10 @@ import pytest
 from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
 
+# Session secrets the SDK keeps for restarted consumers (layer/sdk/identity.py) go to a
+# directory of this run, not the user's ~/.local/state; child processes inherit it.
+os.environ.setdefault("QLAYER_SDK_STATE_DIR", tempfile.mkdtemp(prefix="qlayer-sdk-state-"))
+
 #: The shard count of the tests' databases (QLAYER_TEST_SHARDS overrides it).
 TEST_SHARD_COUNT = int(os.environ.get("QLAYER_TEST_SHARDS", "4"))
 

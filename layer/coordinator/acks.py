@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from itertools import groupby
 from typing import TYPE_CHECKING
 
+from layer.coordinator.identity import Refusal
 from layer.coordinator.translate import ms
 from layer.domain.definitions import Semantics
 from layer.domain.engine import EntryAck
@@ -93,18 +94,29 @@ class Acks:
             self.core.counters["malformed_ack_records"] += 1
             log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
             return 0
+        engines = self.core.engines
+        # Identity (protocol 5): the record must name a live session of this shard and prove
+        # its secret, checked once per record by the shard that applies its items (a shard
+        # that only passes items on need not know the session).
+        admitted = False
         if isinstance(decoded, AcceptRecord):
-            applied = self._accept(r, decoded, now, replies)
-            if applied is not None:
-                self.core.consumer_acks[decoded.consumer_id] += applied
-                return applied
+            if all(g.queue in engines for g in decoded.groups):
+                if not self._admitted(r, decoded.consumer_id, decoded.session_id, now):
+                    return 0
+                admitted = True
+                applied = self._accept(r, decoded, now, replies)
+                if applied is not None:
+                    self.core.consumer_acks[decoded.consumer_id] += applied
+                    return applied
             record = decoded.as_ack_record()
         else:
             record = decoded
         items = record.items
-        engines = self.core.engines
         if not all(item.queue in engines for item in items):
             items = self._forward_acks(r, record)
+        if items and not admitted and not self._admitted(r, record.consumer_id,
+                                                         record.session_id, now):
+            return 0
         waiting = len(self.deferred)
         # A record passed on by a shard that was then fenced is passed on again after its
         # rebuild (it is written before the position past it is stored): its acks were
@@ -116,6 +128,18 @@ class Acks:
             self.deferred_from.setdefault((r.topic, r.partition), r.offset)
         self.core.consumer_acks[record.consumer_id] += len(record.items)
         return len(record.items)
+
+    def _admitted(self, r: JournalRecord, consumer_id: str, session_id: str, now: float
+                  ) -> bool:
+        """Whether an ack record may settle anything: it names a live session of this shard
+        (a record of an unknown or ended session is not acted on: that session's leases were
+        broken when it ended) and proves that session's secret when it has one."""
+        session = self.core.sessions.get(consumer_id)
+        if session is None or session.session_id != session_id:
+            self.core.identity.refuse("ack", Refusal.UNKNOWN_SESSION, consumer_id, now,
+                                      f"no session {session_id}")
+            return False
+        return self.core.identity.admits(session, r.headers, "ack", now)
 
     def _forward_acks(self, r: JournalRecord, record: AckRecord) -> tuple[AckItem, ...]:
         """Pass the items of queues another shard serves on to that shard's ack partition;
@@ -170,7 +194,7 @@ class Acks:
                                                     accept, None, None)))
                 shapes.append((queue, topic, partition, offset, lease))
         outcomes: list[ItemOutcome | None] = [None] * len(shapes)
-        self._apply_run(run, outcomes, now)
+        self._apply_run(run, outcomes, now, record.consumer_id)
         ok = _OK
         odd = [i for i, outcome in enumerate(outcomes) if outcome is not ok]
         if len(odd) < len(outcomes):
@@ -207,7 +231,7 @@ class Acks:
             at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
             total += len(g.offsets)
             odd = engine.core.accept(  # type: ignore[union-attr]
-                g.topic, g.partition, g.offsets, g.leases, now)
+                g.topic, g.partition, g.offsets, g.leases, now, record.consumer_id)
             applied += len(g.offsets) - len(odd)
             for i, outcome in odd:
                 if outcome == "restoring":
@@ -244,8 +268,8 @@ class Acks:
         (`_retry_deferred_acks`): refused now, the consumer would lose its ack and the
         message come back when its restored lease ran out.
         """
-        self._answer(consumer_id, session_id, items, self._apply_acks(items, now), now, replies,
-                     quiet_duplicates)
+        self._answer(consumer_id, session_id, items, self._apply_acks(items, now, consumer_id),
+                     now, replies, quiet_duplicates)
 
     def _answer(self, consumer_id: str, session_id: str, items: Sequence[AckItem],
                 outcomes: Sequence[ItemOutcome | None], now: float,
@@ -292,7 +316,8 @@ class Acks:
         if not self.deferred:
             self.deferred_from.clear()
 
-    def _apply_acks(self, items: Sequence[AckItem], now: float) -> list[ItemOutcome | None]:
+    def _apply_acks(self, items: Sequence[AckItem], now: float, consumer: str
+                    ) -> list[ItemOutcome | None]:
         """Each item's status, lease expiry (RENEW) and refusal message, applied in order;
         None for an item whose entry waits for the replay after a restart (not applied).
 
@@ -306,11 +331,11 @@ class Acks:
             if not isinstance(checked, EntryAck):
                 outcomes[i] = checked
             elif item.type is AckType.RENEW:
-                self._apply_run(run, outcomes, now)
-                self._apply_run({item.queue: [(i, checked)]}, outcomes, now)
+                self._apply_run(run, outcomes, now, consumer)
+                self._apply_run({item.queue: [(i, checked)]}, outcomes, now, consumer)
             else:
                 run.setdefault(item.queue, []).append((i, checked))
-        self._apply_run(run, outcomes, now)
+        self._apply_run(run, outcomes, now, consumer)
         return outcomes
 
     def _checked_ack(self, item: AckItem) -> EntryAck | ItemOutcome:
@@ -329,11 +354,13 @@ class Acks:
                              item.type, delay, item.reason)
 
     def _apply_run(self, run: dict[str, list[tuple[int, EntryAck]]],
-                   outcomes: list[ItemOutcome | None], now: float) -> None:
+                   outcomes: list[ItemOutcome | None], now: float, consumer: str) -> None:
+        """Apply runs of one consumer's items; a token settles only a lease ``consumer``
+        holds (protocol 5: a lease token alone no longer settles a lease)."""
         for queue, pairs in run.items():
             engine = self.core.engines[queue]
             at_most_once = engine.definition.semantics is Semantics.AT_MOST_ONCE
-            results = engine.ack([item for _, item in pairs], now)
+            results = engine.ack([item for _, item in pairs], now, consumer)
             for (i, item), result in zip(pairs, results, strict=True):
                 if result is AckOutcome.UNKNOWN_BOOKMARK and engine.restoring(
                         item.bookmark):

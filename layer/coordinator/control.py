@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from layer.coordinator.acks import MAX_FORWARD_HOPS
 from layer.coordinator.logformat import fields
+from layer.coordinator.identity import Refusal
 from layer.coordinator.sessions import Session
 from layer.coordinator.translate import ms
 from layer.domain import events as ev
@@ -25,6 +26,7 @@ from layer.protocol import (
     EventType,
     GrantSemantics,
     Heartbeat,
+    InputHeaders,
     ProtocolError,
     QueueGrant,
     Replace,
@@ -97,15 +99,28 @@ class Control:
         if target is not None and target != self.core.shard:
             self.forward(r, r.value, target, hops)
             return
+        identity = self.core.identity
         if isinstance(message, Subscribe | Replace):
-            self._on_subscribe(message, now, batch, replies, delivery_format(r.headers))
+            if isinstance(message, Replace):
+                session = self.core.sessions.get(message.consumer_id)
+                if (session is not None and session.session_id == message.session_id
+                        and not identity.admits(session, r.headers, "replace", now)):
+                    return
+            self._on_subscribe(message, now, batch, replies, delivery_format(r.headers),
+                               r.headers)
         elif isinstance(message, Heartbeat):
             session = self.core.sessions.get(message.consumer_id)
             if session is None or session.session_id != message.session_id:
                 self.core.counters["unknown_session_heartbeats"] += 1
+                identity.log("heartbeat", Refusal.UNKNOWN_SESSION, message.consumer_id, now,
+                             f"no session {message.session_id}",
+                             "counted as unknown_session_heartbeats")
+                # Answered only on a delivery topic that exists: replies create no topic.
                 replies.append(self.session_ended(message.consumer_id, message.session_id,
                                                    SessionEndReason.UNKNOWN_SESSION, now,
                                                    "no such session: subscribe again"))
+                return
+            if not identity.admits(session, r.headers, "heartbeat", now):
                 return
             for name in session.every_queue:
                 self.core.engines[name].heartbeat(message.consumer_id, now, message.session_id)
@@ -114,6 +129,11 @@ class Control:
             session = self.core.sessions.get(message.consumer_id)
             if session is None or session.session_id != message.session_id:
                 self.core.counters["unknown_session_unsubscribes"] += 1
+                identity.log("unsubscribe", Refusal.UNKNOWN_SESSION, message.consumer_id, now,
+                             f"no session {message.session_id}",
+                             "counted as unknown_session_unsubscribes")
+                return
+            if not identity.admits(session, r.headers, "unsubscribe", now):
                 return
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
@@ -154,8 +174,8 @@ class Control:
                                                sent_at_ms=ms(now)), consumer_id)
 
     def _on_subscribe(self, m: Subscribe | Replace, now: float, batch: WriteBatch,
-                      replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD
-                      ) -> None:
+                      replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD,
+                      headers: InputHeaders = None) -> None:
         kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
         existing = self.core.sessions.get(m.consumer_id)
         timeout = (m.session_timeout_ms / 1000.0 if isinstance(m, Subscribe)
@@ -183,6 +203,18 @@ class Control:
                                             or existing.session_id != m.session_id):
             refuse(SubscribeStatus.INVALID_REQUEST, "replace of an unknown session: subscribe")
             return
+        # A Replace keeps its session's secret (its proof was checked in `on_record`); a
+        # Subscribe brings a new one, and may not take a live proven session over without
+        # proving that session's secret. Checked before anything is created for it.
+        secret_hash = existing.secret_hash if existing is not None else None
+        if kind is RequestKind.SUBSCRIBE:
+            verdict = self.core.identity.subscribe(
+                m.consumer_id, existing, headers, now,
+                existing.session_timeout if existing is not None else timeout)
+            if verdict.refusal is not None:
+                refuse(SubscribeStatus.INVALID_REQUEST, verdict.message or verdict.refusal)
+                return
+            secret_hash = verdict.secret_hash
         problem = topic_name_problem(m.delivery_topic)
         if problem is None and m.delivery_topic in (self.core.topics.control, self.core.topics.ack,
                                                     self.core.topics.events):
@@ -204,7 +236,7 @@ class Control:
         session = Session(m.consumer_id, m.session_id, m.queue, m.queue_is_regex,
                            m.max_backlog, m.filter or None, m.delivery_topic, timeout,
                            existing.subscribed_at if existing and kind is RequestKind.REPLACE
-                           else now, [], delivery_format=formats)
+                           else now, [], delivery_format=formats, secret_hash=secret_hash)
         try:
             names = [n for n in self.core.engines if session.matches(n)]
             shards = self.core.catalog().shards_matching(m.queue, m.queue_is_regex)
@@ -281,7 +313,7 @@ class Control:
             is_regex=m.queue_is_regex, delivery_topic=m.delivery_topic,
             session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
             last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None,
-            delivery_format=formats))
+            delivery_format=formats, secret_hash=secret_hash))
         self.core.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
         replies.append(self.reply(m.delivery_topic, SubscribeResult(
             consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,

@@ -21,6 +21,7 @@ from typing import Any
 from layer.coordinator.acks import Acks
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
+from layer.coordinator.identity import Identity
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.logformat import fields
 from layer.coordinator.options import CoordinatorOptions, LoopStats
@@ -146,6 +147,7 @@ class ShardCore:
         self.epoch = 0
         #: Whether the queues' engines are the native port (`CoordinatorOptions.core`).
         self.native = options.native_core
+        self.identity = Identity(self.counters, options.require_identity)
         self.acks = Acks(self)
         self.control = Control(self)
         #: The native batch paths (native engines only): records in, rows, events and

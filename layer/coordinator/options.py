@@ -63,6 +63,10 @@ class CoordinatorOptions:
     metrics_port: int | None = None
     #: The address the metrics endpoint listens on.
     metrics_host: str = "0.0.0.0"
+    #: Refuse a Subscribe without a session secret (protocol 5, docs/security.md "Session
+    #: identity"). Off, a session without one is unproven: it behaves as before protocol 5,
+    #: but none of its records can take over or act for a proven session.
+    require_identity: bool = False
 
     def __post_init__(self) -> None:
         if self.core not in CORES:

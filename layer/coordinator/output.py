@@ -338,19 +338,11 @@ class Output:
         return good
 
     def _topic_exists(self, topic: str) -> bool:
-        """Whether Kafka has the topic (replies never create one: a broker without topic
-        auto-creation would fail the whole iteration's flush, again on every retry)."""
+        """Whether Kafka has the topic. Replies never create one: delivery topics are created
+        on a valid Subscribe only (protocol 5, docs/security.md "Session identity"), so
+        records naming made-up consumer ids cannot make the coordinator create topics; and
+        producing to a missing topic would fail the whole iteration's flush."""
         if topic in self.core.known_topics:
             return True
         self.core.known_topics = set(self.core.admin.topics())
-        if topic in self.core.known_topics:
-            return True
-        # A reply topic is a consumer's delivery topic (one partition), which it reads already:
-        # create it as a subscribe would; a broker that refuses means no answer is possible.
-        try:
-            self.core.admin.ensure_topics([TopicSpec(topic, 1)])
-        except KafkaAdapterError as exc:
-            log.warning("cannot create reply topic %s: %s", topic, exc)
-            return False
-        self.core.known_topics.add(topic)
-        return True
+        return topic in self.core.known_topics

@@ -32,6 +32,9 @@ class Session:
     #: Queues a replace took the subscription off, where its consumer still holds leases
     #: (`QueueEngine.retire`): heartbeats and the session's end reach them too.
     draining: list[str] = field(default_factory=list)
+    #: SHA-256 of the session's secret (protocol 5, `layer.coordinator.identity`); None for an
+    #: unproven session (a consumer that sent none).
+    secret_hash: bytes | None = None
 
     @property
     def every_queue(self) -> list[str]:
@@ -49,4 +52,4 @@ class Session:
         return cls(row.consumer_id, row.session_id, row.queue, row.is_regex, row.max_backlog,
                    row.filter, row.delivery_topic, row.session_timeout_ms / 1000.0,
                    row.subscribed_at, [], BacklogShare() if row.is_regex else None,
-                   row.delivery_format)
+                   row.delivery_format, secret_hash=row.secret_hash)

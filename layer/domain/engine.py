@@ -1258,10 +1258,14 @@ class QueueEngine:
         )
 
     # ------------------------------------------------------------------ acknowledgements
-    def ack(self, items: Iterable[EntryAck], now: float) -> list[AckOutcome]:
+    def ack(self, items: Iterable[EntryAck], now: float, consumer: str | None = None
+            ) -> list[AckOutcome]:
         """Apply acknowledgement items in order; one result per item.
 
         A wrong token, an unknown bookmark or a duplicate changes nothing and says so.
+        With ``consumer`` (the consumer the ack record came from, protocol 5), a token counts
+        as the holder's only when that consumer holds the lease: a token read from another
+        consumer's delivery topic is a WRONG_TOKEN.
         Strict leasing: only the holder's token may ACCEPT, RELEASE, REJECT or RENEW.
         Permissive: anyone may ACCEPT or REJECT an entry still in the queue (leased or not);
         RELEASE and RENEW still need the holder's token. At-most-once: every type but RENEW
@@ -1277,7 +1281,8 @@ class QueueEngine:
             if touched is None:
                 append(self._ack_unleased(bookmark, token, kind, reason, now))
                 continue
-            holder = token is not None and token == touched.token
+            holder = token is not None and token == touched.token and (
+                consumer is None or touched.consumer_id == consumer)
             if touched.slot_only:
                 if strict and not holder:
                     append(AckOutcome.WRONG_TOKEN)

@@ -246,8 +246,9 @@ class NativeQueueEngine:
         return bool(self._core.unsubscribe(consumer_id, now, reason))
 
     # ------------------------------------------------------------------ acks, timers, dispatch
-    def ack(self, items: Iterable[EntryAck], now: float) -> list[AckOutcome]:
-        return list(self._core.ack(items, now))
+    def ack(self, items: Iterable[EntryAck], now: float, consumer: str | None = None
+            ) -> list[AckOutcome]:
+        return list(self._core.ack(items, now, consumer))
 
     def ack_matching(self, filter: str | Expression | None, now: float) -> int:
         return int(self._core.ack_matching(_engine._compiled(filter), now))

@@ -9,7 +9,10 @@ carried (e.g. a record republished from a delivery topic), so a delivery never s
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +40,10 @@ __all__ = [
     "FORWARDED",
     "LEASE",
     "LEASE_EXPIRES",
+    "PROOF",
     "QUEUE",
     "REPLY",
+    "SECRET",
     "SESSION",
     "SHARD",
     "DeadLetterInfo",
@@ -55,12 +60,18 @@ __all__ = [
     "forwarded_hops",
     "header_value",
     "is_reply",
+    "new_session_secret",
     "parse_dead_letter_headers",
     "parse_deliver_at",
     "parse_delivery_headers",
     "parse_expiration",
+    "proof_headers",
+    "proves",
     "reply_headers",
     "reply_shard",
+    "secret_hash",
+    "secret_headers",
+    "secret_problem",
     "with_delivery_headers",
     "without_delivery_headers",
 ]
@@ -88,6 +99,12 @@ REPLY = "qlayer.reply"
 SHARD = "qlayer.shard"
 # --- on a control or ack record a coordinator passed on to the shard that serves it ---------
 FORWARDED = "qlayer.forwarded"
+# --- on a consumer's control and ack records (protocol 5, "Session identity") ----------------
+# A Subscribe carries a fresh secret of its session; every later control and ack record of the
+# session carries it back as its proof (a Subscribe may carry the proof of the live session it
+# replaces). Only coordinators read the control and ack topics (docs/security.md).
+SECRET = "qlayer.secret"
+PROOF = "qlayer.proof"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the
@@ -309,6 +326,53 @@ def forwarded_headers(hops: int) -> Headers:
 def is_reply(headers: InputHeaders) -> bool:
     """True for a coordinator reply, false for a delivered message."""
     return header_value(headers, REPLY) == _TRUE
+
+
+# --- session identity (protocol 5) -------------------------------------------------------------
+
+#: Bounds of a session secret, in bytes: short enough to hash per record for nothing, long
+#: enough that it cannot be guessed (the SDK sends 32 random bytes as 64 hex characters).
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 256
+
+
+def new_session_secret() -> bytes:
+    """A fresh session secret: 32 random bytes (`secrets`), as 64 lowercase hex characters."""
+    return secrets.token_hex(32).encode("ascii")
+
+
+def secret_problem(value: bytes) -> str | None:
+    """Why a ``qlayer.secret`` (or ``qlayer.proof``) value cannot be a session secret."""
+    if not MIN_SECRET_BYTES <= len(value) <= MAX_SECRET_BYTES:
+        return (f"header {SECRET} must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, "
+                f"got {len(value)}")
+    return None
+
+
+def secret_hash(secret: bytes) -> bytes:
+    """What a coordinator keeps of a session secret (in memory and in PostgreSQL): its SHA-256.
+    The secret itself is never stored."""
+    return hashlib.sha256(secret).digest()
+
+
+def secret_headers(secret: bytes) -> Headers:
+    """The header of a Subscribe that starts a session with this secret."""
+    return [(SECRET, secret)]
+
+
+def proof_headers(secret: bytes) -> Headers:
+    """The header of a record that proves its session's secret (every control and ack record
+    after the Subscribe; a Subscribe taking over its consumer id's live session)."""
+    return [(PROOF, secret)]
+
+
+def proves(headers: InputHeaders, expected: bytes) -> bool:
+    """Whether the record's ``qlayer.proof`` is the secret whose `secret_hash` is ``expected``
+    (one hash and one constant-time compare per record)."""
+    value = header_value(headers, PROOF)
+    if value is None or not MIN_SECRET_BYTES <= len(value) <= MAX_SECRET_BYTES:
+        return False
+    return hmac.compare_digest(hashlib.sha256(value).digest(), expected)
 
 
 # --- delayed delivery --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import socket
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -34,7 +36,15 @@ from layer.kafka.acls import sdk_group
 from layer.protocol.batch import BATCH, DELIVERY_FORMAT, DeliveryFormat, decode_delivery_batch
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
-from layer.protocol.headers import SESSION, header_value, is_reply, reply_shard
+from layer.protocol.headers import (
+    SESSION,
+    header_value,
+    is_reply,
+    new_session_secret,
+    proof_headers,
+    reply_shard,
+    secret_headers,
+)
 from layer.protocol.records import (
     AcceptGroup,
     AcceptRecord,
@@ -68,6 +78,7 @@ from layer.sdk.errors import (
     SessionEndedError,
     UnknownQueueError,
 )
+from layer.sdk.identity import SecretStore, default_state_dir
 from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
 from layer.sdk.message import delay_ms as release_delay_ms
@@ -202,6 +213,7 @@ class QueueConsumer:
         resubscribe: bool = True,
         client_name: str = "qlayer-python",
         delivery_format: Literal["batch", "record"] = "batch",
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(queue, re.Pattern):
             queue, regex = queue.pattern, True
@@ -228,6 +240,13 @@ class QueueConsumer:
         # reads it passes it on to the right shard.
         self._shard: int | None = None
         self._delivery_topic = self._topics.delivery(self._consumer_id)  # validates the id
+        # Protocol 5: the live session's secret, proved by every later record; kept on disk
+        # for a restarted process of this consumer id (`layer.sdk.identity`).
+        self._secrets = SecretStore(Path(state_dir) if state_dir is not None
+                                    else default_state_dir(), self._topics.prefix,
+                                    self._consumer_id)
+        self._secret: bytes | None = None
+        self._proof: list[tuple[str, bytes]] | None = None
         self._session_timeout = session_timeout
         self._subscribe_timeout = subscribe_timeout
         self._on_ack_error = on_ack_error
@@ -570,6 +589,10 @@ class QueueConsumer:
                     )
                 )
                 self._producer.wait(timeout)
+            if self._secret is not None:
+                # The session is over (unsubscribed, or ended by the coordinator): a later
+                # process of this consumer id has nothing to prove.
+                self._secrets.forget(self._secret)
         except QlayerError as exc:
             log.warning("closing consumer %s: %s", self._consumer_id, exc)
         finally:
@@ -604,10 +627,19 @@ class QueueConsumer:
     def _subscribe(self) -> None:
         session_id = str(uuid.uuid4())
         request_id = uuid.uuid4().hex
+        # A fresh secret for the new session; the proof of the one it replaces: this
+        # process's own, or the one a previous process of this consumer id kept (a Subscribe
+        # over a live session is refused without it).
+        secret = new_session_secret()
+        previous = self._secret or self._secrets.load()
         with self._cond:
             self._session_id = session_id
+            self._set_secret(secret)
             self._active = False
         self._results.clear()
+        headers = self._format_header + secret_headers(secret)
+        if previous is not None:
+            headers += proof_headers(previous)
         self._send_control(
             Subscribe(
                 consumer_id=self._consumer_id,
@@ -622,7 +654,8 @@ class QueueConsumer:
                 client_name=self._client_name,
                 client_version=__version__,
                 sent_at_ms=_now_ms(),
-            )
+            ),
+            headers,
         )
         deadline = time.monotonic() + self._subscribe_timeout
         while request_id not in self._results:
@@ -648,7 +681,10 @@ class QueueConsumer:
             self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
         result = self._results.pop(request_id)
         if result.status is not SubscribeStatus.OK:
+            with self._cond:
+                self._set_secret(previous)  # no session has the new secret
             raise self._refusal(result, self._queue, self._filter)
+        self._secrets.save(secret)
         self._request_id = request_id
         self._grants = {grant.queue: grant for grant in result.queues}
         self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
@@ -898,10 +934,21 @@ class QueueConsumer:
 
     # --- sending ----------------------------------------------------------------------------
 
-    def _send_control(self, message: ControlMessage) -> None:
-        headers = self._format_header if isinstance(message, Subscribe | Replace) else None
+    def _set_secret(self, secret: bytes | None) -> None:
+        """The session's secret, and the header proving it on every later record."""
+        self._secret = secret
+        self._proof = None if secret is None else proof_headers(secret)
+
+    def _send_control(self, message: ControlMessage,
+                      headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Send a control record; by default with the delivery format (Replace) and the proof
+        of the session's secret (Replace, Heartbeat, Unsubscribe)."""
+        if headers is None:
+            headers = list(self._format_header) if isinstance(message, Replace) else []
+            if self._proof is not None:
+                headers += self._proof
         self._producer.send(self._topics.control, self._key, self._codec.encode_control(message),
-                            self._shard, headers)
+                            self._shard, headers or None)
 
     def _flush_acks(self) -> None:
         with self._cond:
@@ -919,7 +966,7 @@ class QueueConsumer:
             record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
                                sent_at_ms=_now_ms(), items=tuple(batch))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record),
-                                self._shard)
+                                self._shard, self._proof)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(batch)
         if accepts:
@@ -938,7 +985,7 @@ class QueueConsumer:
                                          leases=tuple(ls))
                              for (q, t, p), (o, ls) in groups.items()))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_accept(accept),
-                                self._shard)
+                                self._shard, self._proof)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(accepts)
 

@@ -110,6 +110,9 @@ class ConsumerRow:
     evict_requested_at: float | None = None
     #: ``batch`` (delivery batches, protocol 3) or ``record`` (one record per message).
     delivery_format: str = "record"
+    #: SHA-256 of the session's secret (protocol 5, docs/security.md "Session identity");
+    #: None for a session that gave none (an older client). The secret is never stored.
+    secret_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Integer,
+    LargeBinary,
     Text,
     any_,
     bindparam,
@@ -369,6 +370,7 @@ CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "last_heartbeat_at": _TIMESTAMP,
     "client_info": _JSON,
     "delivery_format": Text(),
+    "secret_sha256": LargeBinary(),
 }
 _consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
 _consumers_insert = pg_insert(consumers).from_select(

@@ -435,6 +435,7 @@ class Store:
                     client_info=row.client_info,
                     evict_requested_at=_to_seconds_or_none(row.evict_requested_at),
                     delivery_format=row.delivery_format,
+                    secret_hash=row.secret_sha256,
                 )
                 for row in conn.execute(sql.SELECT_CONSUMERS)
             ]
@@ -869,6 +870,7 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
                     None if row.client_info is None else dict(row.client_info) for row in ordered
                 ],
                 "delivery_format": [row.delivery_format for row in ordered],
+                "secret_sha256": [row.secret_hash for row in ordered],
             },
         )
         statements += 1

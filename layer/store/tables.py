@@ -176,6 +176,9 @@ consumers = Table(
     # How the consumer's deliveries are written (0005): `batch` (protocol 3) or `record`.
     Column("delivery_format", Text, nullable=False, server_default=text("'record'")),
     # 0 is a session that takes only barrier messages (AMPS; docs/protocol.md §4.1).
+    # SHA-256 of the session's secret (0008, protocol 5); NULL: the session gave none. Only
+    # the hash: a database reader cannot act for the session.
+    Column("secret_sha256", LargeBinary, nullable=True),
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
     CheckConstraint("delivery_format IN ('batch', 'record')", name="delivery_format_known"),

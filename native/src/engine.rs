@@ -1484,7 +1484,9 @@ enum Deliver {
 
 impl Engine {
     // ------------------------------------------------------------------ acknowledgements
-    pub fn ack(&mut self, py: Python<'_>, items: Vec<AckIn>, now: f64) -> PyResult<Vec<Outcome>> {
+    /// With `consumer` (the consumer the ack record came from, protocol 5), a token counts as
+    /// the holder's only when that consumer holds the lease (`QueueEngine.ack`).
+    pub fn ack(&mut self, py: Python<'_>, items: Vec<AckIn>, now: f64, consumer: Option<&str>) -> PyResult<Vec<Outcome>> {
         let mut results = Vec::with_capacity(items.len());
         let strict = self.policy.strict;
         for item in items {
@@ -1502,7 +1504,7 @@ impl Engine {
                 let holder = match (&item.token, &t.token) {
                     (Some(given), Some(held)) => given.as_str() == &**held,
                     _ => false,
-                };
+                } && consumer.is_none_or(|c| c == &*t.consumer_id);
                 (holder, t.slot_only)
             };
             let kind = item.kind;
@@ -1557,7 +1559,7 @@ impl Engine {
     /// ACCEPT of many leases of one journal partition (an AcceptRecord group): `ack` for
     /// items of one kind, without an item each. Returns (index, outcome) of those not applied.
     pub fn accept_many(&mut self, py: Python<'_>, topic: &str, partition: i64, offsets: &[i64],
-                       tokens: &[&str], now: f64) -> PyResult<Vec<(usize, Outcome)>> {
+                       tokens: &[&str], now: f64, consumer: Option<&str>) -> PyResult<Vec<(usize, Outcome)>> {
         let name = self.table.topic_name(topic);
         let strict = self.policy.strict;
         let mut odd = Vec::new();
@@ -1583,7 +1585,8 @@ impl Engine {
             };
             let (holder, slot_only) = {
                 let t = &self.touched[&seq];
-                (t.token.as_deref() == Some(token), t.slot_only)
+                (t.token.as_deref() == Some(token) && consumer.is_none_or(|c| c == &*t.consumer_id),
+                 t.slot_only)
             };
             if slot_only {
                 if strict && !holder {

@@ -444,7 +444,8 @@ impl NativeEngine {
         Ok(self.core.unsubscribe(py, &Arc::from(consumer_id), now, reason))
     }
 
-    fn ack<'py>(&mut self, py: Python<'py>, items: &Bound<'_, PyAny>, now: f64) -> PyResult<Bound<'py, PyList>> {
+    #[pyo3(signature = (items, now, consumer=None))]
+    fn ack<'py>(&mut self, py: Python<'py>, items: &Bound<'_, PyAny>, now: f64, consumer: Option<&str>) -> PyResult<Bound<'py, PyList>> {
         let mut parsed = Vec::new();
         for item in items.try_iter()? {
             let item = item?;
@@ -460,7 +461,7 @@ impl NativeEngine {
                 reason: t.get_item(4)?.extract()?,
             });
         }
-        let outcomes = self.core.ack(py, parsed, now)?;
+        let outcomes = self.core.ack(py, parsed, now, consumer)?;
         let out = PyList::empty(py);
         let cls = self.api.ack_outcome.bind(py);
         for o in outcomes {
@@ -551,8 +552,9 @@ impl NativeEngine {
     /// ACCEPT of one AcceptRecord group: (index, outcome) of the items not applied, where the
     /// outcome is an `AckOutcome` value or "restoring" (a restored lease whose record the
     /// replay has not reached: the item waits).
+    #[pyo3(signature = (topic, partition, offsets, leases, now, consumer=None))]
     fn accept(&mut self, py: Python<'_>, topic: &str, partition: i64, offsets: Vec<i64>,
-              leases: &Bound<'_, PyAny>, now: f64) -> PyResult<Vec<(usize, &'static str)>> {
+              leases: &Bound<'_, PyAny>, now: f64, consumer: Option<&str>) -> PyResult<Vec<(usize, &'static str)>> {
         let leases: Vec<Bound<'_, PyAny>> = leases.try_iter()?.collect::<PyResult<_>>()?;
         let mut tokens: Vec<&str> = Vec::with_capacity(leases.len());
         for lease in &leases {
@@ -562,7 +564,7 @@ impl NativeEngine {
             return Err(PyValueError::new_err(format!(
                 "{} offsets but {} leases", offsets.len(), tokens.len())));
         }
-        let outcomes = self.core.accept_many(py, topic, partition, &offsets, &tokens, now)?;
+        let outcomes = self.core.accept_many(py, topic, partition, &offsets, &tokens, now, consumer)?;
         let mut odd = Vec::with_capacity(outcomes.len());
         for (i, outcome) in outcomes {
             if outcome == Outcome::UnknownBookmark

@@ -37,11 +37,15 @@ from layer.protocol import (
     Unsubscribe,
     is_reply,
     parse_delivery_headers,
+    proof_headers,
     reply_shard,
+    secret_headers,
 )
+from layer.protocol.headers import new_session_secret
 from layer.settings import Settings
 from layer.store.store import Store
 from layer.store.tables import COUNTER_NAMES
+from tests.support.kafka import create_topic
 
 
 @contextmanager
@@ -108,12 +112,16 @@ class RawConsumer:
 
     With ``follow_shard`` (protocol 2, the default) it writes its control and ack records to
     the partition a reply's ``qlayer.shard`` header names; without, it writes them by key as a
-    protocol-1 client does, and the coordinators pass them on."""
+    protocol-1 client does, and the coordinators pass them on. With ``identity`` (protocol 5,
+    the default) its Subscribe carries a session secret (``secret``, settable to forge) and
+    every later record proves it; without, it is a protocol 1–4 consumer. It creates its
+    delivery topic itself (replies create none), as the SDK does."""
 
     def __init__(self, bootstrap_servers: str, prefix: str, queue: str, *,
                  max_backlog: int | None = None, filter: str | None = None,
                  session_timeout_ms: int = 10_000, consumer_id: str | None = None,
-                 queue_is_regex: bool = False, follow_shard: bool = True) -> None:
+                 queue_is_regex: bool = False, follow_shard: bool = True,
+                 identity: bool = True) -> None:
         self.codec = Codec()
         self.topics = TopicNames(prefix)
         self.consumer_id = consumer_id or f"raw-{uuid.uuid4().hex[:8]}"
@@ -121,6 +129,9 @@ class RawConsumer:
         self.queue = queue
         self.queue_is_regex = queue_is_regex
         self.delivery_topic = self.topics.delivery(self.consumer_id)
+        #: The session secret its Subscribe sends and later records prove (None: protocol 1–4).
+        self.secret: bytes | None = new_session_secret() if identity else None
+        create_topic(bootstrap_servers, self.delivery_topic, 1, exist_ok=True)
         self.producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 1})
         self.consumer = Consumer({"bootstrap.servers": bootstrap_servers,
                                   "group.id": self.consumer_id, "enable.auto.commit": False,
@@ -141,23 +152,37 @@ class RawConsumer:
     def _route(self) -> dict[str, int]:
         return {"partition": self.shard} if self.follow_shard and self.shard is not None else {}
 
-    def _send_control(self, message: object) -> None:
+    def proof(self) -> list[tuple[str, bytes | None]]:
+        """The header proving this consumer's secret (none without one)."""
+        return list(proof_headers(self.secret)) if self.secret is not None else []
+
+    def _send_control(self, message: object,
+                      headers: list[tuple[str, bytes | None]] | None = None) -> None:
         self.producer.produce(self.topics.control, self.codec.encode_control(message),  # type: ignore[arg-type]
-                              key=self.consumer_id.encode(), **self._route())
+                              key=self.consumer_id.encode(),
+                              headers=self.proof() if headers is None else headers,
+                              **self._route())
         self.producer.flush(10)
 
-    def subscribe(self, timeout: float = 30.0, delivery_topic: str | None = None
-                  ) -> SubscribeResult:
+    def subscribe(self, timeout: float = 30.0, delivery_topic: str | None = None,
+                  prove: bytes | None = None) -> SubscribeResult:
         """Subscribe and wait for the answer; ``delivery_topic`` names another topic in the
-        request (this consumer still reads its conventional one)."""
+        request (this consumer still reads its conventional one); ``prove`` is the secret of
+        the live session of this consumer id the new one replaces."""
         request_id = uuid.uuid4().hex
+        headers: list[tuple[str, bytes | None]] = []
+        if self.secret is not None:
+            headers += secret_headers(self.secret)
+        if prove is not None:
+            headers += proof_headers(prove)
         self._send_control(Subscribe(
             consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
             queue=self.queue, queue_is_regex=self.queue_is_regex,
             max_backlog=self.max_backlog, filter=self.filter,
             delivery_topic=delivery_topic or self.delivery_topic,
             session_timeout_ms=self.session_timeout_ms,
-            client_name="raw-test", client_version="0", sent_at_ms=int(time.time() * 1000)))
+            client_name="raw-test", client_version="0", sent_at_ms=int(time.time() * 1000)),
+            headers)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # Deliveries may follow the reply in the same fetch: keep them for poll().
@@ -222,7 +247,8 @@ class RawConsumer:
         record = AckRecord(consumer_id=self.consumer_id, session_id=self.session_id,
                            sent_at_ms=int(time.time() * 1000), items=items)
         self.producer.produce(self.topics.ack, self.codec.encode_ack(record),
-                              key=self.consumer_id.encode(), **self._route())
+                              key=self.consumer_id.encode(), headers=self.proof(),
+                              **self._route())
         self.producer.flush(10)
 
     def send_items(self, items: Iterable[AckItem]) -> None:
@@ -230,7 +256,8 @@ class RawConsumer:
         record = AckRecord(consumer_id=self.consumer_id, session_id=self.session_id,
                            sent_at_ms=int(time.time() * 1000), items=tuple(items))
         self.producer.produce(self.topics.ack, self.codec.encode_ack(record),
-                              key=self.consumer_id.encode(), **self._route())
+                              key=self.consumer_id.encode(), headers=self.proof(),
+                              **self._route())
         self.producer.flush(10)
 
     def send_raw(self, topic: str, value: bytes | None) -> None:

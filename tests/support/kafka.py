@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import time
 
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 
-def create_topic(bootstrap_servers: str, name: str, partitions: int = 3) -> None:
+def create_topic(bootstrap_servers: str, name: str, partitions: int = 3, *,
+                 exist_ok: bool = False) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     futures = admin.create_topics([NewTopic(name, num_partitions=partitions,
                                             replication_factor=1)])
-    futures[name].result(timeout=30)
+    try:
+        futures[name].result(timeout=30)
+    except KafkaException as exc:
+        if not (exist_ok and exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS):
+            raise
     # Creation is acknowledged before every partition has a leader; wait for that.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -83,7 +83,7 @@ def send_accept_record(consumer: RawConsumer, deliveries: list[Delivered]) -> No
                                  leases=tuple(ls))
                      for (q, t, p), (o, ls) in groups.items()))
     consumer.producer.produce(consumer.topics.ack, consumer.codec.encode_accept(record),
-                              key=consumer.consumer_id.encode(),
+                              key=consumer.consumer_id.encode(), headers=consumer.proof(),
                               **consumer._route())  # type: ignore[arg-type]
     consumer.producer.flush(10)
 

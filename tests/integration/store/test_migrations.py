@@ -124,3 +124,30 @@ def test_0008_gives_existing_shards_and_queues_empty_counters_and_its_downgrade_
             assert conn.execute(sa.text("SELECT counters FROM ownership")).scalar_one() == {}
     finally:
         engine.dispose()
+
+
+def test_0009_leaves_existing_sessions_unproven_and_its_downgrade_drops_the_hashes(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0008_shard_counters")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO consumers (consumer_id, session_id, queue, is_regex, "
+                "delivery_topic, session_timeout_ms, subscribed_at, last_heartbeat_at) "
+                "VALUES ('w-1', 's-1', 'Work', false, 'q.delivery.w-1', 30000, now(), now())"))
+        assert migrate.upgrade(empty_database_url, "0009_session_secrets") == (
+            "0009_session_secrets")
+        with engine.begin() as conn:
+            assert conn.execute(sa.text(
+                "SELECT consumer_id, secret_sha256 FROM consumers")).one() == ("w-1", None)
+            conn.execute(sa.text("UPDATE consumers SET secret_sha256 = '\\x00ff'::bytea"))
+        assert migrate.downgrade(empty_database_url, "0008_shard_counters") == (
+            "0008_shard_counters")
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("consumers")}
+            assert conn.execute(sa.text("SELECT session_id FROM consumers")).scalar_one() == "s-1"
+        assert "secret_sha256" not in columns
+    finally:
+        engine.dispose()

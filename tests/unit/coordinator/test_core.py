@@ -219,6 +219,7 @@ def test_records_of_another_shard_are_passed_on_to_its_partition() -> None:
 
 def test_a_record_passed_on_too_often_is_answered_where_it_is() -> None:
     h = Harness(_queue("Elsewhere", 1))
+    h.step([h.subscribe("c2")], 0.5)  # a session here: records of unknown ones are not acted on
     plan = h.step([h.ack("c2", [_lease("Elsewhere")], queue="Elsewhere",
                          hops=MAX_FORWARD_HOPS)], 1.0)
     assert plan.forwards == []

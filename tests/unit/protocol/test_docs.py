@@ -127,7 +127,8 @@ def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
-    assert len(names) == 22  # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded
+    # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded, secret, proof
+    assert len(names) == 24
     assert [n for n in names if f"`{n}`" not in DOC] == []
 
 
@@ -147,3 +148,18 @@ def test_worked_batch_hex_is_what_the_encoder_writes_and_reads_back() -> None:
         "WorkToDo", "orders", 1, 41, "9f1c2e7a", b"k1", b'{"id":1}', [("trace", b"t1")],
         1_767_225_600_000, False)
     assert (two.barrier, two.lease, two.key, two.timestamp_ms) == (True, "", None, None)
+
+
+def test_worked_identity_example_is_what_the_sdk_sends_and_the_coordinator_keeps() -> None:
+    """§5.6: the proof header's bytes and the SHA-256 the coordinator stores of the secret."""
+    from layer.protocol import proof_headers, proves, secret_hash
+
+    example = b"00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+    assert f"`{example.decode()}`" in DOC
+    ((key, value),) = proof_headers(example)
+    assert key == "qlayer.proof"
+    assert value.hex(" ") == block_after("worked-example:proof-hex")
+    assert secret_hash(example).hex() == block_after("worked-example:secret-sha256")
+    stored = bytes.fromhex(block_after("worked-example:secret-sha256"))
+    assert proves([(key, bytes.fromhex(block_after("worked-example:proof-hex")))], stored)
+    assert not proves([(key, example[:-1] + b"0")], stored)
