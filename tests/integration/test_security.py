@@ -1,7 +1,8 @@
 """The ACL recipe of docs/security.md on a real broker with SASL/SCRAM and the StandardAuthorizer.
 
 The module starts its own broker with the local stack's SASL listener (`KafkaConfig.sasl_port`),
-next to the session's plain one (QLAYER_TEST_KAFKA_PORT + 2 .. + 4), so no other test runs
+next to the session's plain one (three free ports from 31092, or from
+QLAYER_TEST_SECURED_KAFKA_PORT), so no other test runs
 against an authorizer. Users and ACLs are made with the same code as `qlayer security acls`
 (`layer.kafka.acls`), through the broker's PLAINTEXT listener (a super user's door).
 """
@@ -32,6 +33,7 @@ from layer.sdk import QueueConsumer, QueuePublisher
 from layer.settings import Settings
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -63,20 +65,22 @@ class SecuredKafka:
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[SecuredKafka]:
-    base = int(os.environ.get("QLAYER_TEST_KAFKA_PORT", "39092"))
+    # Three free ports below the ephemeral range (a fixed port next to the session's broker
+    # was once held by a client connection: "Address already in use").
+    wanted = os.environ.get("QLAYER_TEST_SECURED_KAFKA_PORT")
+    base = int(wanted) if wanted else free_ports(31_092, 3)
     state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
                  or Path(tempfile.gettempdir()) / "qlayer-test-stack") / "secured"
     node = KafkaNode(KafkaConfig(state_dir=state, cache_dir=default_cache_dir(),
-                                 port=base + 2, controller_port=base + 3, sasl_port=base + 4))
-    was_running = node.running()
-    if not was_running:
-        node.wipe()
+                                 port=base, controller_port=base + 1, sasl_port=base + 2))
+    # Its ports change from run to run: a broker kept from an earlier run is stopped first.
+    node.down()
+    node.wipe()
     node.up()
     try:
         yield SecuredKafka(node)
     finally:
-        if not was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
-            node.down()
+        node.down()
 
 
 def _read_error(servers: str, security: dict[str, str], group: str,

@@ -41,7 +41,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 
 from layer.localstack import StackConfig
-from layer.localstack.process import LocalStackError, port_open
+from layer.localstack.process import LocalStackError
 from layer.localstack.stack import Endpoints, LocalStack
 from layer.protocol import EventType
 from layer.settings import Settings
@@ -49,6 +49,7 @@ from layer.store import migrate
 from layer.store.store import Store
 from tests.support.coordinator import put_queues
 from tests.support.kafka import create_topic
+from tests.support.ports import free_ports
 from tests.support.processes import CoordinatorSubprocess, Subprocess, read_events
 
 #: Below Linux's ephemeral port range (32768-60999), so no client connection holds them.
@@ -142,11 +143,6 @@ class SoakResult:
         return found
 
 
-def _free_port(first: int, pair: bool) -> int:
-    for port in range(first, first + 400, 2):
-        if not port_open("127.0.0.1", port) and not (pair and port_open("127.0.0.1", port + 1)):
-            return port
-    raise RuntimeError(f"no free port in {first}..{first + 400} for the soak's stack")
 
 
 class Publisher(threading.Thread):
@@ -204,8 +200,8 @@ class Soak:
         self._count = 0
 
     def _stack(self, kafka_from: int, postgres_from: int) -> LocalStack:
-        kafka_port = _free_port(kafka_from, pair=True)
-        pg_port = _free_port(postgres_from, pair=False)
+        kafka_port = free_ports(kafka_from, 2)
+        pg_port = free_ports(postgres_from, 1)
         return LocalStack(StackConfig.from_env(
             {}, state_dir=self.state_dir / f"stack-{kafka_port}", kafka_port=kafka_port,
             postgres_port=pg_port))
@@ -431,6 +427,14 @@ class Soak:
         return found
 
 
+def soak_dir() -> Path:
+    """A new directory for the soak's stack and logs that the postgres user can enter
+    (PostgreSQL refuses a data directory under a private parent; mkdtemp makes it 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="qlayer-soak-", dir="/tmp"))
+    path.chmod(0o755)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = SoakPlan()
     parser = argparse.ArgumentParser(
@@ -454,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the figures and the fault log, JSON (default: %(default)s)")
     args = parser.parse_args(argv)
     plan = SoakPlan(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SoakPlan)})
-    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="qlayer-soak-"))
+    state_dir = args.state_dir or soak_dir()
 
     def say(line: str) -> None:
         print(f"[soak] {line}", flush=True)
