@@ -38,6 +38,7 @@ from layer.pipeline.io import (
 )
 from layer.pipeline.views import ViewDefinition, parse_view
 from layer.protocol import TopicNames
+from layer.store.reports import check_table_name
 
 __all__ = [
     "CLOCK_SKEW_MS",
@@ -407,6 +408,8 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
     """
     name = _NAMES[type(job)]
     sink = parse_sink(output, table or _TABLES[name]) if output is not None else None
+    if sink is not None and sink.is_jdbc and sink.table is not None:
+        check_table_name(sink.table)  # before any JVM starts
     if stream is not None:
         if isinstance(job, ReconcileJob):
             raise PipelineUsageError(
