@@ -9,6 +9,7 @@ with the `.avsc` shipped in the package.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,12 +28,19 @@ from layer.domain.definitions import is_topic_regex
 from layer.domain.errors import QlayerError
 from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
-from layer.store.reports import check_table_name, drop_staging, replace_table
+from layer.store.reports import (
+    check_table_name,
+    drop_staging,
+    final_state_query,
+    queue_definition_query,
+    replace_table,
+)
 
 __all__ = [
     "BATCH_ID_COLUMNS",
     "OutputError",
     "Sink",
+    "StoreRead",
     "decode_events",
     "drop_batch_copies",
     "event_header_hex",
@@ -42,6 +50,7 @@ __all__ = [
     "parse_sink",
     "read_events",
     "read_journal",
+    "read_store",
     "store_url",
     "stream_events",
     "write_parquet",
@@ -220,6 +229,39 @@ def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],
     ``topic`` may be a queue's regular expression."""
     return _read_topic(spark, topic, options, start_ms, end_ms).select(
         "topic", "partition", "offset", "timestamp", "key", "value")
+
+
+def _jdbc_reader(spark: SparkSession, target: Sink, query: str) -> DataFrame:
+    reader = (spark.read.format("jdbc").option("url", target.jdbc_url)
+              .option("driver", "org.postgresql.Driver").option("query", query))
+    if target.user is not None:
+        reader = reader.option("user", target.user)
+    if target.password is not None:
+        reader = reader.option("password", target.password)
+    return reader.load()
+
+
+@dataclass(frozen=True)
+class StoreRead:
+    """What `read_store` took from qlayer's PostgreSQL for one queue: its entries' stored
+    state (`layer.store.reports.final_state_query` rows) and whether it has a filter."""
+
+    state: DataFrame
+    has_filter: bool
+
+
+def read_store(spark: SparkSession, target: Sink, queue: str) -> StoreRead:
+    """qlayer's PostgreSQL (``target``, a JDBC sink without a table) for ``queue``, through
+    Spark's JDBC source and the Postgres driver the pom fetches. The entries' state is read
+    with one statement, so from one snapshot; call `DataFrame.cache` and count it to fix the
+    moment it is read. Raises `OutputError` when the queue is not defined there."""
+    rows = _jdbc_reader(spark, target, queue_definition_query(queue)).collect()
+    if not rows:
+        raise OutputError(f"queue {queue!r} is not defined in the PostgreSQL at "
+                          f"{target.jdbc_url}: reconcile compares with its stored state")
+    definition = json.loads(rows[0]["definition"])
+    return StoreRead(_jdbc_reader(spark, target, final_state_query(queue)),
+                     definition.get("filter") is not None)
 
 
 def write_parquet(frame: DataFrame, path: str, mode: str = "overwrite") -> None:

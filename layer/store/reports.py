@@ -1,5 +1,5 @@
 """The SQL of the Spark pipeline (docs/pipeline.md): replacing an output table in one
-transaction.
+transaction, and reading a queue's final state for `reconcile`.
 
 The pipeline's output tables are reports, not qlayer's state, and may live in another
 database; the statements are here anyway so that every SQL text qlayer runs is in
@@ -12,14 +12,20 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, func, literal, null, select, text, union_all
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql.elements import ClauseElement
+from sqlalchemy.types import BigInteger, Integer, Text
 
 from layer.domain.errors import QlayerError
+from layer.store.tables import entries, entry_runs, queues, recovery_points
 
 __all__ = [
     "ReportTableError",
     "check_table_name",
     "drop_staging",
+    "final_state_query",
+    "queue_definition_query",
     "replace_table",
 ]
 
@@ -74,3 +80,44 @@ def replace_table(conn: Connection, table: str, staging: str, columns: Sequence[
 def drop_staging(conn: Connection, staging: str) -> None:
     """Drop a staging table whose swap did not happen (no reader ever reads one)."""
     conn.execute(text(f"DROP TABLE IF EXISTS {check_table_name(staging)}"))
+
+
+def _literal_sql(statement: ClauseElement) -> str:
+    """A statement as PostgreSQL text with its values inlined (Spark's JDBC ``query`` option
+    takes no parameters; SQLAlchemy quotes the values)."""
+    compiled = statement.compile(
+        dialect=postgresql.dialect(),  # type: ignore[no-untyped-call]
+        compile_kwargs={"literal_binds": True})
+    return str(compiled)
+
+
+def final_state_query(queue: str) -> str:
+    """One statement, so one snapshot, giving what PostgreSQL knows of ``queue``'s entries:
+    its recovery points (``kind`` ``recovery_point``: every entry below ``offset`` is done)
+    and every stored write of an entry (``kind`` ``entry``: an `entries` row, or one offset
+    of an `entry_runs` run) with its ``state`` and ``seq`` (the latest write of an entry
+    wins, docs/storage.md). Columns: kind, topic, partition, offset, state, seq."""
+    points = select(
+        literal("recovery_point", Text).label("kind"), recovery_points.c.topic,
+        recovery_points.c.partition, recovery_points.c.offset,
+        null().cast(Text).label("state"), null().cast(BigInteger).label("seq"),
+    ).where(recovery_points.c.queue == queue)
+    rows = select(
+        literal("entry", Text).label("kind"), entries.c.topic, entries.c.partition,
+        entries.c.offset, entries.c.state, entries.c.seq,
+    ).where(entries.c.queue == queue)
+    runs = select(
+        literal("entry", Text).label("kind"), entry_runs.c.topic,
+        entry_runs.c.partition.cast(Integer).label("partition"),
+        func.unnest(entry_runs.c.offsets).label("offset"), entry_runs.c.state,
+        entry_runs.c.seq,
+    ).where(entry_runs.c.queue == queue)
+    return _literal_sql(union_all(points, rows, runs))
+
+
+def queue_definition_query(queue: str) -> str:
+    """The live definition of ``queue`` as JSON text (column ``definition``), no row if there
+    is none."""
+    statement = select(queues.c.definition.cast(Text).label("definition")).where(
+        (queues.c.name == queue) & queues.c.deleted_at.is_(None))
+    return _literal_sql(statement)
