@@ -5,24 +5,28 @@ expires and is redelivered, plain acks, and two messages still waiting when the 
 jobs must agree exactly with the coordinator's own counters; `reconcile` must agree exactly
 with the journal, the events and PostgreSQL, and name each disagreement: an ACKED event the
 events topic lost, forged events for a waiting message and for a record never written, a
-duplicated ACKED event (exit status 3), also when the job runs as its own process on two
-executors (`local-cluster`).
+duplicated ACKED event (exit status 3), also when the job file runs with spark-submit on a
+standalone cluster.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
+from layer.pipeline import jobs as jobs_module
 from layer.pipeline import transforms
 from layer.pipeline.io import read_events
+from layer.pipeline.jars import ensure_spark_jars
 from layer.pipeline.jobs import EventSource, run_lifecycle, run_reconcile
 from layer.pipeline.transforms import Outcome, Violation
 from layer.protocol import AckType, Codec, Event, EventType, TopicNames
@@ -40,6 +44,7 @@ from tests.support.coordinator import (
     running_coordinator,
     wait_for_counters,
 )
+from tests.support.spark_cluster import spark_bin, standalone_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -91,11 +96,12 @@ def lossy_copy(settings: Settings, create_topic: Callable[..., str],
     return prefix
 
 
-# A coordinator run and six Spark jobs: past the suite's 600 s on a loaded 2-core machine.
+# A coordinator run, six Spark jobs and a standalone cluster's start: past the suite's 600 s
+# on a loaded 2-core machine (it took 9-10 minutes once with the load average at 17).
 @pytest.mark.timeout(1200)
 def test_lifecycle_and_reconcile_agree_with_the_coordinator(
     spark: SparkSession, settings: Settings, journal: Callable[..., str],
-    create_topic: Callable[..., str], unique_name: Callable[[str], str],
+    create_topic: Callable[..., str], unique_name: Callable[[str], str], tmp_path: Path,
 ) -> None:
     work = journal("Work")
     start_ms = int(time.time() * 1000) - 1000
@@ -190,13 +196,28 @@ def test_lifecycle_and_reconcile_agree_with_the_coordinator(
     produce(settings.bootstrap_servers, events_topic, [forged])
     bookmark = str(ack.bookmark)
 
-    # The job as a process, on two executor JVMs: nothing may depend on one JVM's memory.
-    job = subprocess.run(
-        [sys.executable, "-m", "layer.pipeline.jobs", "--master", "local-cluster[2,1,1024]",
-         "--bootstrap-servers", settings.bootstrap_servers,
-         "--topic-prefix", settings.topic_prefix, "--start-ms", str(start_ms),
-         "reconcile", "--queue", "Work", "--journal", work, "--store", settings.database_url],
-        capture_output=True, text=True, timeout=300, check=False)
+    # The job file, unchanged, through spark-submit on a standalone cluster (a master and a
+    # worker with two executor JVMs): nothing may depend on one JVM's memory. PostgreSQL is
+    # read by the executors through the JDBC driver shipped with --jars.
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "SPARK_LOCAL_IP": "127.0.0.1"}
+    with standalone_cluster(tmp_path / "cluster", cores=2, memory="1g", env=env) as cluster:
+        job = subprocess.run(
+            [str(spark_bin("spark-submit")), "--master", cluster.master_url,
+             "--conf", "spark.executor.memory=512m", "--conf", "spark.executor.cores=1",
+             "--conf", "spark.cores.max=2", "--conf", "spark.sql.shuffle.partitions=2",
+             "--conf", "spark.ui.enabled=false",
+             "--jars", ",".join(str(j) for j in ensure_spark_jars()), jobs_module.__file__,
+             "--from-submit", "--bootstrap-servers", settings.bootstrap_servers,
+             "--topic-prefix", settings.topic_prefix, "--start-ms", str(start_ms),
+             "reconcile", "--queue", "Work", "--journal", work,
+             "--store", settings.database_url],
+            capture_output=True, text=True, timeout=600, check=False, env=env)
+        executors = [p.name for p in (tmp_path / "cluster").glob("worker0/app-*/*")]
     assert job.returncode == 3, job.stderr[-3000:]  # 3: violations found
     assert job.stdout.splitlines() == ["Work: 7 done, 2 pending, 1 violations",
                                        f"acked_twice\tWork\t{bookmark}"]
+    assert len(executors) == 2  # the application ran on the cluster's two executors
+    assert all(not Path(f"/proc/{pid}").exists() for pid in cluster.pids)
