@@ -263,12 +263,15 @@ def reconcile(
     kafka_option: KafkaOption = None, database_url: DatabaseUrl = None,
 ) -> None:
     """Prove every journal record the queue admitted in [start, end) reached exactly one
-    outcome or is pending; list every violation. Exit status 3 when there is one.
+    outcome or is pending, and that the journal, the events and PostgreSQL's state of each
+    entry agree; list every violation. Exit status 3 when there is one.
     """
     journal = _journal(queue, journal, database_url, bootstrap_servers, topic_prefix)
     from layer.pipeline.jobs import EXIT_VIOLATIONS, ReconcileJob
 
-    result = _run(ReconcileJob(queue, journal),
+    # qlayer's own PostgreSQL is the third source: what it says of each entry.
+    store = load_settings(database_url, bootstrap_servers, topic_prefix).database_url
+    result = _run(ReconcileJob(queue, journal, store),
                   _source(bootstrap_servers, topic_prefix, kafka_option), master, start=start,
                   end=end, output=output, table=table)
     report = result.report

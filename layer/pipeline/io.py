@@ -9,26 +9,38 @@ with the `.avsc` shipped in the package.
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, DataFrameWriter, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro
 from pyspark.sql.types import ArrayType, MapType, StructType
-from sqlalchemy.engine import make_url
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from layer.domain.definitions import is_topic_regex
 from layer.domain.errors import QlayerError
 from layer.pipeline.jars import ensure_spark_jars
 from layer.protocol.codec import HEADER_LENGTH, ProtocolSchema, SchemaKind
+from layer.store.reports import (
+    check_table_name,
+    drop_staging,
+    final_state_query,
+    queue_definition_query,
+    replace_table,
+)
 
 __all__ = [
     "BATCH_ID_COLUMNS",
     "OutputError",
     "Sink",
+    "StoreRead",
     "decode_events",
     "drop_batch_copies",
     "event_header_hex",
@@ -39,6 +51,8 @@ __all__ = [
     "parse_sink",
     "read_events",
     "read_journal",
+    "read_store",
+    "store_url",
     "stream_events",
     "write_parquet",
     "write_table",
@@ -268,6 +282,39 @@ def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],
         "topic", "partition", "offset", "timestamp", "key", "value")
 
 
+def _jdbc_reader(spark: SparkSession, target: Sink, query: str) -> DataFrame:
+    reader = (spark.read.format("jdbc").option("url", target.jdbc_url)
+              .option("driver", "org.postgresql.Driver").option("query", query))
+    if target.user is not None:
+        reader = reader.option("user", target.user)
+    if target.password is not None:
+        reader = reader.option("password", target.password)
+    return reader.load()
+
+
+@dataclass(frozen=True)
+class StoreRead:
+    """What `read_store` took from qlayer's PostgreSQL for one queue: its entries' stored
+    state (`layer.store.reports.final_state_query` rows) and whether it has a filter."""
+
+    state: DataFrame
+    has_filter: bool
+
+
+def read_store(spark: SparkSession, target: Sink, queue: str) -> StoreRead:
+    """qlayer's PostgreSQL (``target``, a JDBC sink without a table) for ``queue``, through
+    Spark's JDBC source and the Postgres driver the pom fetches. The entries' state is read
+    with one statement, so from one snapshot; call `DataFrame.cache` and count it to fix the
+    moment it is read. Raises `OutputError` when the queue is not defined there."""
+    rows = _jdbc_reader(spark, target, queue_definition_query(queue)).collect()
+    if not rows:
+        raise OutputError(f"queue {queue!r} is not defined in the PostgreSQL at "
+                          f"{target.jdbc_url}: reconcile compares with its stored state")
+    definition = json.loads(rows[0]["definition"])
+    return StoreRead(_jdbc_reader(spark, target, final_state_query(queue)),
+                     definition.get("filter") is not None)
+
+
 def write_parquet(frame: DataFrame, path: str, mode: str = "overwrite") -> None:
     """Write one job's output as Parquet (a directory; a path any Hadoop filesystem takes)."""
     frame.write.mode(mode).parquet(path)
@@ -336,19 +383,68 @@ def jdbc_ready(frame: DataFrame) -> DataFrame:
         for f in frame.schema.fields])
 
 
-def write_table(frame: DataFrame, sink: Sink, mode: str = "overwrite") -> None:
-    """Write a job's table to its sink. A Postgres table is replaced by ``overwrite`` with a
-    TRUNCATE (its grants and indexes stay) and created on the first write."""
-    if not sink.is_jdbc:
-        assert sink.path is not None
-        write_parquet(frame, sink.path, mode)
-        return
-    writer = (jdbc_ready(frame).write.format("jdbc").mode(mode)
-              .option("url", sink.jdbc_url).option("dbtable", sink.table)
-              .option("driver", "org.postgresql.Driver").option("truncate", "true"))
+def store_url(sink: Sink) -> URL:
+    """The SQLAlchemy URL (psycopg, qlayer's driver) of a Postgres sink: the JDBC URL's host,
+    port and database, its ``user`` and ``password`` (or the sink's), and its other parameters
+    passed on to libpq (``sslmode`` has the same name in both)."""
+    assert sink.jdbc_url is not None
+    parts = urlsplit(sink.jdbc_url.removeprefix("jdbc:"))
+    params = dict(parse_qsl(parts.query))
+    user = params.pop("user", None) or sink.user
+    password = params.pop("password", None) or sink.password
+    return URL.create("postgresql+psycopg", username=user, password=password,
+                      host=parts.hostname, port=parts.port,
+                      database=parts.path.lstrip("/") or None, query=params)
+
+
+def _staging_name(table: str) -> str:
+    schema, _, name = table.rpartition(".")
+    staging = f"{name[:40]}_staging_{uuid.uuid4().hex[:12]}"
+    return f"{schema}.{staging}" if schema else staging
+
+
+def _jdbc_writer(frame: DataFrame, sink: Sink, table: str, mode: str) -> DataFrameWriter:
+    writer = (frame.write.format("jdbc").mode(mode)
+              .option("url", sink.jdbc_url).option("dbtable", table)
+              .option("driver", "org.postgresql.Driver"))
     if sink.user is not None:
         writer = writer.option("user", sink.user)
     if sink.password is not None:
         writer = writer.option("password", sink.password)
-    writer.save()
+    return writer
 
+
+def write_table(frame: DataFrame, sink: Sink, mode: str = "overwrite") -> None:
+    """Write a job's table to its sink. A Postgres table is replaced by ``overwrite`` in one
+    transaction, and created on the first write.
+
+    Spark's JDBC writer commits each partition on its own, so writing the table in place
+    (TRUNCATE, then insert) shows readers an empty, then a half-written table. The rows go to
+    a staging table first; `layer.store.reports.replace_table` then swaps them in with one
+    transaction (readers see the old rows, then the new ones; grants and indexes stay).
+    """
+    if not sink.is_jdbc:
+        assert sink.path is not None
+        write_parquet(frame, sink.path, mode)
+        return
+    assert sink.table is not None
+    table = check_table_name(sink.table)
+    flat = jdbc_ready(frame)
+    if mode != "overwrite":
+        _jdbc_writer(flat, sink, table, mode).save()
+        return
+    staging = _staging_name(table)
+    engine = create_engine(store_url(sink))
+    try:
+        try:
+            _jdbc_writer(flat, sink, staging, "overwrite").save()
+            with engine.begin() as conn:
+                replace_table(conn, table, staging, flat.columns)
+        except BaseException:
+            # The staging table is ours alone: leave nothing behind when the swap did not
+            # happen (it holds no row anyone reads).
+            with engine.begin() as conn:
+                drop_staging(conn, staging)
+            raise
+    finally:
+        engine.dispose()

@@ -33,11 +33,13 @@ from layer.pipeline.io import (
     parse_sink,
     read_events,
     read_journal,
+    read_store,
     stream_events,
     write_table,
 )
 from layer.pipeline.views import ViewDefinition, parse_view
 from layer.protocol import TopicNames
+from layer.store.reports import check_table_name
 
 __all__ = [
     "CLOCK_SKEW_MS",
@@ -114,6 +116,8 @@ class ReconcileReport:
     done: int
     pending: int
     violations: list[ViolationRow]
+    #: Whether PostgreSQL's state was compared too (``store``), not only journal and events.
+    store_read: bool = False
 
     @property
     def ok(self) -> bool:
@@ -153,14 +157,33 @@ def _lifecycle(queue: str | None) -> Callable[[DataFrame], DataFrame]:
 
 def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal: str, *,
                   start_ms: int | None = None, end_ms: int | None = None,
-                  output: str | Sink | None = None) -> ReconcileReport:
+                  output: str | Sink | None = None,
+                  store: str | Sink | None = None) -> ReconcileReport:
     """Reconcile ``queue`` over the records of ``journal`` (its underlying topic) journaled in
-    ``[start_ms, end_ms)`` against every event written since; ``output`` gets the per-entry
-    statuses."""
+    ``[start_ms, end_ms)`` against every event written since and, given ``store`` (qlayer's
+    PostgreSQL URL), the entries' state there; ``output`` gets the per-entry statuses.
+
+    PostgreSQL is read first, in one statement: a running coordinator commits there before
+    it publishes the events, so the events read after it have everything it had committed
+    but the last iteration's (docs/pipeline.md).
+    """
+    state = None
+    has_filter: bool | None = None
+    if store is not None:
+        # A PostgreSQL URL parsed as an output's is where to connect; no table is written.
+        target = parse_sink(store, "-") if isinstance(store, str) else store
+        if not target.is_jdbc:
+            raise PipelineUsageError(f"--store {target.describe()!r}: give qlayer's PostgreSQL "
+                                     "URL (postgresql://user@host/db)")
+        read = read_store(spark, target, queue)
+        state = transforms.store_state(read.state).cache()
+        state.count()  # now, before the events
+        has_filter = read.has_filter
     events_from = None if start_ms is None else start_ms - CLOCK_SKEW_MS
     events = read_events(spark, source.events_topic, source.options(), events_from, None)
     records = read_journal(spark, journal, source.options(), start_ms, end_ms)
-    reconciled = transforms.reconcile(events, records, queue, start_ms, end_ms).cache()
+    reconciled = transforms.reconcile(events, records, queue, start_ms, end_ms, state,
+                                      has_filter).cache()
     try:
         sink = _sink(output, "qlayer_reconcile")
         if sink is not None:
@@ -172,7 +195,10 @@ def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal:
                  .orderBy("topic", "partition", "offset", "violation").collect()]
     finally:
         reconciled.unpersist()
-    return ReconcileReport(queue, by_status.get("done", 0), by_status.get("pending", 0), found)
+        if state is not None:
+            state.unpersist()
+    return ReconcileReport(queue, by_status.get("done", 0), by_status.get("pending", 0), found,
+                           store_read=store is not None)
 
 
 def run_views(spark: SparkSession, source: EventSource, queue: str, journal: str,
@@ -317,6 +343,8 @@ class LifecycleJob:
 class ReconcileJob:
     queue: str
     journal: str
+    #: qlayer's PostgreSQL URL: its state of the queue is the third source.
+    store: str | None = None
 
 
 @dataclass(frozen=True)
@@ -407,6 +435,8 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
     """
     name = _NAMES[type(job)]
     sink = parse_sink(output, table or _TABLES[name]) if output is not None else None
+    if sink is not None and sink.is_jdbc and sink.table is not None:
+        check_table_name(sink.table)  # before any JVM starts
     if stream is not None:
         if isinstance(job, ReconcileJob):
             raise PipelineUsageError(
@@ -449,7 +479,7 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
         return JobResult(name, _rows(counts, limit), where)
     if isinstance(job, ReconcileJob):
         report = run_reconcile(spark, source, job.queue, job.journal, start_ms=start_ms,
-                               end_ms=end_ms, output=sink)
+                               end_ms=end_ms, output=sink, store=job.store)
         return JobResult(name, [], where, report=report)
     if isinstance(job, ViewsJob):
         assert definition is not None
@@ -496,6 +526,9 @@ def _parser() -> argparse.ArgumentParser:
     recon = jobs.add_parser("reconcile", help="every admitted message has exactly one outcome")
     recon.add_argument("--queue", required=True)
     recon.add_argument("--journal", required=True, help="the queue's underlying topic")
+    recon.add_argument("--store", metavar="URL",
+                       help="qlayer's PostgreSQL (postgresql://user@host/db): compare the "
+                       "entries' stored state too")
     views = jobs.add_parser("views", help="aggregates over a queue's available entries")
     views.add_argument("--queue", required=True)
     views.add_argument("--journal", required=True, help="the queue's underlying topic")
@@ -526,7 +559,7 @@ def _job(args: argparse.Namespace) -> Job:
     if args.job == "lifecycle":
         return LifecycleJob(args.queue)
     if args.job == "reconcile":
-        return ReconcileJob(args.queue, args.journal)
+        return ReconcileJob(args.queue, args.journal, args.store)
     if args.job == "views":
         return ViewsJob(args.queue, args.journal, tuple(args.fields), tuple(args.group_by),
                         args.where, args.include_leased, args.as_of_ms)
@@ -543,6 +576,9 @@ def print_result(result: JobResult) -> None:
         report = result.report
         print(f"{report.queue}: {report.done} done, {report.pending} pending, "
               f"{len(report.violations)} violations")
+        if not report.store_read:
+            print("PostgreSQL not compared (no --store): journal and events only",
+                  file=sys.stderr)
         for v in report.violations:
             print(f"{v.violation}\t{v.queue}\t{v.bookmark}")
     else:

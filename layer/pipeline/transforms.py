@@ -27,6 +27,7 @@ __all__ = [
     "OUTCOME_TYPES",
     "PERCENTILES",
     "Outcome",
+    "StoreState",
     "Violation",
     "available_entries",
     "counters",
@@ -35,6 +36,7 @@ __all__ = [
     "lifecycle",
     "metrics",
     "reconcile",
+    "store_state",
     "view",
     "violations",
 ]
@@ -78,6 +80,22 @@ class Violation:
     MISSING_OUTCOME = "missing_outcome"
     #: The entry has events (a delivery, an outcome) but was never ENQUEUED.
     MISSING_ENQUEUED = "missing_enqueued"
+    #: A journal record the queue must have admitted (not a delete, and PostgreSQL has a row
+    #: for it, or the queue has no filter and admitted records before and after it in its
+    #: partition) has no event at all.
+    NO_EVENTS = "no_events"
+    #: Events name a journal record that does not exist (an offset inside the journal's span
+    #: that is not a record, or past its end).
+    UNKNOWN_RECORD = "unknown_record"
+    #: PostgreSQL holds the entry as ACKED, and no ACKED event says so.
+    STORE_ACKED_NO_ACKED_EVENT = "store_acked_no_acked_event"
+    #: PostgreSQL says the entry is done (below the recovery point, or an EXPIRED row) and
+    #: the events give it no outcome.
+    STORE_DONE_NO_OUTCOME = "store_done_no_outcome"
+    #: The events give the entry an outcome; PostgreSQL still has it leased or available.
+    OUTCOME_NOT_IN_STORE = "outcome_not_in_store"
+    #: Pending in both, but one says leased and the other available.
+    LEASE_DIFFERS = "lease_differs"
 
 
 def event_schema() -> StructType:
@@ -95,6 +113,23 @@ def event_schema() -> StructType:
 
 def _is(kind: EventType) -> Column:
     return F.col("type") == F.lit(kind.value)
+
+
+# Order of an entry's lease-related events within one millisecond and delivery: a lease is
+# granted after the entry was (re)admitted, renewed after it was granted, ended after both.
+_LEASE_STEP = {EventType.ENQUEUED.value: 0, EventType.REDRIVEN.value: 0,
+               EventType.LEASED.value: 1, EventType.RENEWED.value: 2,
+               EventType.RELEASED.value: 3, EventType.LEASE_EXPIRED.value: 3}
+_HOLDING = (EventType.LEASED.value, EventType.RENEWED.value)
+
+
+def _last_lease_event() -> Column:
+    """An aggregate: the type of the entry's last lease-related event (LEASED or RENEWED:
+    it is leased)."""
+    step = F.create_map(*[F.lit(x) for pair in _LEASE_STEP.items() for x in pair])
+    return F.max(F.when(F.col("type").isin(*_LEASE_STEP), F.struct(
+        F.col("timestamp_ms"), F.coalesce(F.col("delivery_count"), F.lit(0)),
+        step[F.col("type")], F.col("type").alias("type")))).getField("type")
 
 
 def entry_events(events: DataFrame) -> DataFrame:
@@ -141,6 +176,7 @@ def _per_entry(events: DataFrame) -> DataFrame:
         F.max(F.when(_is(EventType.DEAD_LETTERED), F.lit(True))).alias("dead_lettered"),
         F.max(F.struct(F.col("timestamp_ms"), F.col("type"))).getField("type")
         .alias("last_type"),
+        _last_lease_event().alias("lease_state"),
     )
 
 
@@ -184,54 +220,163 @@ def _epoch_ms(column: str) -> Column:
     return F.floor(F.unix_micros(F.col(column)) / 1000).cast("long")
 
 
-def reconcile(events: DataFrame, journal: DataFrame, queue: str,
-              start_ms: int | None = None, end_ms: int | None = None) -> DataFrame:
-    """For ``queue``: the status of every journal record in ``[start_ms, end_ms)`` it admitted.
+class StoreState:
+    """Values of `reconcile`'s ``store_state`` column: an entry as PostgreSQL has it."""
 
-    A journal record is admitted when the queue has events for it (a queue's filter may turn
-    records away; those have none and are not the queue's to account for). Each admitted entry
-    gets ``status`` ``done`` (exactly one outcome, no violation), ``pending`` (no outcome yet
-    and still in the queue: its last event is ENQUEUED, a delivery, a release, a renewal, an
-    ended lease or a refused ack) or ``violation``, and ``violations``, the `Violation` names
-    that apply. Columns: queue, bookmark, topic, partition, offset, journal_timestamp_ms,
-    outcome_count, status, violations.
+    #: Below its queue's recovery point, or an ACKED or EXPIRED row.
+    DONE = "done"
+    #: A LEASED row (an `entries` row or a run), the latest write of the entry.
+    LEASED = "leased"
+    #: Anything else: an AVAILABLE row, or no row at or above the recovery point.
+    AVAILABLE = "available"
+
+
+def store_state(state: DataFrame) -> DataFrame:
+    """PostgreSQL's final state of a queue's entries, from the rows of
+    `layer.store.reports.final_state_query` (kind, topic, partition, offset, state, seq).
+
+    The storage model (docs/storage.md): per partition a recovery point below which every
+    entry is done and no row is kept; above it, the latest write (highest ``seq``) of an entry
+    wins, whether an `entries` row or one offset of an `entry_runs` run. Columns: topic,
+    partition, recovery_point (per partition), offset, store_row (the entry's latest stored
+    state; null for the recovery-point rows and for an entry with no row).
     """
+    points = (state.where(F.col("kind") == F.lit("recovery_point"))
+              .groupBy("topic", "partition").agg(F.max("offset").alias("recovery_point")))
+    rows = (state.where(F.col("kind") == F.lit("entry"))
+            .groupBy("topic", "partition", "offset")
+            .agg(F.max_by("state", "seq").alias("store_row")))
+    return (points.select("topic", "partition", "recovery_point",
+                          F.lit(None).cast("long").alias("offset"),
+                          F.lit(None).cast("string").alias("store_row"))
+            .unionByName(rows.select("topic", "partition",
+                                     F.lit(None).cast("long").alias("recovery_point"),
+                                     "offset", "store_row")))
+
+
+def reconcile(events: DataFrame, journal: DataFrame, queue: str,
+              start_ms: int | None = None, end_ms: int | None = None,
+              store: DataFrame | None = None, queue_has_filter: bool | None = None
+              ) -> DataFrame:
+    """For ``queue``: the status of every journal record in ``[start_ms, end_ms)`` it admitted,
+    against the events and, given ``store`` (`store_state`), PostgreSQL's final state.
+
+    A journal record is admitted when the queue has events for it. Each admitted entry gets
+    ``status`` ``done`` (exactly one outcome, no violation), ``pending`` (no outcome yet and
+    still in the queue: its last event is ENQUEUED, a delivery, a release, a renewal, an ended
+    lease or a refused ack) or ``violation``, and ``violations``, the `Violation` names that
+    apply. Two kinds of rows name what exists in one source only:
+
+    - a journal record with no events that the queue must have admitted (not a delete, and
+      PostgreSQL has a row for it, or the queue has no filter, ``queue_has_filter`` False, and
+      admitted records before and after it in its partition): ``no_events``;
+    - events for a record the journal does not have (an offset inside the span of the range
+      read, or past the journal's end when the range is open): ``unknown_record``.
+
+    With ``store``, each entry's ``store_state`` (`StoreState`) is compared with what the
+    events say: ``store_acked_no_acked_event``, ``store_done_no_outcome``,
+    ``outcome_not_in_store``, ``lease_differs``. Columns: queue, bookmark, topic, partition,
+    offset, journal_timestamp_ms, outcome_count, store_state, status, violations.
+    """
+    keys = ["topic", "partition", "offset"]
     records = journal.select("topic", "partition", "offset",
-                             _epoch_ms("timestamp").alias("journal_timestamp_ms"))
+                             _epoch_ms("timestamp").alias("journal_timestamp_ms"),
+                             F.col("value").isNull().alias("tombstone"))
     if start_ms is not None:
         records = records.where(F.col("journal_timestamp_ms") >= F.lit(start_ms))
     if end_ms is not None:
         records = records.where(F.col("journal_timestamp_ms") < F.lit(end_ms))
-    entries = _per_entry(events.where(F.col("queue") == F.lit(queue)))
-    joined = entries.join(records.dropDuplicates(["topic", "partition", "offset"]),
-                          ["topic", "partition", "offset"], "inner")
+    records = records.dropDuplicates(keys).withColumn("in_journal", F.lit(True))
+    entries = (_per_entry(events.where(F.col("queue") == F.lit(queue)))
+               .withColumn("in_events", F.lit(True)))
+    joined = entries.join(records, keys, "full_outer")
+    # Per partition: the span of the journal read, and of the records the queue admitted.
+    spans = joined.groupBy("topic", "partition").agg(
+        F.min(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_lo"),
+        F.max(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_hi"),
+        F.min(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
+        .alias("admitted_lo"),
+        F.max(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
+        .alias("admitted_hi"))
+    joined = joined.join(spans, ["topic", "partition"], "left")
+    if store is not None:
+        points = store.where(F.col("recovery_point").isNotNull()).select(
+            "topic", "partition", "recovery_point")
+        rows = store.where(F.col("offset").isNotNull()).select(*keys, "store_row")
+        joined = (joined.join(points, ["topic", "partition"], "left")
+                  .join(rows, keys, "left"))
+        below = F.coalesce(F.col("offset") < F.col("recovery_point"), F.lit(False))
+        row = F.col("store_row")
+        state = (F.when(below | row.isin("ACKED", "EXPIRED"), F.lit(StoreState.DONE))
+                 .when(row == F.lit("LEASED"), F.lit(StoreState.LEASED))
+                 .otherwise(F.lit(StoreState.AVAILABLE)))
+    else:
+        joined = joined.withColumn("store_row", F.lit(None).cast("string"))
+        state = F.lit(None).cast("string")
+    joined = joined.withColumn("store_state", state)
 
-    outcome_types = F.transform("outcomes", lambda o: o.getField("type"))
-    acks = F.filter("outcomes", lambda o: o.getField("type") == F.lit(EventType.ACKED.value))
+    in_journal = F.coalesce(F.col("in_journal"), F.lit(False))
+    in_events = F.coalesce(F.col("in_events"), F.lit(False))
+    inside = ((F.col("offset") >= F.col("journal_lo")) & (F.col("offset") <= F.col("journal_hi")))
+    if end_ms is None:  # read to the journal's end: an offset past it was never written
+        inside = inside | (F.col("offset") > F.col("journal_hi"))
+    unknown = in_events & ~in_journal & F.coalesce(inside, F.lit(False))
+    between = ((F.col("offset") > F.col("admitted_lo")) & (F.col("offset") < F.col("admitted_hi")))
+    # A row in PostgreSQL means the entry was delivered: it has events whatever the filter.
+    must_admit = ~F.coalesce(F.col("tombstone"), F.lit(True)) & (
+        F.col("store_row").isNotNull()
+        | (F.lit(queue_has_filter is False) & F.coalesce(between, F.lit(False))))
+    no_events = in_journal & ~in_events & must_admit
+    joined = joined.where((in_journal & in_events) | unknown | no_events)
+
+    outcomes = F.coalesce(F.col("outcomes"), F.array())
+    deliveries = F.coalesce(F.col("deliveries"), F.array())
+    outcome_types = F.transform(outcomes, lambda o: o.getField("type"))
+    acks = F.filter(outcomes, lambda o: o.getField("type") == F.lit(EventType.ACKED.value))
     first_ack = F.get(acks, 0)
     delivered_late = F.exists(
-        "deliveries",
+        deliveries,
         lambda d: (d.getField("timestamp_ms") > first_ack.getField("timestamp_ms"))
         | (d.getField("delivery_count") > first_ack.getField("delivery_count")),
     )
+    has_outcome = F.size(outcomes) > 0
+    events_leased = F.coalesce(F.col("lease_state").isin(*_HOLDING), F.lit(False))
+    leaving = F.coalesce(F.col("last_type").isin(*_LEAVING_TYPES), F.lit(False))
+    store_state_col = F.col("store_state")
+    both = in_journal & in_events  # the store is compared on entries that exist in all three
     checks = [
         (F.size(acks) >= 2, Violation.ACKED_TWICE),
-        ((F.size("outcomes") >= 2)
+        ((F.size(outcomes) >= 2)
          & F.exists(outcome_types, lambda t: t != F.lit(EventType.ACKED.value)),
          Violation.SEVERAL_OUTCOMES),
         ((F.size(acks) >= 1) & F.coalesce(delivered_late, F.lit(False)),
          Violation.DELIVERED_AFTER_ACK),
-        ((F.size("outcomes") == 0) & F.col("last_type").isin(*_LEAVING_TYPES),
-         Violation.MISSING_OUTCOME),
-        (F.col("enqueued_ms").isNull(), Violation.MISSING_ENQUEUED),
+        (in_events & ~has_outcome & leaving, Violation.MISSING_OUTCOME),
+        (in_events & F.col("enqueued_ms").isNull(), Violation.MISSING_ENQUEUED),
+        (no_events, Violation.NO_EVENTS),
+        (unknown, Violation.UNKNOWN_RECORD),
+        (both & (F.col("store_row") == F.lit("ACKED")) & (F.size(acks) == 0),
+         Violation.STORE_ACKED_NO_ACKED_EVENT),
+        (both & (store_state_col == F.lit(StoreState.DONE)) & ~has_outcome
+         & ~F.coalesce(F.col("store_row") == F.lit("ACKED"), F.lit(False)),
+         Violation.STORE_DONE_NO_OUTCOME),
+        (both & has_outcome & store_state_col.isin(StoreState.LEASED, StoreState.AVAILABLE),
+         Violation.OUTCOME_NOT_IN_STORE),
+        (both & ~has_outcome & ~leaving
+         & store_state_col.isin(StoreState.LEASED, StoreState.AVAILABLE)
+         & ((store_state_col == F.lit(StoreState.LEASED)) != events_leased),
+         Violation.LEASE_DIFFERS),
     ]
-    found = F.filter(F.array(*[F.when(cond, F.lit(name)) for cond, name in checks]),
+    found = F.filter(F.array(*[F.when(F.coalesce(cond, F.lit(False)), F.lit(name))
+                               for cond, name in checks]),
                      lambda v: v.isNotNull())
+    bookmark = F.coalesce(F.col("bookmark"), F.concat_ws(
+        "/", F.col("topic"), F.col("partition").cast("string"), F.col("offset").cast("string")))
     return joined.select(
-        "queue", "bookmark", "topic", "partition", "offset", "journal_timestamp_ms",
-        F.size("outcomes").alias("outcome_count"),
+        F.lit(queue).alias("queue"), bookmark.alias("bookmark"), "topic", "partition", "offset",
+        "journal_timestamp_ms", F.size(outcomes).alias("outcome_count"), "store_state",
         F.when(F.size(found) > 0, F.lit("violation"))
-        .when(F.size("outcomes") == 0, F.lit("pending"))
+        .when(~has_outcome, F.lit("pending"))
         .otherwise(F.lit("done")).alias("status"),
         found.alias("violations"),
     )
@@ -276,14 +421,6 @@ def counters(events: DataFrame) -> DataFrame:
     )
 
 
-# Order of an entry's lease-related events within one millisecond and delivery: a lease is
-# granted after the entry was (re)admitted, renewed after it was granted, ended after both.
-_LEASE_STEP = {EventType.ENQUEUED.value: 0, EventType.REDRIVEN.value: 0,
-               EventType.LEASED.value: 1, EventType.RENEWED.value: 2,
-               EventType.RELEASED.value: 3, EventType.LEASE_EXPIRED.value: 3}
-_HOLDING = (EventType.LEASED.value, EventType.RENEWED.value)
-
-
 def available_entries(events: DataFrame, as_of_ms: int, include_leased: bool = False
                       ) -> DataFrame:
     """The entries waiting in their queue at ``as_of_ms``, from the events written up to then.
@@ -298,8 +435,6 @@ def available_entries(events: DataFrame, as_of_ms: int, include_leased: bool = F
     delivery_count, leased (bool), available_at_ms.
     """
     e = entry_events(events.where(F.col("timestamp_ms") <= F.lit(as_of_ms)))
-    step = F.create_map(*[F.lit(x) for pair in _LEASE_STEP.items() for x in pair])
-    lease_event = F.col("type").isin(*_LEASE_STEP)
     delay_event = _is(EventType.ENQUEUED) | _is(EventType.RELEASED)
     per_entry = e.groupBy("queue", "bookmark").agg(
         F.first("topic", ignorenulls=True).alias("topic"),
@@ -311,10 +446,7 @@ def available_entries(events: DataFrame, as_of_ms: int, include_leased: bool = F
         F.max(F.when(_is(EventType.LEASED), F.col("delivery_count"))).alias("delivery_count"),
         F.count(F.when(F.col("type").isin(*OUTCOME_TYPES, *_LEAVING_TYPES), F.lit(1)))
         .alias("finished"),
-        F.max(F.when(lease_event, F.struct(
-            F.col("timestamp_ms"), F.coalesce(F.col("delivery_count"), F.lit(0)),
-            step[F.col("type")], F.col("type").alias("type"))))
-        .getField("type").alias("lease_state"),
+        _last_lease_event().alias("lease_state"),
         F.max(F.when(delay_event, F.struct(F.col("timestamp_ms"), F.col("available_at_ms"))))
         .getField("available_at_ms").alias("available_at_ms"),
     )

@@ -67,7 +67,7 @@ def test_a_stream_needs_an_output() -> None:
 
 
 def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from layer.pipeline.jobs import JobResult, ReconcileReport, ViolationRow
+    from layer.pipeline.jobs import JobResult, ReconcileJob, ReconcileReport, ViolationRow
 
     report = ReconcileReport("Orders", 7, 2, [ViolationRow("Orders", "orders/0/5",
                                                            "acked_twice")])
@@ -81,7 +81,8 @@ def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("QLAYER_TOPIC_PREFIX", "audit.")
     result = runner.invoke(app, ["pipeline", "reconcile", "Orders", "--journal", "orders",
                                  "--start", "2026-01-01T00:00:00", "--end", "1767312000000",
-                                 "--bootstrap-servers", "kafka:9092"])
+                                 "--bootstrap-servers", "kafka:9092",
+                                 "--database-url", "postgresql+psycopg://q@db/qlayer"])
     assert result.exit_code == 3
     assert result.output.splitlines() == ["Orders: 7 done, 2 pending, 1 violations",
                                           "acked_twice\tOrders\torders/0/5"]
@@ -89,3 +90,5 @@ def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> No
     source = seen["source"]
     assert (source.bootstrap_servers, source.topic_prefix) == ("kafka:9092", "audit.")  # type: ignore[attr-defined]
     assert (seen["start_ms"], seen["end_ms"]) == (1767225600000, 1767312000000)
+    # qlayer's own PostgreSQL is the audit's third source.
+    assert seen["job"] == ReconcileJob("Orders", "orders", "postgresql+psycopg://q@db/qlayer")

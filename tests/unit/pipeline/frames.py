@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,12 +41,29 @@ def frame(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
                                  schema)
 
 
-def journal(spark: SparkSession, offsets: range, at: int = 0,
-            values: dict[int, str] | None = None) -> DataFrame:
+def journal(spark: SparkSession, offsets: Iterable[int], at: int = 0,
+            values: dict[int, str | None] | None = None) -> DataFrame:
     """Journal records at ``offsets`` of partition 0, journaled ``at`` ms after T0; ``values``
-    gives payloads by offset (JSON text)."""
+    gives payloads by offset (JSON text; None for a delete)."""
     when = datetime.fromtimestamp((T0 + at) / 1000, UTC)
     payloads = values or {}
+
+    def value(offset: int) -> bytes | None:
+        text = payloads.get(offset, "{}")
+        return None if text is None else text.encode()
+
     return spark.createDataFrame(
-        [(TOPIC, 0, o, when, payloads.get(o, "{}").encode()) for o in offsets],
+        [(TOPIC, 0, o, when, value(o)) for o in offsets],
         "topic string, partition int, offset long, timestamp timestamp, value binary")
+
+
+def store(spark: SparkSession, recovery_point: int | None,
+          rows: list[tuple[int, str, int]]) -> DataFrame:
+    """Rows of `layer.store.reports.final_state_query` for partition 0 of the journal: its
+    recovery point, and (offset, state, seq) writes of entries."""
+    points = [] if recovery_point is None else [
+        ("recovery_point", TOPIC, 0, recovery_point, None, None)]
+    writes = [("entry", TOPIC, 0, offset, state, seq) for offset, state, seq in rows]
+    return spark.createDataFrame(
+        points + writes,
+        "kind string, topic string, partition int, offset long, state string, seq long")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from layer.pipeline.io import OutputError, Sink, parse_sink
+from layer.pipeline.io import OutputError, Sink, parse_sink, store_url
+from layer.store.reports import ReportTableError, check_table_name
 
 
 @pytest.mark.parametrize(("target", "sink"), [
@@ -35,3 +36,21 @@ def test_the_password_is_not_shown() -> None:
 def test_targets_that_cannot_work_are_refused(target: str, message: str) -> None:
     with pytest.raises(OutputError, match=message):
         parse_sink(target, "t")
+
+
+@pytest.mark.parametrize(("target", "url"), [
+    ("postgresql://report:s3cret@db.internal:5433/reports",
+     "postgresql+psycopg://report:s3cret@db.internal:5433/reports"),
+    ("jdbc:postgresql://db/reports?user=r&password=pw&sslmode=require",
+     "postgresql+psycopg://r:pw@db/reports?sslmode=require"),
+])
+def test_the_swap_connects_where_spark_writes(target: str, url: str) -> None:
+    # The staging table and the table are in one database: the swap's connection is the
+    # JDBC writer's, with qlayer's driver.
+    assert store_url(parse_sink(target, "t")).render_as_string(hide_password=False) == url
+
+
+@pytest.mark.parametrize("table", ["metrics; DROP TABLE x", "a.b.c", "1st", "my-table", ""])
+def test_a_table_name_that_would_need_quoting_is_refused(table: str) -> None:
+    with pytest.raises(ReportTableError, match="letters, digits and underscores"):
+        check_table_name(table)

@@ -9,13 +9,15 @@ from pyspark.sql import DataFrame, SparkSession
 
 from layer.pipeline.transforms import (
     Outcome,
+    StoreState,
     Violation,
     counters,
     lifecycle,
     reconcile,
+    store_state,
     violations,
 )
-from tests.unit.pipeline.frames import T0, acked, ev, frame, journal, leased
+from tests.unit.pipeline.frames import T0, acked, ev, frame, journal, leased, store
 
 
 def healthy() -> list[dict[str, Any]]:
@@ -133,6 +135,87 @@ def test_reconcile_keeps_to_its_queue_and_journal_time_range(spark: SparkSession
     assert violations(reconciled).count() == 0
     # Records the queue never admitted (no events: refused by its filter) are not its entries.
     assert reconcile(frame(spark, healthy()), journal(spark, range(9)), "Q").count() == 5
+
+
+# healthy() as PostgreSQL keeps it: 0-2 done below the recovery point, 3 leased by a run
+# (its ENQUEUED-time AVAILABLE row superseded), 4 an EXPIRED row.
+CONSISTENT = (3, [(3, "AVAILABLE", 10), (3, "LEASED", 11), (4, "EXPIRED", 12)])
+
+
+def three_way(spark: SparkSession, events: list[dict[str, Any]], recovery_point: int | None,
+              rows: list[tuple[int, str, int]], offsets: range = range(5),
+              **kwargs: Any) -> DataFrame:
+    state = store_state(store(spark, recovery_point, rows))
+    return reconcile(frame(spark, events), journal(spark, offsets), "Q", store=state,
+                     queue_has_filter=False, **kwargs)
+
+
+def found(reconciled: DataFrame) -> list[tuple[int, str]]:
+    return sorted((r["offset"], r["violation"]) for r in violations(reconciled).collect())
+
+
+def test_three_sources_that_agree_give_no_violation(spark: SparkSession) -> None:
+    reconciled = by_bookmark(three_way(spark, healthy(), *CONSISTENT))
+    assert {o: (r["status"], r["store_state"]) for o, r in reconciled.items()} == {
+        0: ("done", StoreState.DONE), 1: ("done", StoreState.DONE),
+        2: ("done", StoreState.DONE), 3: ("pending", StoreState.LEASED),
+        4: ("done", StoreState.DONE)}
+    assert all(r["violations"] == [] for r in reconciled.values())
+
+
+@pytest.mark.parametrize(("recovery_point", "rows", "expected"), [
+    # PostgreSQL acked 3 (a later write than its lease): no ACKED event says so.
+    (3, [*CONSISTENT[1], (3, "ACKED", 20)], [(3, Violation.STORE_ACKED_NO_ACKED_EVENT)]),
+    # The recovery point passed 3: done in PostgreSQL, no outcome in the events.
+    (4, [(4, "EXPIRED", 12)], [(3, Violation.STORE_DONE_NO_OUTCOME)]),
+    # 4 expired by the events, but PostgreSQL has no row for it above the recovery point.
+    (3, [(3, "LEASED", 11)], [(4, Violation.OUTCOME_NOT_IN_STORE)]),
+    # 3 released in PostgreSQL (the latest write), still leased by the events.
+    (3, [*CONSISTENT[1], (3, "AVAILABLE", 30)], [(3, Violation.LEASE_DIFFERS)]),
+])
+def test_a_disagreement_with_postgresql_is_named(
+    spark: SparkSession, recovery_point: int, rows: list[tuple[int, str, int]],
+    expected: list[tuple[int, str]],
+) -> None:
+    assert found(three_way(spark, healthy(), recovery_point, rows)) == expected
+
+
+def test_a_journal_record_the_queue_must_have_admitted_without_events_is_named(
+    spark: SparkSession,
+) -> None:
+    # 5 and 6 have no event; 7 was admitted after them, so the queue read past them. 6 is a
+    # delete (never an entry); 8, after the last admitted record, may not be read yet.
+    events = [*healthy(), ev("ENQUEUED", 0, 7), acked(9, 7, "a", 0)]
+    records = journal(spark, range(9), values={6: None})
+    state = store_state(store(spark, *CONSISTENT))
+    reconciled = reconcile(frame(spark, events), records, "Q", store=state,
+                           queue_has_filter=False)
+    assert found(reconciled) == [(5, Violation.NO_EVENTS), (7, Violation.OUTCOME_NOT_IN_STORE)]
+    assert by_bookmark(reconciled)[5]["bookmark"] == "orders/0/5"
+    # A filter may have turned 5 away: nothing to say about it.
+    filtered = reconcile(frame(spark, events), records, "Q", store=state,
+                         queue_has_filter=True)
+    assert found(filtered) == [(7, Violation.OUTCOME_NOT_IN_STORE)]
+    # PostgreSQL has a row for 8 (it was delivered): it must have events, filter or not.
+    touched = store_state(store(spark, 3, [*CONSISTENT[1], (8, "LEASED", 40)]))
+    assert found(reconcile(frame(spark, events), records, "Q", store=touched,
+                           queue_has_filter=True)) == [
+        (7, Violation.OUTCOME_NOT_IN_STORE), (8, Violation.NO_EVENTS)]
+
+
+def test_events_for_a_record_that_never_existed_are_named(spark: SparkSession) -> None:
+    forged = [ev("ENQUEUED", 0, 9), acked(5, 9, "a", 1)]
+    gap = [e for e in healthy() if e["offset"] != 4] + [ev("ENQUEUED", 0, 4)]
+    # Past the journal's end (read to its end): never written.
+    assert found(three_way(spark, healthy() + forged, *CONSISTENT)) == [
+        (9, Violation.UNKNOWN_RECORD)]
+    # Inside the journal's span, where no record is (an aborted write, a control marker).
+    reconciled = reconcile(frame(spark, gap), journal(spark, [0, 1, 2, 3, 5]), "Q")
+    assert found(reconciled) == [(4, Violation.UNKNOWN_RECORD)]
+    # After the end of a closed range: not this audit's to judge.
+    ranged = reconcile(frame(spark, healthy() + forged), journal(spark, range(5)), "Q",
+                       start_ms=T0, end_ms=T0 + 1)
+    assert found(ranged) == []
 
 
 def test_counters_recomputed_from_events(spark: SparkSession) -> None:
