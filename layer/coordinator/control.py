@@ -8,8 +8,8 @@ import re
 from typing import TYPE_CHECKING
 
 from layer.coordinator.acks import MAX_FORWARD_HOPS
-from layer.coordinator.logformat import fields
 from layer.coordinator.identity import Refusal
+from layer.coordinator.logformat import fields
 from layer.coordinator.sessions import Session
 from layer.coordinator.translate import ms
 from layer.domain import events as ev

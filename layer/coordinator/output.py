@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 from layer.coordinator.translate import event_fields, ms, wire_bookmark, wire_reason
 from layer.domain import events as ev
 from layer.domain.states import AckSource, Bookmark, ExpiryReason
-from layer.kafka import JournalRecord, KafkaAdapterError, OutgoingRecord, TopicSpec
+from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
     BATCH,
     DeadLetterInfo,
