@@ -114,8 +114,11 @@ class FakeTopicAdmin:
     refuse: set[str] = field(default_factory=set)
     journal: FakeJournal | None = None
     group_offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
+    #: How many times the topics were listed (each a metadata request on a real broker).
+    listings: int = 0
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
+        self.listings += 1
         return dict(self.partitions)
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:

@@ -509,7 +509,7 @@ class ShardLoop:
         stats.deliveries = output.delivered
         self.counters["delivery_records"] += len(out)
         stats.replies = len(plan.replies)
-        out.extend(output.answerable(plan.replies))
+        out.extend(output.answerable(plan.replies, now))
         encode = self.core.codec.encode_event_batch
         out.extend(OutgoingRecord(self.topics.events, encode(batch_id, self.shard, events),
                                   self._event_key)
