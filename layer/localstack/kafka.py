@@ -211,6 +211,12 @@ class KafkaNode:
     def running(self) -> bool:
         return self.pid() is not None and port_open(self.config.host, self.config.port)
 
+    def _log_size(self) -> int:
+        try:
+            return self.log_file.stat().st_size
+        except OSError:
+            return 0
+
     def _classpath(self) -> str:
         return str(self.config.libs_dir / "*")
 
@@ -294,11 +300,21 @@ class KafkaNode:
             )
             log.close()
             self.pid_file.write_text(f"{proc.pid}\n")
-        wait_until(
-            self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
-            alive=lambda: self.pid() is not None,
-            on_death=self._death_report,
-        )
+        try:
+            # A broker with thousands of partitions loads each one's log before it listens
+            # (minutes on a busy machine): waited for as long as its log keeps growing.
+            wait_until(
+                self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
+                alive=lambda: self.pid() is not None,
+                on_death=self._death_report,
+                progress=self._log_size, longest=timeout * 10,
+            )
+        except LocalStackError as exc:
+            raise LocalStackError(
+                f"{exc}. It holds {self.partitions():,} partitions (each loaded at start-up); "
+                f"it still runs as pid {self.pid()} and may yet become ready (`qlayer dev "
+                f"status`). `qlayer dev down --wipe` starts it empty. Last lines of "
+                f"{self.log_file}:\n{tail(self.log_file)}") from None
         self.ensure_admin_user()
         return c.bootstrap_servers
 
