@@ -61,7 +61,7 @@ def _journal(settings: Settings, name: str) -> list[bytes]:
         future.result(30)
     wait_until(lambda: name in admin.list_topics(timeout=10).topics or None)
     small = [json.dumps({"n": i}).encode() for i in range(10)]
-    produce(settings.bootstrap_servers, name, small[:5] + [os.urandom(3 * _LIMIT)] + small[5:],
+    produce(settings.bootstrap_servers, name, [*small[:5], os.urandom(3 * _LIMIT), *small[5:]],
             partition=0)
     return small
 
