@@ -169,13 +169,21 @@ def _payload(value: bytes | None, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _value(value: Any) -> str:
+#: Definition fields stored in seconds and read as durations (`30s`, `5m`), as `qlayer queue
+#: describe` shows them.
+_DURATION_FIELDS = frozenset({"lease_period", "expiration", "delivery_delay", "initial",
+                              "maximum"})
+
+
+def _value(value: Any, field: str | None = None) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if field in _DURATION_FIELDS and isinstance(value, int | float):
+        return format_duration(float(value))
     if isinstance(value, dict):
-        return ", ".join(f"{k}: {_value(v)}" for k, v in value.items())
+        return ", ".join(f"{k}: {_value(v, k)}" for k, v in value.items())
     return str(value)
 
 

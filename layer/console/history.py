@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
 
+from layer.domain.durations import format_duration
+
 __all__ = ["CHARTED_RATES", "History", "Sample", "svg_chart"]
 
 #: The counters charted as rates on the queues page (a subset of `qlayer stats`' rates).
@@ -86,8 +88,11 @@ def svg_chart(points: Sequence[tuple[float, float]], *, now: float, window: floa
               width: int = 240, height: int = 48) -> str:
     """A line chart of ``points`` over the ``window`` seconds up to ``now``, as inline SVG.
 
-    The y axis runs from 0 to the largest value (shown in the corner); with no points the
-    chart says so instead of drawing a flat line that would read as "zero".
+    The x axis starts at the oldest point still in the window (a console started a minute ago
+    charts that minute across the whole width, not a sliver at the right edge of an hour) and
+    says how far back it reaches; the y axis runs from 0 to the largest value (shown in the
+    corner). With no points the chart says so instead of drawing a flat line that would read
+    as "zero".
     """
     title = escape(label)
     head = (f'<svg class="chart" role="img" aria-label="{title}" width="{width}" '
@@ -100,22 +105,26 @@ def svg_chart(points: Sequence[tuple[float, float]], *, now: float, window: floa
     if not shown:
         return (head + f'<text x="4" y="{height // 2 + 4}" class="empty">no samples yet'
                 "</text></svg>")
+    start = min(t for t, _ in shown)
+    span = now - start
     top = max(v for _, v in shown)
     scale = top if top > 0 else 1.0
     pad = 2
 
     def xy(t: float, v: float) -> str:
-        x = pad + (t - start) / window * (width - 2 * pad)
+        x = pad + ((t - start) / span if span > 0 else 1.0) * (width - 2 * pad)
         y = height - pad - v / scale * (height - 2 * pad)
         return f"{x:.1f},{y:.1f}"
 
-    line = " ".join(xy(t, v) for t, v in shown)
-    dots = "" if len(shown) > 1 else (
-        f'<circle cx="{xy(*shown[0]).split(",")[0]}" cy="{xy(*shown[0]).split(",")[1]}" '
-        'r="2" class="line"/>')
-    return (head + f'<polyline points="{line}" class="line" fill="none"/>' + dots
-            + f'<text x="{width - 4}" y="12" class="max" text-anchor="end">max '
-            f"{_number(top)}</text></svg>")
+    if len(shown) > 1:
+        mark = ('<polyline points="' + " ".join(xy(t, v) for t, v in shown)
+                + '" class="line" fill="none"/>')
+    else:  # one sample: a dot where the line will start
+        x, y = xy(*shown[0]).split(",")
+        mark = f'<circle cx="{x}" cy="{y}" r="2" class="line"/>'
+    return (head + mark + f'<text x="{width - 4}" y="12" class="max" text-anchor="end">max '
+            f'{_number(top)}</text><text x="4" y="{height - 4}" class="span">last '
+            f"{format_duration(round(span))}</text></svg>")
 
 
 def _number(value: float) -> str:

@@ -49,11 +49,19 @@ def test_queues_page_shows_each_queue_depth_and_samples_for_the_charts(
     row = re.search(r'<tr data-queue="Jobs">(.*?)</tr>', page.text, re.S)
     assert row is not None, page.text
     assert re.search(r'<td class="depth num">3</td>', row.group(1))
-    # One sample so far: the chart says so rather than drawing a line at zero.
-    assert "no samples yet" in row.group(1)
+    charts = re.compile(r'<section class="charts" data-queue="Jobs">(.*?)</section>', re.S)
+    first = charts.search(page.text)
+    assert first is not None
+    # One sample so far: a dot for the depth; no rate yet, and the charts say so rather
+    # than drawing a line at zero.
+    assert first.group(1).count("no samples yet") == 4
+    assert first.group(1).count("<circle") == 1
     time.sleep(0.05)
-    again = web.get("/queues").text
-    assert "<polyline" in again  # two samples: the depth line and the rate lines
+    again = charts.search(web.get("/queues").text)
+    assert again is not None
+    # Two samples: the depth line (3 both times) and one rate between them per counter.
+    assert again.group(1).count("<polyline") == 1
+    assert again.group(1).count("<circle") == 4 and "max 3" in again.group(1)
     assert web.get("/", follow_redirects=False).headers["location"] == "/queues"
 
 

@@ -50,10 +50,18 @@ def test_the_chart_places_points_in_the_window_and_scales_to_the_largest_value()
     xy = [tuple(map(float, p.split(","))) for p in points.group(1).split()]
     # x: 2 px padding, 120 px for 60 s; y: 0 at the bottom (42), the max (10) at the top (2).
     assert xy == [(2.0, 42.0), (62.0, 2.0), (122.0, 22.0)]
-    assert "max 10" in svg
+    assert "max 10" in svg and "last 1m" in svg
     assert "Jobs &lt;depth&gt;" in svg and "<depth>" not in svg
 
 
-def test_a_chart_without_samples_says_so() -> None:
-    svg = svg_chart([(0.0, 3.0)], now=5000, window=3600, label="x")
+def test_the_chart_spans_what_was_sampled_when_that_is_less_than_the_window() -> None:
+    svg = svg_chart([(3590.0, 1.0), (3600.0, 1.0)], now=3600, window=3600, label="x",
+                    width=104, height=44)
+    assert 'points="2.0,2.0 102.0,2.0"' in svg and "last 10s" in svg
+
+
+def test_a_chart_without_samples_says_so_and_one_sample_is_a_dot() -> None:
+    svg = svg_chart([(0.0, 3.0)], now=5000, window=3600, label="x")  # older than the window
     assert "no samples yet" in svg and "polyline" not in svg
+    dot = svg_chart([(4000.0, 3.0)], now=5000, window=3600, label="x")
+    assert "<circle" in dot and "polyline" not in dot and "max 3" in dot
