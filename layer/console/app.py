@@ -116,7 +116,10 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 self.state.sample()
-            except Exception:  # any failure of one sample: the next may succeed
+            except QlayerError as exc:  # a service away, no schema: one line, the next may do
+                log.warning("console: sampling the queues failed (%s); retrying in %ss", exc,
+                            self.state.options.sample_interval)
+            except Exception:  # anything else is a bug: its traceback, and go on serving
                 log.exception("console: sampling the queues failed; retrying in %ss",
                               self.state.options.sample_interval)
             self._stop.wait(self.state.options.sample_interval)
