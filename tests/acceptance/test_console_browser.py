@@ -260,9 +260,13 @@ def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
         screenshot(browser, "05-queue-after-redrive")
 
         browser.get(f"{base}/coordinators")
-        assert browser.find_elements(By.CSS_SELECTOR, "#processes tr.process")
+        # The coordinator of this test runs in this process, on every shard.
+        processes = browser.find_elements(By.CSS_SELECTOR, "#processes tr.process")
+        assert [[c.text for c in p.find_elements(By.TAG_NAME, "td")][2:4]
+                for p in processes] == [[str(os.getpid()), "0,1,2,3"]]
         screenshot(browser, "06-coordinators")
         browser.get(f"{base}/consumers")
+        assert text(browser, "#no-consumers") == "no consumers"  # the holder closed
         screenshot(browser, "07-consumers")
     shots = sorted(p.name for p in SCREENSHOTS.glob("*.png"))
     assert len(shots) == 7, shots
