@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -37,6 +37,9 @@ from layer.console.security import basic_auth_ok, csrf_token, csrf_token_ok, sam
 from layer.domain.durations import format_duration
 from layer.domain.errors import QlayerError, UnknownQueueError
 from layer.settings import Settings
+
+if TYPE_CHECKING:  # the services load SQLAlchemy and the Kafka client: imported where used
+    from layer.services.views import QueueStats
 
 __all__ = ["ConsoleOptions", "ConsoleState", "create_app"]
 
@@ -77,9 +80,9 @@ class ConsoleState:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     def __post_init__(self) -> None:
-        self.history = History(self.options.window)
+        self.history = History(self.options.window, min_gap=self.options.sample_interval / 2)
 
-    def sample(self) -> list[Any]:
+    def sample(self) -> list[QueueStats]:
         """Every queue's figures now (as `qlayer stats` computes them), remembered for the
         charts."""
         from layer.services.views import queue_stats

@@ -33,18 +33,24 @@ class Sample:
 
 
 class History:
-    """The last ``window`` seconds of samples, per queue, oldest first."""
+    """The last ``window`` seconds of samples, per queue, oldest first.
 
-    def __init__(self, window: float = 3600.0) -> None:
+    A sample less than ``min_gap`` seconds after the previous one is not kept: a page loaded
+    just after the sampler's tick would otherwise make a rate over a few milliseconds, where
+    one event reads as hundreds per second.
+    """
+
+    def __init__(self, window: float = 3600.0, min_gap: float = 0.0) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         self.window = window
+        self.min_gap = min_gap
         self._samples: dict[str, deque[Sample]] = {}
 
     def add(self, queue: str, sample: Sample) -> None:
         found = self._samples.setdefault(queue, deque())
-        if found and sample.at <= found[-1].at:
-            return  # two samplers at one moment, or a clock step back: keep time ordered
+        if found and sample.at - found[-1].at < max(self.min_gap, 1e-9):
+            return  # too close to the last one, or a clock step back: keep time ordered
         found.append(sample)
         while found and found[0].at < sample.at - self.window:
             found.popleft()

@@ -22,6 +22,13 @@ def test_rates_are_per_second_between_consecutive_samples() -> None:
     assert history.depth_series("Jobs") == [(100, 0.0), (110, 5.0), (130, 2.0)]
 
 
+def test_a_sample_too_close_to_the_last_one_is_not_kept() -> None:
+    history = History(min_gap=5)
+    for at, enqueued in ((0, 0), (10, 10), (10.01, 11), (16, 16)):
+        history.add("Jobs", sample(at, 0, enqueued))
+    assert history.rate_series("Jobs", "enqueued") == [(10, 1.0), (16, 1.0)]
+
+
 def test_a_counter_that_went_down_counts_as_no_traffic() -> None:
     history = History()
     history.add("Jobs", sample(0, 0, 40))
