@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from cli import (
+    console,
     consumers,
     coordinator,
     coordinators,
@@ -52,6 +53,7 @@ app.add_typer(consumers.app, name="consumers")
 app.add_typer(pipeline.app, name="pipeline")
 app.add_typer(security.app, name="security")
 app.command(name="demo")(demo_command)
+app.command(name="console")(console.console)
 
 
 def _version(value: bool) -> None:

@@ -17,7 +17,8 @@ Approximations, by design (the coordinator's memory is the only exact answer):
 - barriers are not modelled;
 - stats' ``depth`` counts every journal record past the recovery point that is not done,
   including records the queue's enqueue filter refuses (reading them all to apply the filter
-  would make ``stats`` as expensive as ``view``).
+  would make ``stats`` as expensive as ``view``) and the commit markers of transactional
+  producers (a redrive writes one per run), which take an offset each.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from cli.main import app
 # own pydantic models (layer.domain.definitions) and pydantic-settings are.
 HEAVY = ("pyspark", "confluent_kafka", "sqlalchemy", "fastavro", "pydantic_settings", "alembic",
          "psycopg", "lark", "layer.domain.definitions", "layer.services", "layer.store",
-         "layer.sdk", "layer.kafka")
+         "layer.sdk", "layer.kafka", "starlette", "uvicorn", "jinja2", "layer.console")
 
 _PROBE = """
 import json, sys
@@ -45,7 +45,8 @@ def test_importing_the_cli_loads_no_heavy_module() -> None:
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["queue", "--help"],
-                                  ["pipeline", "views", "--help"], ["dlq", "redrive", "--help"]])
+                                  ["pipeline", "views", "--help"], ["dlq", "redrive", "--help"],
+                                  ["console", "--help"]])
 def test_help_and_version_load_no_heavy_module(args: list[str]) -> None:
     body = ("import sys\nfrom cli.main import app\n"
             f"try:\n    app({args!r})\nexcept SystemExit:\n    pass")
