@@ -329,6 +329,11 @@ class Output:
     def answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
         """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
         answered; producing to it would fail the iteration, and every retry after it."""
+        # A topic no session of this shard uses may have been deleted since it was seen (the
+        # delivery-topic sweep, on whichever process runs shard 0): listed again, once.
+        live = {s.delivery_topic for s in self.core.sessions.values()}
+        if any(r.topic not in live for r in replies):
+            self.core.known_topics = set(self.core.admin.topics())
         good = [r for r in replies
                 if topic_name_problem(r.topic) is None and self._topic_exists(r.topic)]
         if len(good) < len(replies):
