@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from cli.output import (
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     TopicPrefix,
@@ -116,9 +116,9 @@ def _shard_table(shards: dict[str, dict[str, int]]) -> Table:
 
 def _warn_unowned(settings: Settings) -> None:
     """Numbers of a shard nobody runs stand still: say so before showing them."""
-    from cli.coordinators import unowned_warning
     from layer.services.coordinators import coordinator_status
     from layer.store.store import Store
+    from layer_cli.coordinators import unowned_warning
 
     with Store(settings.database_url) as store:
         warning = unowned_warning(coordinator_status(store, time.time()))

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import pytest
 from typer.testing import CliRunner, Result
 
-from cli.main import app
 from layer.sdk import QueueConsumer
 from layer.settings import Settings
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import produce, put_queues, running_coordinator, wait_until
 
 pytestmark = pytest.mark.integration
@@ -121,7 +121,7 @@ def test_view_shows_exactly_the_available_entries_and_leases_nothing_and_stats_a
             assert "(/s)" not in people.stdout
             # --watch: every sample after the first carries the rates over --interval.
             watch = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "stats", "Work", "--watch", "--json",
+                [sys.executable, "-m", "layer_cli.main", "stats", "Work", "--watch", "--json",
                  "--interval", "0.2"], stdout=subprocess.PIPE, text=True,
                 env={**os.environ, "QLAYER_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
                      "QLAYER_DATABASE_URL": settings.database_url,
@@ -195,7 +195,7 @@ def test_as_a_subprocess_settings_from_the_environment_errors_in_one_line(
            "QLAYER_TOPIC_PREFIX": settings.topic_prefix, "QLAYER_CONFIG": os.devnull}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "layer_cli.main", *args], env=env,
                               capture_output=True, text=True, timeout=120)
 
     # No coordinator ever ran: view reads the stored state and the journal all the same.
