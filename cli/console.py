@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
+from layer_cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
 
 
 def _password(password_file: Path | None) -> str | None:

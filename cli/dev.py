@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from cli.output import table_console
+from layer_cli.output import table_console
 
 if TYPE_CHECKING:  # imported by the commands that run it: `qlayer --help` stays quick
     from layer.localstack import LocalStack

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cli import (
+from layer_cli import (
     console,
     consumers,
     coordinator,
@@ -27,9 +27,9 @@ from cli import (
     stats,
     view,
 )
-from cli.demo import demo as demo_command
-from cli.errors import run_friendly
-from cli.helpfix import install as install_help_fixes
+from layer_cli.demo import demo as demo_command
+from layer_cli.errors import run_friendly
+from layer_cli.helpfix import install as install_help_fixes
 
 install_help_fixes()
 

@@ -84,6 +84,8 @@ SHARD_TOTALS = {
     "statements": ("postgres_statements", "PostgreSQL statements in those transactions."),
     "iteration_failures": ("iteration_failures", "Iterations that failed (shard rebuilt)."),
     "session_timeouts": ("session_timeouts", "Consumer sessions that timed out."),
+    "delivery_topics_deleted": ("delivery_topics_deleted", "Delivery topics deleted after "
+                                "no session used them for --delivery-topic-retention."),
     "stalls": ("stalls", "Gaps of more than 5 s between two iterations."),
 }
 #: Process-wide failure counters by kind label.

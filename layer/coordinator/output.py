@@ -333,6 +333,16 @@ class Output:
     def answerable(self, replies: list[OutgoingRecord], now: float) -> list[OutgoingRecord]:
         """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
         answered; producing to it would fail the iteration, and every retry after it."""
+        # A topic no session of this shard uses may have been deleted since it was seen (the
+        # delivery-topic sweep, on whichever process runs shard 0): listed again, at most once
+        # per LISTING_INTERVAL. A topic deleted within that second after a listing fails the
+        # iteration's flush once; the rebuild lists again and drops the reply.
+        core = self.core
+        live = {s.delivery_topic for s in core.sessions.values()}
+        if (any(r.topic not in live for r in replies)
+                and now - core.topics_listed_at >= LISTING_INTERVAL):
+            core.known_topics = set(core.admin.topics())
+            core.topics_listed_at = now
         good = [r for r in replies
                 if topic_name_problem(r.topic) is None and self._topic_exists(r.topic, now)]
         if len(good) < len(replies):

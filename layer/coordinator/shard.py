@@ -48,6 +48,7 @@ from layer.coordinator.payloads import MemoryPool, RangeReader
 from layer.coordinator.phases import PhaseTimes
 from layer.coordinator.ports import StateStore
 from layer.coordinator.refused import alone
+from layer.coordinator.topicsweep import DeliveryTopicSweep
 from layer.coordinator.translate import ms
 from layer.domain.errors import QlayerError
 from layer.domain.shards import shard_key
@@ -157,6 +158,8 @@ class ShardLoop:
         self._range_reader: RangeReader | None = None
         self._deferred_reader: DeferredReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
+        # Shard 0's owner deletes the delivery topics no session uses any more, for every shard.
+        self._sweep: DeliveryTopicSweep | None = None
         # When the last iteration began (None before the first since the shard was taken).
         self._last_iteration: float | None = None
         # The shard's stored fault counters when this process took it, and its own counters
@@ -319,6 +322,7 @@ class ShardLoop:
         self._range_reader = None
         self._deferred_reader = None
         self._maintenance = None
+        self._sweep = None
         # What this owner sent but could not confirm stays in the outbox: the next owner
         # publishes it again (readers keep the first copy of a batch).
         self._sent = None
@@ -365,6 +369,10 @@ class ShardLoop:
         self._maintenance = (refresh, PartitionCheck(core, loader,
                                                      self.options.topic_check_interval),
                              GroupOffsets(core, self.admin, self.options.group_commit_interval))
+        retention = self.options.delivery_topic_retention
+        if self.shard == 0 and retention > 0:
+            self._sweep = DeliveryTopicSweep(core, self.admin, self.store.delivery_topics_in_use,
+                                             retention)
 
     def _kafka_config(self) -> dict[str, Any]:
         return {**self.settings.kafka_config(), "logger": self._client_log}
@@ -481,6 +489,8 @@ class ShardLoop:
         self.counters["us_encoding"] += out
         self.phases.observe(polling, deciding, committing, out, writing)
         group_offsets.run_once(now)
+        if self._sweep is not None:
+            self._sweep.run_once(now)
         return stats
 
     def _forgive(self, now: float, gap: float) -> None:

@@ -111,7 +111,7 @@ def console(tmp_path: Path) -> Iterator[Callable[[Settings], str]]:
                "QLAYER_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
                "QLAYER_TOPIC_PREFIX": settings.topic_prefix, "QLAYER_CONFIG": os.devnull}
         qlayer = shutil.which("qlayer", path=str(Path(sys.executable).parent))
-        command = [qlayer] if qlayer else [sys.executable, "-m", "cli.main"]
+        command = [qlayer] if qlayer else [sys.executable, "-m", "layer_cli.main"]
         with log.open("wb") as out:
             process = subprocess.Popen(
                 [*command, "console", "--port", str(port), "--allow-actions",

@@ -25,7 +25,6 @@ import yaml
 from confluent_kafka import Consumer, KafkaError
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.kafka.acls import Role, apply_acls, recipe, sdk_group
 from layer.kafka.errors import KafkaAdapterError
 from layer.localstack.kafka import KafkaConfig, KafkaNode, sasl_client_config
@@ -33,6 +32,7 @@ from layer.localstack.stack import default_cache_dir
 from layer.protocol import TopicNames
 from layer.sdk import QueueConsumer, QueuePublisher
 from layer.settings import Settings
+from layer_cli.main import app
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
 from tests.support.ports import free_ports

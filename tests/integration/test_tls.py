@@ -17,12 +17,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.kafka.errors import KafkaAdapterError
 from layer.localstack.kafka import KafkaConfig, KafkaNode
 from layer.localstack.stack import default_cache_dir
 from layer.sdk import QueueConsumer, QueuePublisher
 from layer.settings import Settings
+from layer_cli.main import app
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
 from tests.support.ports import free_ports

@@ -17,11 +17,11 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.protocol import EventType, TopicNames
 from layer.protocol.headers import DLQ_REASON, DLQ_VALUE_OMITTED
 from layer.settings import Settings
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import (
     Consumers,
     EventReader,
