@@ -180,7 +180,7 @@ class ShardCore:
         else:
             self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
         self.known_topics: set[str] = set()
-        #: When the broker's topics were last listed (`Output.answerable`); -inf: never.
+        #: The iteration (its `now`) that last listed the broker's topics (`Output.answerable`).
         self.topics_listed_at = float("-inf")
         self._queues_by_topic: dict[str, list[AnyEngine]] = {}
         # target_queue_depth: the queue whose deferred records are being offered again

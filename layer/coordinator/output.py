@@ -48,10 +48,6 @@ def _timestamp_ms(record: JournalRecord | None) -> int | None:
     return record.timestamp_ms
 
 
-#: Seconds between two listings of the broker's topics looking for a reply topic not known.
-LISTING_INTERVAL = 1.0
-
-
 class _Encoded(dict[str, bytes]):
     """UTF-8 forms of names that recur in every delivery (queues, consumer and session ids)."""
 
@@ -335,12 +331,10 @@ class Output:
         answered; producing to it would fail the iteration, and every retry after it."""
         # A topic no session of this shard uses may have been deleted since it was seen (the
         # delivery-topic sweep, on whichever process runs shard 0): listed again, at most once
-        # per LISTING_INTERVAL. A topic deleted within that second after a listing fails the
-        # iteration's flush once; the rebuild lists again and drops the reply.
+        # per iteration.
         core = self.core
         live = {s.delivery_topic for s in core.sessions.values()}
-        if (any(r.topic not in live for r in replies)
-                and now - core.topics_listed_at >= LISTING_INTERVAL):
+        if any(r.topic not in live for r in replies) and core.topics_listed_at != now:
             core.known_topics = set(core.admin.topics())
             core.topics_listed_at = now
         good = [r for r in replies
@@ -359,10 +353,12 @@ class Output:
         core = self.core
         if topic in core.known_topics:
             return True
-        # Missing at the last listing, made less than LISTING_INTERVAL ago: still missing. A
-        # flood of records naming made-up consumers then costs one listing per interval, not
-        # one per record (each a metadata request to the broker, in the shard's loop).
-        if now - core.topics_listed_at < LISTING_INTERVAL:
+        # Missing at a listing of this iteration: still missing. A flood of records naming
+        # made-up consumers then costs one listing per iteration, not one per record (each a
+        # metadata request to the broker, in the shard's loop). Not longer: the listing must
+        # come after the records it answers were read, as a consumer makes its delivery topic
+        # before it sends its Subscribe (an older listing would drop that answer for good).
+        if core.topics_listed_at == now:
             return False
         core.known_topics = set(core.admin.topics())
         core.topics_listed_at = now
