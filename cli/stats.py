@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from layer.settings import Settings
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
-          "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
+          "rejected": "rejected", "dead_lettered": "dlq", "expired": "expired",
+          "unparseable": "not JSON",
           "deletes": "deletes", "malformed_headers": "bad headers",
           "journal_deleted": "journal deleted"}
 

@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 #: The counters `qlayer stats` turns into per-second rates.
-RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "dead_lettered", "expired")
+RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "rejected", "dead_lettered",
+                 "expired")
 #: Journal records read with a fault that stays with the record, and entries lost with a
 #: journal deleted while read (shown, not rated).
 FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers", "journal_deleted")

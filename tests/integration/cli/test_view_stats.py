@@ -135,7 +135,8 @@ def test_view_shows_exactly_the_available_entries_and_leases_nothing_and_stats_a
                 watch.wait(10)
             assert samples[0]["rates"] is None
             assert set(samples[1]["rates"]) == {"enqueued", "delivered", "acked",
-                                                "redelivered", "dead_lettered", "expired"}
+                                                "redelivered", "rejected", "dead_lettered",
+                                                "expired"}
         finally:
             holder.close()
 
