@@ -25,7 +25,7 @@ def test_a_short_soak_loses_nothing_and_processes_nothing_twice_at_most_once() -
     state = soak_dir()
     result = Soak(plan, state, lines.append).run()
     assert [kind for _, kind, _ in result.faults].count("broker") == 1
-    assert len(result.faults) == 6
+    assert len(result.faults) == 8
     assert result.published == 3000
     # Every check a user would make: nothing lost (at-least-once), nothing processed or
     # delivered twice (at-most-once), one ACKED event per entry, no coordinator exited.
