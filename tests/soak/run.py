@@ -212,7 +212,8 @@ class SoakResult:
             found.append("coordinators exited on their own: "
                          + "; ".join(self.coordinator_unplanned_exits))
         for queue, outcomes in self.poison_outcomes.items():
-            if outcomes.count("EXPIRED(too_large)") != len(self.poison_bookmarks):
+            if sum(o.startswith("EXPIRED(too_large)@") for o in outcomes) != len(
+                    self.poison_bookmarks) or len(outcomes) != len(self.poison_bookmarks):
                 found.append(f"{queue}: the poison records' outcomes are {outcomes}, not one "
                              "EXPIRED(too_large) each")
         if self.poison_bookmarks and (self.poison_dead_letters.get(ALO, 0)
@@ -462,7 +463,8 @@ class Soak:
         seen = time.monotonic() - deleted
         while True:
             try:
-                create_topic(bootstrap, self.doomed, 1)
+                # Made already when the broker creates topics on first use.
+                create_topic(bootstrap, self.doomed, 1, exist_ok=True)
                 break
             except KafkaException as exc:  # the deletion is still under way
                 if time.monotonic() > deleted + 180:
