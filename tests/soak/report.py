@@ -20,6 +20,10 @@ from typing import Any
 #: warning when it runs again: `layer/coordinator/process.py`, `_failed` and `_run_slot`.
 _FAILED = re.compile(r"; rebuilding from stored state, retried with back-off")
 _RUNS_AGAIN = re.compile(r"^shard (\d+) runs again, [\d.]+s and (\d+) failures after it first")
+#: A run also ends when the shard is given up (another process takes it) or the process
+#: starts again (the soak SIGKILLed it): not a loop, though it never said it ran again.
+_GIVES_UP = re.compile(r"^coordinator \S+ gives up shard (\d+):")
+_STARTS = "shard core: "
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,10 @@ class ShardFailure:
 
 
 def shard_failures(lines: Iterable[str], origin: float) -> list[ShardFailure]:
-    """The shard failures in one coordinator's ``--log-format json`` log; ``origin`` is the
-    epoch second that is time 0. Lines that are not JSON (a traceback) are passed over."""
+    """The shard failures in one coordinator's ``--log-format json`` log (the processes of
+    one name, one after another); ``origin`` is the epoch second that is time 0. Lines that
+    are not JSON (a traceback) are passed over. A run still open at the end of the log is
+    ``ended=False``: the shard failed until the soak stopped the process."""
     open_: dict[int, float] = {}
     found: list[ShardFailure] = []
     for line in lines:
@@ -57,6 +63,14 @@ def shard_failures(lines: Iterable[str], origin: float) -> list[ShardFailure]:
             shard, count = int(again.group(1)), int(again.group(2))
             if shard in open_:
                 found.append(ShardFailure(open_.pop(shard), shard, count, ended=True))
+            continue
+        given_up = _GIVES_UP.match(message)
+        if given_up and int(given_up.group(1)) in open_:
+            shard = int(given_up.group(1))
+            found.append(ShardFailure(open_.pop(shard), shard, 1, ended=True))
+        elif message.startswith(_STARTS):
+            found.extend(ShardFailure(at, shard, 1, ended=True) for shard, at in open_.items())
+            open_.clear()
     found.extend(ShardFailure(t, shard, 1, ended=False) for shard, t in open_.items())
     return sorted(found, key=lambda f: f.at)
 

@@ -18,9 +18,10 @@ points in PostgreSQL reach the journal's end, stops everything and checks what a
   every entry has exactly one ACKED event and none is leased again after it;
 - at-most-once: no record was processed twice, and none delivered twice (LEASED events);
 - no coordinator exited on its own (consumers that did are counted, and replaced);
-- the poison record left both queues dead-lettered with reason ``too_large``; the deleted
-  journal's entries each reached one outcome (acked, or expired ``journal_deleted``), every
-  record of the journal made again was processed; neither cost a shard failure (a rebuild);
+- the poison record left both queues dead-lettered with reason ``too_large``; every entry of
+  the deleted journal expired with reason ``journal_deleted``, every record of the journal
+  made again was processed; neither cost a shard failure (a rebuild), and no shard failed
+  until the end (a rebuild loop);
 - `qlayer pipeline reconcile` (Spark) finds no violation in either queue: the journal, the
   events and PostgreSQL agree on every entry.
 
@@ -121,7 +122,7 @@ class SoakPlan:
     drain_timeout: float = 600.0
     core: str = "native"
     #: After the soak: `qlayer pipeline reconcile` (Spark) of both queues, its violations
-    #: counted (about 30 s per queue).
+    #: counted (a JVM and a Spark session per queue: minutes on 2 cores).
     audit: bool = True
 
     def faults(self) -> list[tuple[float, str]]:

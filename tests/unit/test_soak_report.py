@@ -49,6 +49,17 @@ def test_shard_failures_are_runs_of_failures_with_their_count_and_an_unended_run
         ShardFailure(10.0, 2, 5, ended=True), ShardFailure(30.0, 3, 1, ended=False)]
 
 
+def test_a_run_of_failures_ends_when_the_shard_is_given_up_or_the_process_starts_again(
+) -> None:
+    lines = [_failed(10.0, 1), _failed(11.0, 2),
+             _line(12.0, "coordinator c0 gives up shard 1: the coordinators' group gave the "
+                   "shard to another process", logging.WARNING, shard=1),
+             # SIGKILLed while shard 2 failed; the next process of this name starts:
+             _line(20.0, "shard core: native", logging.INFO)]
+    assert shard_failures(lines, ORIGIN) == [
+        ShardFailure(10.0, 1, 1, ended=True), ShardFailure(11.0, 2, 1, ended=True)]
+
+
 def test_each_fault_gets_what_followed_it_until_the_next_one() -> None:
     acks = [x * 0.1 for x in range(0, 100)] + [14.0 + x * 0.1 for x in range(60)]
     timeline = Timeline(acks=acks, lost=[], duplicated=[12.0, 15.5, 15.6],
