@@ -4,7 +4,7 @@ The soak starts a broker and a PostgreSQL server of its own (it kills them), two
 and four SDK consumer processes; while records are published at a fixed rate it SIGKILLs
 coordinators and consumers, SIGKILLs the broker and crashes PostgreSQL, each started again as
 a supervisor would; it publishes a poison record and deletes (and makes again) a third queue's
-journal. `make soak` runs the issue's full plan (100,000 records, 18 faults) and the Spark
+journal. `make soak` runs the issue's full plan (100,000 records, 17 faults) and the Spark
 audit after it.
 """
 
