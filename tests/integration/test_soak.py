@@ -41,7 +41,7 @@ def test_a_short_soak_loses_nothing_and_processes_nothing_twice_at_most_once() -
     assert result.problems() == [], "\n".join(
         [*lines, *(f"{k}: {v}" for k, v in result.histories.items())])
     assert result.alo_processed >= 3000 and result.amo_processed <= 3000
-    assert result.poison_dead_letters[ALO] == 1
+    assert result.poison_dead_letters[ALO] >= 1  # the dead-letter topic is at-least-once
     assert result.deleted_journal_expired == result.deleted_journal_published > 0
     assert result.deleted_journal_recreated_not_processed == 0
     shutil.rmtree(state, ignore_errors=True)  # kept when a check failed, for its logs

@@ -217,8 +217,11 @@ class SoakResult:
                     self.poison_bookmarks) or len(outcomes) != len(self.poison_bookmarks):
                 found.append(f"{queue}: the poison records' outcomes are {outcomes}, not one "
                              "EXPIRED(too_large) each")
+        # At least one each: the dead-letter topic is at-least-once (a crash between the
+        # Kafka write and the PostgreSQL commit writes a letter twice, docs/coordinator.md);
+        # the outcome (EXPIRED, above) is exactly once.
         if self.poison_bookmarks and (self.poison_dead_letters.get(ALO, 0)
-                                      != len(self.poison_bookmarks)):
+                                      < len(self.poison_bookmarks)):
             found.append(f"{self.poison_dead_letters.get(ALO, 0)} dead letters with reason "
                          f"too_large in {ALO}'s dead-letter topic, for "
                          f"{len(self.poison_bookmarks)} poison records")
