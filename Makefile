@@ -80,8 +80,10 @@ bench-scale: install
 
 # The fault-injection soak (issue 15): a broker and PostgreSQL of its own, 100,000 records at
 # 400/s through an at-least-once and an at-most-once queue, 4 consumers, 7 coordinator SIGKILLs
-# with a standby, 6 consumer SIGKILLs, one broker SIGKILL and one PostgreSQL crash (about 6
-# minutes on 2 cores). Exits 1 when a record was lost or processed twice at most once.
+# with a standby, 6 consumer SIGKILLs, one broker SIGKILL, one PostgreSQL crash, a poison record
+# and a deleted journal; then `qlayer pipeline reconcile` of both queues (Spark). Exits 1 when
+# a record was lost or processed twice at most once, a shard rebuilt after poison input, or the
+# audit found a violation. Prints a table per fault.
 # SOAK_ARGS="--messages 20000 --rate 200" for a shorter one; `--help` lists every knob.
 soak: install
 	$(PY) -m tests.soak.run --output soak-result.json $(SOAK_ARGS)
