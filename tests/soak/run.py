@@ -823,7 +823,7 @@ class Soak:
         began = time.monotonic()
         for queue in (ALO, AMO):
             done = subprocess.run(
-                [sys.executable, "-m", "cli.main", "pipeline", "reconcile", queue,
+                [sys.executable, "-m", "layer_cli.main", "pipeline", "reconcile", queue,
                  "--journal", self.journal, "--json"],
                 env=_env(self.settings), capture_output=True, text=True, timeout=900,
                 check=False)
