@@ -33,12 +33,18 @@ Secure = Annotated[bool, typer.Option(
     "with the StandardAuthorizer and ACLs enforced there (docs/security.md) "
     "[env: QLAYER_DEV_SECURE=1]")]
 
+Tls = Annotated[bool, typer.Option(
+    "--tls", help="Also a TLS (SSL) listener on the broker's port + 3, with a CA and broker "
+    "certificate made in the state directory; clients set security.protocol: SSL and "
+    "ssl.ca.location to the printed CA file (docs/security.md) [env: QLAYER_DEV_TLS=1]")]
+
 
 def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | None,
-           secure: bool = False) -> LocalStack:
+           secure: bool = False, tls: bool = False) -> LocalStack:
     overrides: dict[str, object] = {"state_dir": state_dir, "kafka_port": kafka_port,
                                     "postgres_port": postgres_port,
-                                    "secure": True if secure else None}
+                                    "secure": True if secure else None,
+                                    "tls": True if tls else None}
     if kafka_port is not None:
         overrides["controller_port"] = kafka_port + 1
     from layer.localstack import LocalStack, StackConfig
@@ -48,14 +54,14 @@ def _stack(state_dir: Path | None, kafka_port: int | None, postgres_port: int | 
 
 @app.command()
 def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
-       postgres_port: PostgresPort = None, secure: Secure = False,
+       postgres_port: PostgresPort = None, secure: Secure = False, tls: Tls = False,
        json_out: JsonOut = False) -> None:
     """Start Kafka and PostgreSQL (idempotent) and print both endpoints.
 
     The first run fetches the Kafka jars with Maven into ~/.cache/qlayer and, as root on
     Debian without PostgreSQL, installs it with apt-get.
     """
-    stack = _stack(state_dir, kafka_port, postgres_port, secure)
+    stack = _stack(state_dir, kafka_port, postgres_port, secure, tls)
     started = time.monotonic()
     endpoints = stack.up()
     took = time.monotonic() - started
@@ -64,6 +70,9 @@ def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
         secured = {"sasl_bootstrap_servers": endpoints.sasl_bootstrap_servers,
                    "sasl_admin_user": "admin",
                    "sasl_admin_password_file": str(stack.kafka.admin_password_file)}
+    if endpoints.tls_bootstrap_servers is not None:
+        secured.update(tls_bootstrap_servers=endpoints.tls_bootstrap_servers,
+                       tls_ca_file=endpoints.tls_ca_file)
     if json_out:
         typer.echo(json.dumps({"bootstrap_servers": endpoints.bootstrap_servers,
                                "database_url": endpoints.database_url,
@@ -71,10 +80,13 @@ def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
                                "seconds": round(took, 2), **secured}))
         return
     typer.echo(f"kafka     {endpoints.bootstrap_servers}")
-    if secured:
+    if endpoints.sasl_bootstrap_servers is not None:
         typer.echo(f"kafka     {endpoints.sasl_bootstrap_servers} (SASL_PLAINTEXT, "
                    f"SCRAM-SHA-512, ACLs enforced; super user admin, password in "
                    f"{stack.kafka.admin_password_file})")
+    if endpoints.tls_bootstrap_servers is not None:
+        typer.echo(f"kafka     {endpoints.tls_bootstrap_servers} (SSL; clients trust the CA "
+                   f"{endpoints.tls_ca_file} as ssl.ca.location)")
     typer.echo(f"postgres  {endpoints.database_url}")
     typer.echo(f"ready in {took:.1f}s; data in {stack.config.state_dir}")
     typer.echo(f"use: export QLAYER_BOOTSTRAP_SERVERS={endpoints.bootstrap_servers} "

@@ -49,6 +49,11 @@ class StackConfig:
     secure: bool = False
     #: The SASL listener's port; None: the broker's port + 2 (the controller has + 1).
     sasl_port: int | None = None
+    #: Start the broker with a TLS (SSL) listener as well, its CA and certificate made in the
+    #: state directory (docs/security.md); off by default.
+    tls: bool = False
+    #: The TLS listener's port; None: the broker's port + 3.
+    tls_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> StackConfig:
@@ -67,6 +72,9 @@ class StackConfig:
         values["secure"] = e.get("QLAYER_DEV_SECURE", "").lower() in ("1", "true", "yes")
         if e.get("QLAYER_DEV_SASL_PORT"):
             values["sasl_port"] = _int_env(e, "QLAYER_DEV_SASL_PORT", 0)
+        values["tls"] = e.get("QLAYER_DEV_TLS", "").lower() in ("1", "true", "yes")
+        if e.get("QLAYER_DEV_TLS_PORT"):
+            values["tls_port"] = _int_env(e, "QLAYER_DEV_TLS_PORT", 0)
         given = {k: v for k, v in overrides.items() if v is not None}
         if "kafka_port" in given and "controller_port" not in given:
             # The controller listens next to the broker, wherever the broker was moved.
@@ -78,9 +86,12 @@ class StackConfig:
         sasl_port = None
         if self.secure:
             sasl_port = self.sasl_port if self.sasl_port is not None else self.kafka_port + 2
+        ssl_port = None
+        if self.tls:
+            ssl_port = self.tls_port if self.tls_port is not None else self.kafka_port + 3
         return KafkaConfig(state_dir=self.state_dir, cache_dir=self.cache_dir, host=self.host,
                            port=self.kafka_port, controller_port=self.controller_port,
-                           sasl_port=sasl_port)
+                           sasl_port=sasl_port, ssl_port=ssl_port)
 
     def postgres(self) -> PostgresConfig:
         return PostgresConfig(state_dir=self.state_dir, host=self.host, port=self.postgres_port,
@@ -107,6 +118,9 @@ class Endpoints:
     database_url: str
     #: The SASL listener of a secured stack (`StackConfig.secure`), else None.
     sasl_bootstrap_servers: str | None = None
+    #: The TLS listener (`StackConfig.tls`) and the CA file its clients trust, else None.
+    tls_bootstrap_servers: str | None = None
+    tls_ca_file: str | None = None
 
 
 class LocalStack:
@@ -120,13 +134,15 @@ class LocalStack:
     def up(self) -> Endpoints:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         database_url = self.postgres.up()
-        bootstrap = self.kafka.up()
-        return Endpoints(bootstrap_servers=bootstrap, database_url=database_url,
-                         sasl_bootstrap_servers=self.kafka.config.sasl_bootstrap_servers)
+        self.kafka.up()
+        return self.endpoints(database_url)
 
-    def endpoints(self) -> Endpoints:
-        return Endpoints(self.kafka.config.bootstrap_servers, self.postgres.config.url,
-                         self.kafka.config.sasl_bootstrap_servers)
+    def endpoints(self, database_url: str | None = None) -> Endpoints:
+        k = self.kafka.config
+        tls = k.ssl_bootstrap_servers
+        return Endpoints(k.bootstrap_servers, database_url or self.postgres.config.url,
+                         k.sasl_bootstrap_servers, tls,
+                         str(k.tls_dir / "ca.pem") if tls is not None else None)
 
     def status(self) -> list[NodeStatus]:
         return [

@@ -19,8 +19,9 @@ from layer.localstack.process import pid_alive
 
 pytestmark = pytest.mark.acceptance
 
-KAFKA_PORT = 49092
-POSTGRES_PORT = 45432
+# Overridable, for a run beside another suite's (the ports are this module's alone).
+KAFKA_PORT = int(os.environ.get("QLAYER_TEST_DEV_KAFKA_PORT", "49092"))
+POSTGRES_PORT = int(os.environ.get("QLAYER_TEST_DEV_POSTGRES_PORT", "45432"))
 
 
 def qlayer(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
@@ -86,6 +87,26 @@ def test_up_status_down_leave_nothing_running(state: Path) -> None:
     assert not (state / "postgres" / "data").exists()
     assert (state / "kafka" / "kafka.log.1").stat().st_size > 0
     assert "no data to wipe" in qlayer("dev", "down", "--wipe", state=state).stdout
+
+
+def test_up_with_tls_serves_a_listener_clients_reach_with_the_printed_ca(state: Path) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    up = qlayer("dev", "up", "--tls", "--json", state=state)
+    assert up.returncode == 0, up.stderr
+    endpoints = json.loads(up.stdout)
+    assert endpoints["tls_bootstrap_servers"] == f"127.0.0.1:{KAFKA_PORT + 3}"
+    ca = Path(endpoints["tls_ca_file"])
+    assert ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
+    admin = AdminClient({"bootstrap.servers": endpoints["tls_bootstrap_servers"],
+                         "security.protocol": "SSL", "ssl.ca.location": str(ca)})
+    # A metadata request over TLS, the CA trusted: it raises when the handshake fails.
+    assert list(admin.list_topics(timeout=30).brokers) == [1]
+    # The text form says where the listener is and which CA its clients trust.
+    text = qlayer("dev", "up", "--tls", state=state)
+    assert text.returncode == 0, text.stderr
+    assert f"127.0.0.1:{KAFKA_PORT + 3} (SSL; clients trust the CA {ca}" in " ".join(
+        text.stdout.split())
 
 
 def test_busy_port_is_a_one_line_error_that_says_what_to_do(state: Path) -> None:
