@@ -169,13 +169,23 @@ def event_header_hex() -> str:
 
 def read_events(spark: SparkSession, events_topic: str, options: Mapping[str, str],
                 start_ms: int | None = None, end_ms: int | None = None) -> DataFrame:
-    """The events topic decoded to the `Event` columns, ``type`` as a string.
+    """The events topic decoded to the `Event` columns, ``type`` as a string, in
+    ``[start_ms, end_ms)``.
 
-    The range is on the events' Kafka timestamps; an entry's events are written when they
-    happen, so read a range wider than the journal's when reconciling (the outcomes of the last
-    records come later).
+    The range bounds the read: the Kafka source turns it into offsets by the records'
+    timestamps (``startingTimestamp`` / ``endingTimestamp``), so only that part of the topic
+    is read. It is then applied to each event's own ``timestamp_ms`` too: an `EventBatch`
+    published late (an outbox drained by the shard's next owner) carries events older than
+    its record, and those are outside the range. An entry's events are written when they
+    happen, so read a range wider than the journal's when reconciling (the outcomes of the
+    last records come later).
     """
-    return decode_events(_read_topic(spark, events_topic, options, start_ms, end_ms))
+    events = decode_events(_read_topic(spark, events_topic, options, start_ms, end_ms))
+    if start_ms is not None:
+        events = events.where(F.col("timestamp_ms") >= F.lit(start_ms))
+    if end_ms is not None:
+        events = events.where(F.col("timestamp_ms") < F.lit(end_ms))
+    return events
 
 
 def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, str],

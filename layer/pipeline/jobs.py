@@ -37,6 +37,7 @@ from layer.pipeline.io import (
     stream_events,
     write_table,
 )
+from layer.pipeline.timerange import TimeRangeError, parse_range
 from layer.pipeline.views import ViewDefinition, parse_view
 from layer.protocol import TopicNames
 from layer.store.reports import check_table_name
@@ -203,11 +204,18 @@ def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal:
 
 def run_views(spark: SparkSession, source: EventSource, queue: str, journal: str,
               definition: ViewDefinition, *, as_of_ms: int, include_leased: bool = False,
+              start_ms: int | None = None, end_ms: int | None = None,
               output: str | Sink | None = None) -> DataFrame:
     """The view over ``queue``'s entries available at ``as_of_ms`` (with ``include_leased``:
     every pending entry), payloads from ``journal``. Computed and written at once (the state
-    of the queue is read now); returns the computed view."""
-    events = read_events(spark, source.events_topic, source.options())
+    of the queue is read now); returns the computed view.
+
+    Only the events written in ``[start_ms, min(end_ms, as_of_ms + 1))`` are read: events
+    after ``as_of_ms`` cannot change the view as of then, and an entry enqueued before
+    ``start_ms`` has no ENQUEUED in the range, so it is not in the view (docs/pipeline.md).
+    """
+    until = as_of_ms + 1 if end_ms is None else min(end_ms, as_of_ms + 1)
+    events = read_events(spark, source.events_topic, source.options(), start_ms, until)
     table = _views(spark, source, queue, journal, definition, as_of_ms, include_leased)(events)
     sink = _sink(output, "qlayer_view")
     if sink is not None:
@@ -444,6 +452,10 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
                 "time (docs/pipeline.md)")
         if sink is None:
             raise PipelineUsageError("--stream needs --output: the table it keeps up to date")
+        if start_ms is not None or end_ms is not None:
+            raise PipelineUsageError(
+                "--since/--until bound a batch job's read; a stream reads from where its "
+                "checkpoint stopped")
     # Checked before any JVM starts: a typo fails in a second, not after Spark's start.
     if isinstance(job, MetricsJob):
         check_window(job.window)
@@ -485,7 +497,8 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
         assert definition is not None
         at = job.as_of_ms if job.as_of_ms is not None else int(time.time() * 1000)
         result = run_views(spark, source, job.queue, job.journal, definition, as_of_ms=at,
-                           include_leased=job.include_leased, output=sink)
+                           include_leased=job.include_leased, start_ms=start_ms,
+                           end_ms=end_ms, output=sink)
         return JobResult(name, _rows(result, limit), where)
     found = run_metrics(spark, source, queue=job.queue, window=job.window, start_ms=start_ms,
                         end_ms=end_ms, output=sink)
@@ -509,8 +522,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--from-submit", action="store_true",
                         help="use the session spark-submit configured (its --master and --jars)")
-    parser.add_argument("--start-ms", type=int, help="range start, epoch milliseconds")
-    parser.add_argument("--end-ms", type=int, help="range end (exclusive), epoch milliseconds")
+    parser.add_argument("--since", metavar="T",
+                        help="range start: epoch ms, ISO-8601 (UTC if no zone) or a length "
+                        "before now (1h, 30m, 2d)")
+    parser.add_argument("--until", metavar="T",
+                        help="range end (exclusive), in the same forms as --since")
+    parser.add_argument("--start-ms", type=int, help="range start, epoch milliseconds "
+                        "(the older name of --since)")
+    parser.add_argument("--end-ms", type=int, help="range end (exclusive), epoch milliseconds "
+                        "(the older name of --until)")
     parser.add_argument("--output", help="a directory for Parquet, or a postgresql:// URL")
     parser.add_argument("--table", help="the Postgres table (default qlayer_<job>)")
     parser.add_argument("--stream", action="store_true",
@@ -566,6 +586,20 @@ def _job(args: argparse.Namespace) -> Job:
     return MetricsJob(args.queue, args.window)
 
 
+def _range(args: argparse.Namespace, parser: argparse.ArgumentParser
+           ) -> tuple[int | None, int | None]:
+    if args.since is not None and args.start_ms is not None:
+        parser.error("give --since or --start-ms, not both")
+    if args.until is not None and args.end_ms is not None:
+        parser.error("give --until or --end-ms, not both")
+    try:
+        start, end = parse_range(args.since, args.until, int(time.time() * 1000))
+    except TimeRangeError as exc:
+        parser.error(str(exc))  # exits 2
+    return (start if start is not None else args.start_ms,
+            end if end is not None else args.end_ms)
+
+
 def print_result(result: JobResult) -> None:
     """The plain-text report both front ends print (tab-separated, for scripts)."""
     if result.stream is not None:
@@ -594,9 +628,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--stream needs --checkpoint DIR")
     stream = (StreamOptions(args.checkpoint, args.available_now, args.trigger)
               if args.stream else None)
+    start_ms, end_ms = _range(args, parser)
     result = run_job(_job(args), source,
                      session=SessionOptions(args.master, args.from_submit),
-                     start_ms=args.start_ms, end_ms=args.end_ms, output=args.output,
+                     start_ms=start_ms, end_ms=end_ms, output=args.output,
                      table=args.table, stream=stream)
     print_result(result)
     return result.exit_status
