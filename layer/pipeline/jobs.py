@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from pyspark import StorageLevel
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -130,6 +131,20 @@ class ReconcileReport:
 # ------------------------------------------------------------------------------------------
 
 
+def _decoded_once(events: DataFrame) -> DataFrame:
+    """The decoded events, kept (memory, then local disk) after their first read.
+
+    Every job uses its events more than once (`transforms.entry_events` splits off the
+    ENQUEUED events; metrics unions seven kinds of samples, each from the events or the
+    lifecycle): without this each use is another read of the Kafka range and another
+    `from_avro` of every record, which was most of a job's time (metrics scanned the topic
+    50 times, docs/pipeline.md "Speed"). The returned table depends on it, so it stays
+    cached while the caller uses the table: `run_job` clears it when it is done, a caller
+    of the ``run_*`` functions calls ``spark.catalog.clearCache()``.
+    """
+    return events.persist(StorageLevel.MEMORY_AND_DISK)
+
+
 def _sink(output: str | Sink | None, table: str) -> Sink | None:
     return parse_sink(output, table) if isinstance(output, str) else output
 
@@ -139,7 +154,8 @@ def run_lifecycle(spark: SparkSession, source: EventSource, *, queue: str | None
                   output: str | Sink | None = None) -> DataFrame:
     """The lifecycle table from the events written in ``[start_ms, end_ms)``; written to
     ``output`` (a Parquet directory, a Postgres URL or a `Sink`) when given."""
-    events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
+    events = _decoded_once(read_events(spark, source.events_topic, source.options(), start_ms,
+                                       end_ms))
     table = _lifecycle(queue)(events)
     sink = _sink(output, "qlayer_lifecycle")
     if sink is not None:
@@ -181,7 +197,8 @@ def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal:
         state.count()  # now, before the events
         has_filter = read.has_filter
     events_from = None if start_ms is None else start_ms - CLOCK_SKEW_MS
-    events = read_events(spark, source.events_topic, source.options(), events_from, None)
+    events = _decoded_once(read_events(spark, source.events_topic, source.options(),
+                                       events_from, None))
     records = read_journal(spark, journal, source.options(), start_ms, end_ms)
     reconciled = transforms.reconcile(events, records, queue, start_ms, end_ms, state,
                                       has_filter).cache()
@@ -215,7 +232,8 @@ def run_views(spark: SparkSession, source: EventSource, queue: str, journal: str
     ``start_ms`` has no ENQUEUED in the range, so it is not in the view (docs/pipeline.md).
     """
     until = as_of_ms + 1 if end_ms is None else min(end_ms, as_of_ms + 1)
-    events = read_events(spark, source.events_topic, source.options(), start_ms, until)
+    events = _decoded_once(read_events(spark, source.events_topic, source.options(), start_ms,
+                                       until))
     table = _views(spark, source, queue, journal, definition, as_of_ms, include_leased)(events)
     sink = _sink(output, "qlayer_view")
     if sink is not None:
@@ -245,7 +263,8 @@ def run_metrics(spark: SparkSession, source: EventSource, *, queue: str | None =
                 end_ms: int | None = None, output: str | Sink | None = None) -> DataFrame:
     """SLA metrics per queue and ``window`` from the events written in ``[start_ms, end_ms)``
     (`transforms.metrics`); written to ``output`` when given."""
-    events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
+    events = _decoded_once(read_events(spark, source.events_topic, source.options(), start_ms,
+                                       end_ms))
     table = _metrics(queue, window)(events)
     sink = _sink(output, "qlayer_metrics")
     if sink is not None:
@@ -462,7 +481,10 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
     definition = (parse_view(job.fields, job.group_by, job.where)
                   if isinstance(job, ViewsJob) else None)
     if spark is not None:
-        return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
+        try:
+            return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
+        finally:
+            spark.catalog.clearCache()  # the events `_decoded_once` kept
     with _session(session or SessionOptions(), name) as own:
         return _run(job, definition, own, source, start_ms, end_ms, sink, stream, limit)
 
