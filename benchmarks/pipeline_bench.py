@@ -118,6 +118,28 @@ def plan(frame: Any) -> str:
     return str(jvm.PythonSQLUtils.explainString(frame._jdf.queryExecution(), "formatted"))
 
 
+def breakdown(spark: Any, source: EventSource, cpu: dict[str, Any]) -> dict[str, Any]:
+    """Where lifecycle's time goes: the same read cut short at each step, each run to
+    Spark's ``noop`` sink (every row computed, nothing written)."""
+    from layer.pipeline import transforms
+    from layer.pipeline.io import _read_topic, read_events
+
+    def noop(frame: Any) -> None:
+        frame.write.format("noop").mode("overwrite").save()
+
+    steps: dict[str, Any] = {}
+    options = source.options()
+    timed("kafka_read", steps, lambda: noop(_read_topic(
+        spark, source.events_topic, options, None, None)), spark, cpu)
+    timed("decode", steps, lambda: noop(read_events(spark, source.events_topic, options)),
+          spark, cpu)
+    timed("entry_events", steps, lambda: noop(transforms.entry_events(
+        read_events(spark, source.events_topic, options))), spark, cpu)
+    timed("lifecycle_uncached", steps, lambda: noop(transforms.lifecycle(
+        read_events(spark, source.events_topic, options))), spark, cpu)
+    return steps
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap-servers", default="127.0.0.1:29092")
@@ -128,6 +150,8 @@ def main() -> int:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--keep-topics", action="store_true")
     parser.add_argument("--plans", type=Path, help="write the jobs' physical plans here too")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time lifecycle's steps one by one (read, decode, ...)")
     args = parser.parse_args()
     args.entries = args.events // EVENTS_PER_ENTRY
 
@@ -160,6 +184,7 @@ def main() -> int:
             windows = spark.read.parquet(f"{out}/metrics").count()
             plans = (f"# lifecycle\n{life_plan}\n# metrics\n{plan(found)}\n")
             spark.catalog.clearCache()
+            steps = breakdown(spark, source, cpu) if args.breakdown else {}
         spark.stop()
     finally:
         if not args.keep_topics:
@@ -179,6 +204,7 @@ def main() -> int:
         "events_per_record": args.batch_events,
         "seconds": seconds,
         "jvm_cpu_seconds": cpu,
+        "lifecycle_steps_seconds": steps,
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "events_per_second": {job: round(events / seconds[job])
                               for job in ("lifecycle", "reconcile", "metrics")},
