@@ -27,10 +27,12 @@ from pyspark.sql import functions as F
 from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
+    BATCH_ID_COLUMNS,
     Sink,
     drop_batch_copies,
     kafka_options,
     local_session,
+    merge_rows,
     parse_sink,
     read_events,
     read_journal,
@@ -49,6 +51,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "EXIT_VIOLATIONS",
+    "BatchProgress",
     "EventSource",
     "Job",
     "JobResult",
@@ -68,6 +71,7 @@ __all__ = [
     "run",
     "run_job",
     "run_lifecycle",
+    "run_lifecycle_stream",
     "run_metrics",
     "run_reconcile",
     "run_views",
@@ -296,6 +300,21 @@ class StreamOptions:
     available_now: bool = False
     trigger: str = "1 minute"
     max_offsets_per_trigger: int | None = None
+    #: How late an event may come (by its own time, after the latest one seen) and still be
+    #: counted, in the incremental lifecycle; also how long a finished entry's state is kept.
+    watermark: str = "1 hour"
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    """One micro-batch, from Spark's `StreamingQueryProgress`: the rows it read and, for
+    its stateful operator, the state rows in all, updated and removed."""
+
+    batch_id: int
+    input_rows: int
+    state_rows_total: int = 0
+    state_rows_updated: int = 0
+    state_rows_removed: int = 0
 
 
 @dataclass(frozen=True)
@@ -303,6 +322,96 @@ class StreamSummary:
     batches: int
     events: int
     landed: int
+    progress: tuple[BatchProgress, ...] = ()
+
+
+def _progress(query: Any) -> tuple[BatchProgress, ...]:
+    found = []
+    for p in query.recentProgress:
+        states = list(p.stateOperators or [])
+        found.append(BatchProgress(
+            int(p.batchId), int(p.numInputRows),
+            sum(int(s.numRowsTotal) for s in states),
+            sum(int(s.numRowsUpdated) for s in states),
+            sum(int(s.numRowsRemoved) for s in states)))
+    return tuple(found)
+
+
+def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
+                         stream: StreamOptions, queue: str | None = None) -> StreamSummary:
+    """The lifecycle table kept up to date incrementally: a micro-batch costs its new events.
+
+    Each open entry's events are kept in Spark's state store (`applyInPandasWithState`,
+    keyed by queue and bookmark, `layer.pipeline.entrystate`); a micro-batch hands over only
+    the entries it has events for, gets back all the events of those entries, recomputes
+    their rows with the batch job's own `transforms.lifecycle` and merges just those rows
+    into the output (`io.merge_rows`). An entry's state is removed once it has an outcome and
+    the watermark (the latest event time seen less ``stream.watermark``) has passed its last
+    event. Events later than the watermark are dropped by Spark (counted in the progress as
+    ``numRowsDroppedByWatermark``). Why a Python function per entry: docs/pipeline.md.
+    """
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    from layer.pipeline.entrystate import entry_step, plain_rows
+
+    events = stream_events(spark, source.events_topic, source.options(),
+                           stream.max_offsets_per_trigger)
+    events = events.where(F.col("queue").isNotNull() & F.col("bookmark").isNotNull())
+    if queue is not None:
+        events = events.where(F.col("queue") == F.lit(queue))
+    schema = events.schema
+    columns = list(events.columns)
+    integral = [f.name for f in schema.fields
+                if f.dataType.typeName() in ("integer", "long")]
+
+    def step(key: Any, frames: Any, state: Any) -> Any:
+        import pandas as pd  # type: ignore[import-untyped]
+
+        kept = state.get[0] if state.exists else None
+        new = (row for frame in frames
+               for row in plain_rows(frame[columns].to_dict("records"), integral))
+        done = entry_step(kept, new, state.hasTimedOut)
+        if done.state is None:
+            if state.exists:
+                state.remove()
+        else:
+            state.update((done.state,))
+            if done.timeout_ms is not None:
+                # Spark refuses a timeout the watermark has passed already.
+                state.setTimeoutTimestamp(max(done.timeout_ms,
+                                              state.getCurrentWatermarkMs() + 1))
+        if done.emit:
+            yield pd.DataFrame(done.emit, columns=columns, dtype=object)
+
+    touched = (events.withColumn("event_time", F.timestamp_millis(F.col("timestamp_ms")))
+               .withWatermark("event_time", stream.watermark)
+               .groupBy("queue", "bookmark")
+               .applyInPandasWithState(step, schema, "events string", "update",
+                                       GroupStateTimeout.EventTimeTimeout))
+    counted = {"batches": 0, "events": 0}
+
+    def each_batch(batch: DataFrame, batch_id: int) -> None:
+        rows = transforms.lifecycle(batch.drop(*BATCH_ID_COLUMNS)).cache()
+        try:
+            merge_rows(rows, sink, ["queue", "bookmark"], batch_id)
+            counted["batches"] += 1
+        finally:
+            rows.unpersist()
+
+    writer = (touched.writeStream.outputMode("update").foreachBatch(each_batch)
+              .option("checkpointLocation", stream.checkpoint.rstrip("/") + "/state"))
+    if stream.available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=stream.trigger)
+    query = writer.start()
+    try:
+        query.awaitTermination()
+    finally:
+        query.stop()
+    progress = _progress(query)
+    new_events = sum(p.input_rows for p in progress)
+    return StreamSummary(counted["batches"], new_events, new_events, progress)
 
 
 def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFrame], DataFrame],
@@ -497,8 +606,10 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
     if stream is not None and sink is not None:
         build: Callable[[DataFrame], DataFrame]
         if isinstance(job, LifecycleJob):
-            build = _lifecycle(job.queue)
-        elif isinstance(job, MetricsJob):
+            return JobResult(name, [], where,
+                             stream=run_lifecycle_stream(spark, source, sink, stream,
+                                                         job.queue))
+        if isinstance(job, MetricsJob):
             build = _metrics(job.queue, job.window)
         else:
             assert isinstance(job, ViewsJob) and definition is not None
