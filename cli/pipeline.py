@@ -219,8 +219,9 @@ def _show(result: JobResult, json_out: bool, title: str) -> None:
         emit_json(document)
         return
     if stream is not None:
+        in_all = "" if stream.landed is None else f", {stream.landed} in all"
         typer.echo(f"{result.job}: {stream.batches} micro-batch(es), {stream.events} new "
-                   f"event(s), {stream.landed} in all; output {result.output}")
+                   f"event record(s){in_all}; output {result.output}")
         return
     if result.rows and result.job == "metrics":
         show(_metrics_table(result.rows))

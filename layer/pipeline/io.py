@@ -41,6 +41,7 @@ from layer.store.reports import (
 
 __all__ = [
     "BATCH_ID_COLUMNS",
+    "SOURCE_READS",
     "OutputError",
     "Sink",
     "StoreRead",
@@ -210,6 +211,10 @@ def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, 
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
     return decode_events(reader.load(), keep_batch_ids=True)
 
+
+#: How many times `decode_events` reads its input in a plan (single Event records, EventBatch
+#: items, EventBatch runs): a stream's `numInputRows` counts each record that many times.
+SOURCE_READS = 3
 
 #: Columns `decode_events(keep_batch_ids=True)` adds: which EventBatch an event came in (null
 #: for a single Event record), its item's place in it, and its place in that item's run (0

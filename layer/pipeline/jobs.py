@@ -28,6 +28,7 @@ from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
     BATCH_ID_COLUMNS,
+    SOURCE_READS,
     Sink,
     drop_batch_copies,
     kafka_options,
@@ -319,9 +320,13 @@ class BatchProgress:
 
 @dataclass(frozen=True)
 class StreamSummary:
+    """A streaming run: its micro-batches, the event records it read and, for the streams that
+    land their events (metrics, views), the events landed in all (None for the incremental
+    lifecycle, which lands nothing)."""
+
     batches: int
     events: int
-    landed: int
+    landed: int | None
     progress: tuple[BatchProgress, ...] = ()
 
 
@@ -410,8 +415,8 @@ def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
     finally:
         query.stop()
     progress = _progress(query)
-    new_events = sum(p.input_rows for p in progress)
-    return StreamSummary(counted["batches"], new_events, new_events, progress)
+    records = sum(p.input_rows for p in progress) // SOURCE_READS
+    return StreamSummary(counted["batches"], records, None, progress)
 
 
 def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFrame], DataFrame],
@@ -737,8 +742,8 @@ def print_result(result: JobResult) -> None:
     """The plain-text report both front ends print (tab-separated, for scripts)."""
     if result.stream is not None:
         s = result.stream
-        print(f"{result.job}: {s.batches} micro-batches, {s.events} new events, "
-              f"{s.landed} events in all")
+        in_all = "" if s.landed is None else f", {s.landed} events in all"
+        print(f"{result.job}: {s.batches} micro-batches, {s.events} new event records{in_all}")
     elif result.report is not None:
         report = result.report
         print(f"{report.queue}: {report.done} done, {report.pending} pending, "

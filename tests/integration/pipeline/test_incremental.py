@@ -10,13 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 from pyspark.sql import SparkSession
 
 from layer.pipeline import transforms
 from layer.pipeline.io import latest_rows, read_events
 from layer.pipeline.jobs import EventSource, LifecycleJob, StreamOptions, run_job
 from layer.pipeline.synthetic import workload
-from layer.protocol import Codec, TopicNames
+from layer.protocol import Codec, EventType, TopicNames
 from tests.support.coordinator import produce
 
 pytestmark = pytest.mark.integration
@@ -48,7 +49,7 @@ def test_each_micro_batch_costs_its_new_events_and_finished_entries_are_evicted(
                  and e.bookmark.offset // ROUND == r], partition=0)
         done = run_job(LifecycleJob("Orders"), source, spark=spark, stream=stream,
                        output=str(tmp_path / "lifecycle"))
-        assert done.stream is not None
+        assert done.stream is not None and done.stream.events == 100
         runs.append(done.stream.progress)
 
     # Each run reads its round's 100 event records only, and updates the state of its 20
@@ -75,3 +76,37 @@ def test_each_micro_batch_costs_its_new_events_and_finished_entries_are_evicted(
     assert table.count() == 3 * ROUND
     assert table.select(*columns).exceptAll(batch.select(*columns)).count() == 0
     assert batch.select(*columns).exceptAll(table.select(*columns)).count() == 0
+
+
+def test_a_postgres_output_gets_the_changed_rows_in_place(
+    spark: SparkSession, bootstrap_servers: str, database_url: str,
+    unique_name: Callable[[str], str], create_topic: Callable[..., str], tmp_path: Path,
+) -> None:
+    prefix = unique_name("qp") + "."
+    topic = create_topic(TopicNames(prefix).events, 1)
+    journal = unique_name("orders")
+    source = EventSource(bootstrap_servers, prefix)
+    trail = list(workload("Orders", journal, 1, 2 * ROUND, T0, spacing_ms=1000))
+    codec = Codec()
+    stream = StreamOptions(str(tmp_path / "ckpt"), available_now=True)
+    produce(bootstrap_servers, topic, [codec.encode_event(e) for e in trail[:5 * ROUND]],
+            partition=0)
+    run_job(LifecycleJob("Orders"), source, spark=spark, stream=stream, output=database_url,
+            table="orders_lifecycle")
+    # Round 2, and the ack of round 1's pending entry 9: its row must change, not double.
+    acked = replace(trail[5 * 9 + 4], type=EventType.ACKED, timestamp_ms=T0 + 60_000,
+                    lease_expires_ms=None)
+    produce(bootstrap_servers, topic,
+            [codec.encode_event(e) for e in [*trail[5 * ROUND:], acked]], partition=0)
+    run_job(LifecycleJob("Orders"), source, spark=spark, stream=stream, output=database_url,
+            table="orders_lifecycle")
+
+    engine = sqlalchemy.create_engine(database_url)
+    with engine.connect() as db:
+        found = db.execute(sqlalchemy.text(
+            'SELECT "offset", outcome, outcome_count FROM orders_lifecycle')).all()
+    engine.dispose()
+    rows = {r.offset: r for r in found}
+    assert len(found) == 2 * ROUND and sorted(rows) == list(range(2 * ROUND))  # one row each
+    assert (rows[9].outcome, rows[9].outcome_count) == ("acked", 1)
+    assert rows[19].outcome == "pending"
