@@ -31,8 +31,15 @@ from typing import Any
 from common import create_topic, delete_topics, machine  # type: ignore[import-not-found]
 from confluent_kafka import Producer
 
-from layer.pipeline.io import local_session
-from layer.pipeline.jobs import EventSource, run_lifecycle, run_metrics, run_reconcile
+from layer.pipeline.io import latest_rows, local_session, parse_sink
+from layer.pipeline.jobs import (
+    EventSource,
+    StreamOptions,
+    run_lifecycle,
+    run_lifecycle_stream,
+    run_metrics,
+    run_reconcile,
+)
 from layer.pipeline.synthetic import EVENTS_PER_ENTRY, expected_outcomes, workload
 from layer.protocol import Codec, TopicNames
 
@@ -150,6 +157,9 @@ def main() -> int:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--keep-topics", action="store_true")
     parser.add_argument("--plans", type=Path, help="write the jobs' physical plans here too")
+    parser.add_argument("--stream", action="store_true",
+                        help="also time lifecycle --stream (incremental, per-entry state) "
+                        "over the same events, one available-now run on a new checkpoint")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time lifecycle's steps one by one (read, decode, ...)")
     args = parser.parse_args()
@@ -185,6 +195,16 @@ def main() -> int:
             plans = (f"# lifecycle\n{life_plan}\n# metrics\n{plan(found)}\n")
             spark.catalog.clearCache()
             steps = breakdown(spark, source, cpu) if args.breakdown else {}
+            if args.stream:
+                summary = timed("lifecycle_stream", seconds, lambda: run_lifecycle_stream(
+                    spark, source, parse_sink(f"{out}/lifecycle-stream", "-"),
+                    StreamOptions(f"{out}/ckpt", available_now=True)), spark, cpu)
+                streamed = latest_rows(spark.read.parquet(f"{out}/lifecycle-stream"),
+                                       ["queue", "bookmark"])
+                stream_outcomes = {r["outcome"]: r["count"]
+                                   for r in streamed.groupBy("outcome").count().collect()}
+                print(f"lifecycle_stream: {summary.batches} micro-batches, "
+                      f"{summary.events} records, outcomes {stream_outcomes}", flush=True)
         spark.stop()
     finally:
         if not args.keep_topics:
