@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qlayer-installed
 
-.PHONY: install demo test lint typecheck unit integration acceptance bench bench-scale soak clean
+.PHONY: install browser demo test lint typecheck unit integration acceptance bench bench-scale soak clean
 
 NATIVE_SOURCES := native/Cargo.toml native/pyproject.toml $(wildcard native/src/*.rs)
 
@@ -21,6 +21,22 @@ $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The console's browser test (tests/acceptance/test_console_browser.py) drives Debian's chromium
+# through its chromedriver, never a downloaded browser. Installed with apt-get when missing (as
+# root on Debian, like the local stack's PostgreSQL binaries); elsewhere install them by hand.
+CHROMIUM := /usr/bin/chromium
+CHROMEDRIVER := /usr/bin/chromedriver
+browser:
+	@if [ ! -x $(CHROMIUM) ] || [ ! -x $(CHROMEDRIVER) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (apt-get) for the console's browser test"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	  else \
+	    echo "$(CHROMIUM) and $(CHROMEDRIVER) are needed by the console's browser test: apt-get install -y chromium chromium-driver" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
 
 # The demo starts the local stack if needed, migrates, runs its scenes (seconds once the
 # stack is up) and leaves the stack running; `qlayer dev down` stops it.
@@ -39,10 +55,10 @@ unit: install
 integration: install
 	$(PY) -m pytest tests/integration
 
-acceptance: install
+acceptance: install browser
 	$(PY) -m pytest tests/acceptance
 
-test: lint typecheck
+test: lint typecheck browser
 	$(PY) -m pytest
 
 # Side by side with the raw Kafka relay and Kafka share groups on the local stack (quick,
@@ -64,8 +80,10 @@ bench-scale: install
 
 # The fault-injection soak (issue 15): a broker and PostgreSQL of its own, 100,000 records at
 # 400/s through an at-least-once and an at-most-once queue, 4 consumers, 7 coordinator SIGKILLs
-# with a standby, 6 consumer SIGKILLs, one broker SIGKILL and one PostgreSQL crash (about 6
-# minutes on 2 cores). Exits 1 when a record was lost or processed twice at most once.
+# with a standby, 6 consumer SIGKILLs, one broker SIGKILL, one PostgreSQL crash, a poison record
+# and a deleted journal; then `qlayer pipeline reconcile` of both queues (Spark). Exits 1 when
+# a record was lost or processed twice at most once, a shard rebuilt after poison input, or the
+# audit found a violation. Prints a table per fault.
 # SOAK_ARGS="--messages 20000 --rate 200" for a shorter one; `--help` lists every knob.
 soak: install
 	$(PY) -m tests.soak.run --output soak-result.json $(SOAK_ARGS)

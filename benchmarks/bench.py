@@ -56,6 +56,8 @@ from common import (
     broker_log_dir,
     create_topic,
     database_rows,
+    delete_cell_topics,
+    drop_database,
     machine,
     percentile,
     scratch_database,
@@ -490,6 +492,9 @@ class Harness:
                                     (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))}
         if store is not None:
             store.close()
+        delete_cell_topics(self.bootstrap, topics, prefixes)
+        if database:
+            drop_database(database)
         return result
 
     def _counters(self, pipe: Any) -> dict[str, int] | None:
@@ -529,6 +534,7 @@ class Harness:
             overall.append(rate)
             if drained is not None:
                 drain.append(drained)
+        delete_cell_topics(self.bootstrap, [journal], [])
         return {"system": "share-tool", "size": cell.size, "consumers": cell.consumers,
                 "records": records,
                 "acked_per_second": round(statistics.median(overall)),

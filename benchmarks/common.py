@@ -37,6 +37,28 @@ def delete_topics(bootstrap: str, names: list[str]) -> None:
             future.result(30)
 
 
+def delete_cell_topics(bootstrap: str, names: list[str], prefixes: list[str]) -> None:
+    """Delete a cell's topics: ``names`` and every topic under one of ``prefixes`` (the
+    coordinator's control, ack, events and delivery topics). A benchmark run makes thousands of
+    partitions; left behind, they make the development broker slow to start (each partition's
+    log is loaded at start-up) and bring it near its open-file limit."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    existing = admin.list_topics(timeout=30).topics
+    delete_topics(bootstrap, [t for t in existing
+                              if t in names or any(t.startswith(p) for p in prefixes)])
+
+
+def drop_database(url: str) -> None:
+    """Drop a scratch database (`scratch_database`), closing what is still connected."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, user=u.username, password=u.password,
+                         dbname="postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{u.database}" WITH (FORCE)')
+
+
 def share_group_from_earliest(bootstrap: str, group: str) -> None:
     """Share groups start at the log end by default; a benchmark group must see what is there."""
     admin = AdminClient({"bootstrap.servers": bootstrap})

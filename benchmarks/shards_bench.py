@@ -79,8 +79,8 @@ class Installation:
                 "QLAYER_TOPIC_PREFIX": self.prefix}
 
     def _cli(self, *args: str) -> None:
-        subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=self.tree, env=self.env(),
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "layer_cli.main", *args], cwd=self.tree,
+                       env=self.env(), check=True, capture_output=True)
 
     def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(dbname=self.dbname, autocommit=True, **self._pg) as conn:
@@ -89,7 +89,7 @@ class Installation:
     def start(self, name: str) -> int:
         log = (self.log_dir / f"{self.prefix}{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "coordinator", "run", "--owner-id", name,
+            [sys.executable, "-m", "layer_cli.main", "coordinator", "run", "--owner-id", name,
              *(["--group-session-timeout", "6"] if self.sharded else [])],
             cwd=self.tree, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name].pid

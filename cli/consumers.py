@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from cli.output import (
+from layer_cli.output import (
     DatabaseUrl,
     JsonOut,
     age_text,

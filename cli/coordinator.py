@@ -56,6 +56,12 @@ def run(
         "one). Off: a consumer of protocol 1 to 4 still subscribes, as an "
         "unproven session that can never take over or act for a proven one "
         "(docs/security.md, 'Session identity')")] = False,
+    delivery_topic_retention: Annotated[str, typer.Option(
+        envvar="QLAYER_DELIVERY_TOPIC_RETENTION",
+        help="How long a consumer's delivery topic (<prefix>delivery.<consumer id>) stays "
+        "after the last session that used it ended (closed, timed out, evicted), e.g. 30m, "
+        "1h; then the process running shard 0 deletes it. 0: never delete "
+        "(docs/operations.md, 'Delivery topics')")] = "1h",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
     log_format: Annotated[str, typer.Option(
         envvar="QLAYER_LOG_FORMAT",
@@ -80,6 +86,16 @@ def run(
                                  "`pip install ./native`), or use --core python",
                                  param_hint="--core")
 
+    from layer.domain.durations import parse_duration
+
+    try:
+        retention = parse_duration(delivery_topic_retention)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--delivery-topic-retention") from exc
+    if retention < 0:
+        raise typer.BadParameter("must be 0 (never delete) or more",
+                                 param_hint="--delivery-topic-retention")
+
     from layer.coordinator.logformat import LOG_FORMATS, configure
 
     if log_format not in LOG_FORMATS:
@@ -98,7 +114,8 @@ def run(
                                  payload_budget=payload_budget_mb * 1024 * 1024,
                                  core=core, metrics_port=metrics_port,
                                  metrics_host=metrics_host,
-                                 require_identity=require_identity)
+                                 require_identity=require_identity,
+                                 delivery_topic_retention=retention)
     logging.getLogger("layer.coordinator").info(
         "shard core: %s", "native" if options.native_core else "python (the reference)")
     CoordinatorProcess(settings, options).run()

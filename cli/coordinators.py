@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from cli.output import (
+from layer_cli.output import (
     DatabaseUrl,
     JsonOut,
     age_text,

@@ -142,7 +142,7 @@ def path_hint(argv0: str | None = None, path: str | None = None) -> str | None:
     """
     here = Path(argv0 if argv0 is not None else sys.argv[0]).resolve()
     if here.name != "qlayer":
-        return None  # run as `python -m cli.main`: no script to point at
+        return None  # run as `python -m layer_cli.main`: no script to point at
     found = shutil.which("qlayer", path=path)
     if found is not None and Path(found).resolve() == here:
         return None

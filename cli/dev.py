@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from cli.output import table_console
+from layer_cli.output import table_console
 
 if TYPE_CHECKING:  # imported by the commands that run it: `qlayer --help` stays quick
     from layer.localstack import LocalStack
@@ -84,21 +84,27 @@ def up(state_dir: StateDir = None, kafka_port: KafkaPort = None,
 @app.command()
 def status(state_dir: StateDir = None, kafka_port: KafkaPort = None,
            postgres_port: PostgresPort = None, json_out: JsonOut = False) -> None:
-    """Show whether the local Kafka and PostgreSQL run. Exit status 1 when either is down."""
+    """Show whether the local Kafka and PostgreSQL run. Exit status 1 when either is down.
+
+    A server whose process lives but does not listen yet is "starting" (a broker with many
+    partitions loads each one's log first).
+    """
     stack = _stack(state_dir, kafka_port, postgres_port)
     nodes = stack.status()
     partitions = stack.kafka.partitions()
     limit = stack.kafka.open_file_limit()
     if json_out:
         kafka_data = {"partitions": partitions, "open_file_limit": limit}
-        typer.echo(json.dumps([{"name": n.name, "running": n.running, "pid": n.pid,
+        typer.echo(json.dumps([{"name": n.name, "running": n.running, "state": n.state,
+                                "pid": n.pid,
                                 "endpoint": n.endpoint,
                                 **(kafka_data if n.name == "kafka" else {})}
                                for n in nodes]))
     else:
         table = Table("service", "state", "pid", "endpoint", "data")
         for n in nodes:
-            table.add_row(n.name, "[green]running[/]" if n.running else "[red]stopped[/]",
+            color = {"running": "green", "starting": "yellow"}.get(n.state, "red")
+            table.add_row(n.name, f"[{color}]{n.state}[/]",
                           str(n.pid or "-"), n.endpoint,
                           f"{partitions:,} partitions" if n.name == "kafka" else "")
         console = table_console()

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cli.messages import payload_json, payload_text
-from cli.output import (
+from layer_cli.messages import payload_json, payload_text
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     JsonOut,

@@ -12,7 +12,8 @@ from typing import Annotated
 
 import typer
 
-from cli import (
+from layer_cli import (
+    console,
     consumers,
     coordinator,
     coordinators,
@@ -26,9 +27,9 @@ from cli import (
     stats,
     view,
 )
-from cli.demo import demo as demo_command
-from cli.errors import run_friendly
-from cli.helpfix import install as install_help_fixes
+from layer_cli.demo import demo as demo_command
+from layer_cli.errors import run_friendly
+from layer_cli.helpfix import install as install_help_fixes
 
 install_help_fixes()
 
@@ -52,6 +53,7 @@ app.add_typer(consumers.app, name="consumers")
 app.add_typer(pipeline.app, name="pipeline")
 app.add_typer(security.app, name="security")
 app.command(name="demo")(demo_command)
+app.command(name="console")(console.console)
 
 
 def _version(value: bool) -> None:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
 from layer.domain.errors import QlayerError
+from layer_cli.output import BootstrapServers, DatabaseUrl, TopicPrefix, load_settings
 
 # layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
 # what they use when they run, so `qlayer --help` and the other commands start without them.

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli.output import (
+from layer.domain.errors import QlayerError
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     JsonOut,
@@ -23,7 +24,6 @@ from cli.output import (
     new_table,
     show,
 )
-from layer.domain.errors import QlayerError
 
 # layer.pipeline.jobs imports PySpark (about 0.15 s, and numpy): each command imports what it
 # uses when it runs, so `qlayer --help` and the other commands start without it.

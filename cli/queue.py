@@ -11,7 +11,7 @@ import typer
 import yaml
 from rich.markup import escape
 
-from cli.output import (
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     JsonOut,

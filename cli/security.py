@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cli.output import BootstrapServers, JsonOut, TopicPrefix, emit_json, load_settings
+from layer_cli.output import BootstrapServers, JsonOut, TopicPrefix, emit_json, load_settings
 
 app = typer.Typer(help="Kafka ACLs for qlayer's principals (docs/security.md).",
                   no_args_is_help=True)

@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from cli.output import (
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     TopicPrefix,
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from layer.settings import Settings
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
-          "dead_lettered": "dlq", "expired": "expired", "unparseable": "not JSON",
+          "rejected": "rejected", "dead_lettered": "dlq", "expired": "expired",
+          "unparseable": "not JSON",
           "deletes": "deletes", "malformed_headers": "bad headers",
           "journal_deleted": "journal deleted"}
 
@@ -70,8 +71,10 @@ def _document(stats: QueueStats) -> dict[str, Any]:
 def _tables(sample: list[QueueStats]) -> Group:
     from layer.services.views import RATE_COUNTERS
 
+    with_rates = any(s.rates is not None for s in sample)
     table = new_table("queue", "depth", "leased", "consumers", "oldest",
-                      *(f"{_SHORT[n]} (/s)" for n in RATE_COUNTERS), "input faults",
+                      *(f"{_SHORT[n]} (/s)" if with_rates else _SHORT[n]
+                        for n in RATE_COUNTERS), "input faults",
                       title="queues")
     lags = new_table("queue", "partition", "recovery point", "end", "lag",
                      title="recovery-point lag")
@@ -114,9 +117,9 @@ def _shard_table(shards: dict[str, dict[str, int]]) -> Table:
 
 def _warn_unowned(settings: Settings) -> None:
     """Numbers of a shard nobody runs stand still: say so before showing them."""
-    from cli.coordinators import unowned_warning
     from layer.services.coordinators import coordinator_status
     from layer.store.store import Store
+    from layer_cli.coordinators import unowned_warning
 
     with Store(settings.database_url) as store:
         warning = unowned_warning(coordinator_status(store, time.time()))
@@ -130,7 +133,8 @@ def stats(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh in place until Ctrl-C.")
                      ] = False,
     interval: Annotated[float, typer.Option(
-        "--interval", min=0.1, help="Seconds between two samples (rates are over it).")] = 2.0,
+        "--interval", min=0.1, help="With --watch: seconds between two samples (rates are "
+        "over it).")] = 2.0,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print one JSON document, for scripts; with --watch one per sample "
         "and line (JSON Lines).")] = False,
@@ -138,15 +142,16 @@ def stats(
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,
 ) -> None:
-    """Depth, leases, consumers, oldest age, counters and rates, recovery-point lag.
+    """Depth, leases, consumers, oldest age, counters, recovery-point lag; rates with --watch.
 
-    Rates are per second over --interval (stats waits that long for its second sample).
+    Without --watch, stats answers at once with one sample: the totals and no rates
+    ("rates": null in --json). A rate needs two samples of the stored totals --interval apart
+    (PostgreSQL keeps the totals, not their history), so it is shown from --watch's second
+    sample on; for rates over time, use the coordinator's metrics (docs/operations.md).
     """
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
     _warn_unowned(settings)
-    first = {s.queue: s for s in _sample(settings, queue, {})}
-    time.sleep(interval)
-    sample = _sample(settings, queue, first)
+    sample = _sample(settings, queue, {})
     if json_out and not watch:
         emit_json({"queues": [_document(s) for s in sample],
                    "shards": _shard_counters(settings, queue)})

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from cli.messages import payload_json, payload_text
-from cli.output import (
+from layer_cli.messages import payload_json, payload_text
+from layer_cli.output import (
     BootstrapServers,
     DatabaseUrl,
     JsonOut,

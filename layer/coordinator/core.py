@@ -180,6 +180,8 @@ class ShardCore:
         else:
             self.payloads = PayloadCache(self.options.payload_budget, pool=self.memory)
         self.known_topics: set[str] = set()
+        #: The iteration (its `now`) that last listed the broker's topics (`Output.answerable`).
+        self.topics_listed_at = float("-inf")
         self._queues_by_topic: dict[str, list[AnyEngine]] = {}
         # target_queue_depth: the queue whose deferred records are being offered again
         # (`readmit`; they go to it alone and are not counted as input again), and the

@@ -57,7 +57,10 @@ QUEUE_TOTALS = {
     "released": "Entries released back to the queue by their consumer (RELEASE).",
     "lease_expired": "Leases that ended unsettled (deadline passed, consumer gone).",
     "dead_lettered": "Entries written to the dead-letter topic (REJECT, limits, expiry).",
-    "expired": "Entries that left the queue unprocessed (dead-lettered or not).",
+    "expired": "Entries that left the queue unprocessed other than by a rejection "
+               "(max_deliveries, max_cancels, expiration, a deleted journal, too large; "
+               "dead-lettered or not).",
+    "rejected": "Entries a consumer rejected (REJECT; dead-lettered or not).",
 }
 #: Input faults by reason label: stored counter name -> label value.
 INPUT_FAULTS = {"unparseable": "unparseable", "deletes": "delete",
@@ -84,6 +87,8 @@ SHARD_TOTALS = {
     "statements": ("postgres_statements", "PostgreSQL statements in those transactions."),
     "iteration_failures": ("iteration_failures", "Iterations that failed (shard rebuilt)."),
     "session_timeouts": ("session_timeouts", "Consumer sessions that timed out."),
+    "delivery_topics_deleted": ("delivery_topics_deleted", "Delivery topics deleted after "
+                                "no session used them for --delivery-topic-retention."),
     "stalls": ("stalls", "Gaps of more than 5 s between two iterations."),
 }
 #: Process-wide failure counters by kind label.

@@ -67,8 +67,15 @@ class CoordinatorOptions:
     #: identity"). Off, a session without one is unproven: it behaves as before protocol 5,
     #: but none of its records can take over or act for a proven session.
     require_identity: bool = False
+    #: Seconds a delivery topic stays after the last session that used it ended (unsubscribed,
+    #: timed out, evicted); then the owner of shard 0 deletes it (`layer.coordinator.topicsweep`).
+    #: 0: never deleted.
+    delivery_topic_retention: float = 3600.0
 
     def __post_init__(self) -> None:
+        if self.delivery_topic_retention < 0:
+            raise ValueError("delivery_topic_retention must be 0 (never delete) or more, got "
+                             f"{self.delivery_topic_retention}")
         if self.core not in CORES:
             raise ValueError(f"core must be one of {', '.join(CORES)}, got {self.core!r}")
 

@@ -326,23 +326,40 @@ class Output:
                                 or self.core.topics.dead_letter(e.queue)), value,
                                record.key, headers, record.timestamp_ms)]
 
-    def answerable(self, replies: list[OutgoingRecord]) -> list[OutgoingRecord]:
+    def answerable(self, replies: list[OutgoingRecord], now: float) -> list[OutgoingRecord]:
         """Replies whose topic Kafka accepts. A request naming an impossible topic cannot be
         answered; producing to it would fail the iteration, and every retry after it."""
+        # A topic no session of this shard uses may have been deleted since it was seen (the
+        # delivery-topic sweep, on whichever process runs shard 0): listed again, at most once
+        # per iteration.
+        core = self.core
+        live = {s.delivery_topic for s in core.sessions.values()}
+        if any(r.topic not in live for r in replies) and core.topics_listed_at != now:
+            core.known_topics = set(core.admin.topics())
+            core.topics_listed_at = now
         good = [r for r in replies
-                if topic_name_problem(r.topic) is None and self._topic_exists(r.topic)]
+                if topic_name_problem(r.topic) is None and self._topic_exists(r.topic, now)]
         if len(good) < len(replies):
             self.core.counters["unanswerable_replies"] += len(replies) - len(good)
             log.warning("%d replies dropped: no legal topic to answer on",
                         len(replies) - len(good))
         return good
 
-    def _topic_exists(self, topic: str) -> bool:
+    def _topic_exists(self, topic: str, now: float) -> bool:
         """Whether Kafka has the topic. Replies never create one: delivery topics are created
         on a valid Subscribe only (protocol 5, docs/security.md "Session identity"), so
         records naming made-up consumer ids cannot make the coordinator create topics; and
         producing to a missing topic would fail the whole iteration's flush."""
-        if topic in self.core.known_topics:
+        core = self.core
+        if topic in core.known_topics:
             return True
-        self.core.known_topics = set(self.core.admin.topics())
-        return topic in self.core.known_topics
+        # Missing at a listing of this iteration: still missing. A flood of records naming
+        # made-up consumers then costs one listing per iteration, not one per record (each a
+        # metadata request to the broker, in the shard's loop). Not longer: the listing must
+        # come after the records it answers were read, as a consumer makes its delivery topic
+        # before it sends its Subscribe (an older listing would drop that answer for good).
+        if core.topics_listed_at == now:
+            return False
+        core.known_topics = set(core.admin.topics())
+        core.topics_listed_at = now
+        return topic in core.known_topics

@@ -10,6 +10,7 @@ told to refuse.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +33,11 @@ __all__ = [
 
 class TopicAdmin(Protocol):
     def topics(self, timeout: float = 10.0) -> dict[str, int]: ...
+
+    def matching_topics(self, pattern: re.Pattern[str],
+                        timeout: float = 10.0) -> dict[str, int]: ...
+
+    def delete_topics(self, names: Iterable[str], timeout: float = 30.0) -> None: ...
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]: ...
 
@@ -102,6 +108,8 @@ class StateStore(Protocol):
 
     def forget_published(self, shard: str, published: int) -> None: ...
 
+    def delivery_topics_in_use(self) -> set[str]: ...
+
 
 # --- fakes ------------------------------------------------------------------------------------
 
@@ -114,9 +122,20 @@ class FakeTopicAdmin:
     refuse: set[str] = field(default_factory=set)
     journal: FakeJournal | None = None
     group_offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
+    #: How many times the topics were listed (each a metadata request on a real broker).
+    listings: int = 0
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
+        self.listings += 1
         return dict(self.partitions)
+
+    def matching_topics(self, pattern: re.Pattern[str],
+                        timeout: float = 10.0) -> dict[str, int]:
+        return {n: p for n, p in self.topics(timeout).items() if pattern.fullmatch(n)}
+
+    def delete_topics(self, names: Iterable[str], timeout: float = 30.0) -> None:
+        for name in names:
+            self.partitions.pop(name, None)
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:
         made = []

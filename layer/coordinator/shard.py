@@ -47,12 +47,15 @@ from layer.coordinator.output import Output
 from layer.coordinator.payloads import MemoryPool, RangeReader
 from layer.coordinator.phases import PhaseTimes
 from layer.coordinator.ports import StateStore
+from layer.coordinator.refused import alone
+from layer.coordinator.topicsweep import DeliveryTopicSweep
 from layer.coordinator.translate import ms
 from layer.domain.errors import QlayerError
 from layer.domain.shards import shard_key
 from layer.domain.states import Bookmark
 from layer.kafka import (
     BEGINNING,
+    DeliveryFailed,
     JournalReader,
     JournalRecord,
     KafkaAdmin,
@@ -89,6 +92,10 @@ def is_fault_counter(name: str) -> bool:
     return name in FAULT_COUNTERS or (name.startswith(FAULT_PREFIXES)
                                       and name not in _NOT_FAULTS)
 
+
+#: Iterations whose records may be kept unconfirmed (`ShardLoop._unconfirmed`) before the
+#: loop waits for them.
+_UNCONFIRMED_ITERATIONS = 1000
 
 #: A gap (s) between two iterations of a loop past which its consumers' sessions are given a
 #: fresh timeout (`ShardLoop._forgive`); iterations normally follow each other within ms.
@@ -144,9 +151,15 @@ class ShardLoop:
         self._sent_at = 0.0
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
+        # The records sent without a transaction whose delivery reports may still come (each
+        # iteration's list, kept by reference): a record the broker refuses as too large is
+        # found here again, headers and all (`_resend_refused`).
+        self._unconfirmed: list[list[OutgoingRecord]] = []
         self._range_reader: RangeReader | None = None
         self._deferred_reader: DeferredReader | None = None
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
+        # Shard 0's owner deletes the delivery topics no session uses any more, for every shard.
+        self._sweep: DeliveryTopicSweep | None = None
         # When the last iteration began (None before the first since the shard was taken).
         self._last_iteration: float | None = None
         # The shard's stored fault counters when this process took it, and its own counters
@@ -305,9 +318,11 @@ class ShardLoop:
                     log.warning("closing a Kafka client failed: %s", exc)
         self._reader = None
         self._writer = None
+        self._unconfirmed = []
         self._range_reader = None
         self._deferred_reader = None
         self._maintenance = None
+        self._sweep = None
         # What this owner sent but could not confirm stays in the outbox: the next owner
         # publishes it again (readers keep the first copy of a batch).
         self._sent = None
@@ -319,7 +334,9 @@ class ShardLoop:
         # of the one that had it.
         tid = (f"{self.topics.prefix}coordinator-{self.shard}"
                if self.options.transactional else None)
-        self._writer = RecordWriter(kafka, transactional_id=tid)
+        # Without a transaction, records a topic refuses as too large are handed back to be
+        # sent alone (`_resend_refused`); in a transaction one refusal fails the whole of it.
+        self._writer = RecordWriter(kafka, transactional_id=tid, keep_too_large=tid is None)
         self._publish_outbox(self._writer)
         self._reader = reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
         # Acks and control records are assigned before the journals, so the first fetches
@@ -352,6 +369,10 @@ class ShardLoop:
         self._maintenance = (refresh, PartitionCheck(core, loader,
                                                      self.options.topic_check_interval),
                              GroupOffsets(core, self.admin, self.options.group_commit_interval))
+        retention = self.options.delivery_topic_retention
+        if self.shard == 0 and retention > 0:
+            self._sweep = DeliveryTopicSweep(core, self.admin, self.store.delivery_topics_in_use,
+                                             retention)
 
     def _kafka_config(self) -> dict[str, Any]:
         return {**self.settings.kafka_config(), "logger": self._client_log}
@@ -410,8 +431,15 @@ class ShardLoop:
         # Dead letters are safe in Kafka before their entries leave the queue, and records
         # passed on to other shards before their input positions are stored.
         if dead_letters or plan.forwards:
-            writer.send(dead_letters + plan.forwards)
+            safe = dead_letters + plan.forwards
+            if not writer.transactional:
+                self._unconfirmed.append(safe)
+            writer.send(safe)
             writer.flush()
+            # A dead letter or a forward refused as too large is written alone, or fails the
+            # iteration as any other failure does.
+            self._resend_refused(writer)
+            self._unconfirmed = []  # all written: the flush waited for every record
             stats.dead_letters = len(dead_letters)
             self.counters["forwarded"] += len(plan.forwards)
         # The events, into the outbox of the transaction that commits what they describe.
@@ -461,6 +489,8 @@ class ShardLoop:
         self.counters["us_encoding"] += out
         self.phases.observe(polling, deciding, committing, out, writing)
         group_offsets.run_once(now)
+        if self._sweep is not None:
+            self._sweep.run_once(now)
         return stats
 
     def _forgive(self, now: float, gap: float) -> None:
@@ -509,13 +539,15 @@ class ShardLoop:
         stats.deliveries = output.delivered
         self.counters["delivery_records"] += len(out)
         stats.replies = len(plan.replies)
-        out.extend(output.answerable(plan.replies))
+        out.extend(output.answerable(plan.replies, now))
         encode = self.core.codec.encode_event_batch
         out.extend(OutgoingRecord(self.topics.events, encode(batch_id, self.shard, events),
                                   self._event_key)
                    for batch_id, events in zip(batch_ids, plan.batch.outbox, strict=True))
         encoding = int((time.perf_counter() - started) * 1e6)
         if out:
+            if not writer.transactional:
+                self._unconfirmed.append(out)
             writer.send(out)
         if writer.transactional:
             # A transaction's records are readable only once it commits.
@@ -537,13 +569,72 @@ class ShardLoop:
         if writer.transactional:
             return
         in_flight = writer.drain()
+        if self._resend_refused(writer):
+            in_flight = writer.drain()
+        if not in_flight:
+            self._unconfirmed = []
+        elif len(self._unconfirmed) > _UNCONFIRMED_ITERATIONS:
+            # A load that never lets the producer empty: the records kept for refusals are
+            # bounded by waiting for them (about once a second at most, with iterations of ms).
+            writer.flush()
+            self._resend_refused(writer)
+            self._unconfirmed = []
+            in_flight = 0
         if self._sent is None:
             return
         if in_flight and now - self._sent_at >= self.options.confirm_interval:
             writer.flush()
+            self._resend_refused(writer)
+            self._unconfirmed = []
             in_flight = 0
         if not in_flight:
             self._published, self._sent = self._sent, None
+
+    def _resend_refused(self, writer: RecordWriter) -> bool:
+        """Records the broker refused as too large for their topic (a delivery topic's
+        ``max.message.bytes`` under the producer's), each message sent again alone
+        (`layer.coordinator.refused`): a delivery still refused alone is dead-lettered by the
+        next step (reason ``too_large``) rather than failing the iteration, which would
+        rebuild the shard and send it again, forever. Anything else refused alone, or a
+        refused record not found among those sent, fails the iteration as before. Returns
+        whether any record was refused."""
+        reported = writer.take_too_large()
+        if not reported:
+            return False
+        # A delivery report has the topic, key and value, not the headers: the records sent
+        # are found again by those (one report per record sent, so equal ones pair off).
+        sent_by: dict[tuple[str, int, bytes | None], list[OutgoingRecord]] = {}
+        for records in self._unconfirmed:
+            for r in records:
+                sent_by.setdefault((r.topic, len(r.value or b""), r.key), []).append(r)
+        refused: list[OutgoingRecord] = []
+        for report in reported:
+            candidates = sent_by.get((report.topic, len(report.value or b""), report.key), [])
+            found = next((i for i, r in enumerate(candidates) if r.value == report.value), None)
+            if found is None:
+                raise DeliveryFailed(f"{report.topic}: the broker refused a record of "
+                                     f"{len(report.value or b'')} bytes as larger than the "
+                                     "topic's max.message.bytes")
+            refused.append(candidates.pop(found))
+        too_large: list[Bookmark] = []
+        sent = 0
+        for record, bookmark in alone(refused):
+            if writer.send_alone(record):
+                sent += 1
+            elif bookmark is None:
+                raise DeliveryFailed(f"{record.topic}: the broker refused a record of "
+                                     f"{len(record.value or b'')} bytes as larger than the "
+                                     "topic's max.message.bytes")
+            else:
+                too_large.append(bookmark)
+        self.counters["refused_sent_alone"] += sent
+        log.warning("shard %d: the broker refused %d records as too large for their topic; "
+                    "%d messages sent again alone, %d still refused alone (dead-lettered, "
+                    "reason too_large)", self.shard, len(refused), sent, len(too_large),
+                    extra=fields(shard=self.shard, epoch=self.epoch, reason="too_large"))
+        if too_large:
+            self.core.too_large(too_large)
+        return True
 
     def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Journal records read again, one sequential range per partition."""

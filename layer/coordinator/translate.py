@@ -157,6 +157,7 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
         for record in outbox.entries:
             batch.put_entry(entry_row(queue, record))
     enqueued = delivered = acked = released = ended = expired = dead = redelivered = 0
+    rejected = 0
     for e in outbox.events:
         kind = type(e)
         if kind is ev.EntriesEnqueued:
@@ -178,12 +179,17 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
             # Both end a lease without a settlement: one LEASE_EXPIRED event each.
             ended += 1
         elif kind is ev.EntryExpired:
-            expired += 1
+            # A consumer's rejection is counted apart: `expired` is every other way out.
+            if e.reason is ExpiryReason.REJECTED:  # type: ignore[union-attr]
+                rejected += 1
+            else:
+                expired += 1
             if e.dead_letter:  # type: ignore[union-attr]
                 dead += 1
     for name, n in (("enqueued", enqueued), ("delivered", delivered), ("acked", acked),
                     ("released", released), ("lease_expired", ended), ("expired", expired),
-                    ("dead_lettered", dead), ("redelivered", redelivered)):
+                    ("dead_lettered", dead), ("redelivered", redelivered),
+                    ("rejected", rejected)):
         if n:
             batch.count(queue, name, n)
 

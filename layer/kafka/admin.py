@@ -185,9 +185,24 @@ class KafkaAdmin:
         if not request:
             return {}
         out: dict[tuple[str, int], int] = {}
-        with self._translated("cannot list offsets"):
-            for tp, future in self._admin.list_offsets(request, request_timeout=timeout).items():
-                out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
+        # A partition whose leader is being elected (a topic made a moment ago, a broker just
+        # back) answers NOT_LEADER / LEADER_NOT_AVAILABLE for a few hundred ms: asked again
+        # within the timeout rather than failing a shard's start-up over it.
+        deadline = time.monotonic() + timeout
+        while request:
+            again: dict[Any, Any] = {}
+            with self._translated("cannot list offsets"):
+                for tp, future in self._admin.list_offsets(request,
+                                                           request_timeout=timeout).items():
+                    try:
+                        out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
+                    except DRIVER_ERRORS as exc:
+                        if _code(exc) not in _LEADER_MOVING or time.monotonic() > deadline:
+                            raise
+                        again[tp] = request[tp]
+            request = again
+            if request:
+                time.sleep(0.2)
         return out
 
     def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
@@ -234,6 +249,10 @@ class KafkaAdmin:
         with self._translated(f"cannot commit offsets of group {group}"):
             for future in self._admin.alter_consumer_group_offsets([request]).values():
                 future.result(timeout=timeout)
+
+
+#: Errors of a partition whose leadership is moving: they pass once its election is over.
+_LEADER_MOVING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
 
 
 def _code(exc: BaseException) -> int | None:

@@ -127,6 +127,13 @@ def security_problem(what: str, config: Mapping[str, Any], code: str | None,
     user = config.get("sasl.username")
     protocol = str(config.get("security.protocol", "PLAINTEXT")).upper()
     who = f"user {user!r}" if user else f"an unauthenticated {protocol} client"
+    if login_failure is not None and "SSL" in login_failure and not user:
+        # No login was tried: the client did not trust the broker's certificate (or the
+        # broker speaks no TLS there).
+        return (f"{what}: the TLS handshake with Kafka at {servers} failed: {login_failure}. "
+                "Check ssl.ca.location (the CA that signed the broker's certificate) and "
+                "security.protocol in the kafka: settings (config file or QLAYER_KAFKA); "
+                "docs/security.md")
     if login_failure is not None:
         mechanism = config.get("sasl.mechanism", "")
         return (f"{what}: Kafka at {servers} refused the login of {who}"

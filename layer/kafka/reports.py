@@ -14,6 +14,10 @@ import logging
 import threading
 from typing import Any
 
+from confluent_kafka import KafkaError
+
+from layer.kafka.records import OutgoingRecord
+
 
 class DeliveryFailures:
     """The callback for a producer's delivery reports: keeps the failed ones, thread-safe.
@@ -22,7 +26,8 @@ class DeliveryFailures:
     argument (``"record not written: %s"``).
     """
 
-    def __init__(self, log: logging.Logger | None = None, warning: str | None = None) -> None:
+    def __init__(self, log: logging.Logger | None = None, warning: str | None = None, *,
+                 keep_too_large: bool = False) -> None:
         # Re-entrant: reports run inside poll()/flush() on the calling thread, and a Ctrl-C
         # handler that flushes may land while this thread holds the lock in take().
         self._lock = threading.RLock()
@@ -31,9 +36,20 @@ class DeliveryFailures:
         self._warning = warning
         self.count = 0
         """Failures reported so far, taken or not."""
+        # With ``keep_too_large``, records the broker refused as larger than their topic's
+        # ``max.message.bytes`` are kept whole (`take_too_large`) instead of failing: the
+        # owner decides what they mean (the coordinator sends each message again alone).
+        self._keep_too_large = keep_too_large
+        self._too_large: list[OutgoingRecord] = []
 
     def __call__(self, error: Any, message: Any) -> None:
         if error is None:
+            return
+        if self._keep_too_large and _is_too_large(error):
+            with self._lock:
+                self._too_large.append(OutgoingRecord(
+                    message.topic(), message.value(), message.key(), message.headers() or [],
+                    _timestamp(message)))
             return
         text = f"{message.topic()}: {error.str() if hasattr(error, 'str') else error}"
         with self._lock:
@@ -47,3 +63,26 @@ class DeliveryFailures:
         with self._lock:
             found, self._failures = self._failures, []
         return found
+
+    def take_too_large(self) -> list[OutgoingRecord]:
+        """The records refused as too large since the last call (``keep_too_large`` only)."""
+        with self._lock:
+            found, self._too_large = self._too_large, []
+        return found
+
+    def put_back(self, records: list[OutgoingRecord]) -> None:
+        """Records taken by `take_too_large` and not dealt with: the next take has them."""
+        if records:
+            with self._lock:
+                self._too_large[:0] = records
+
+
+def _is_too_large(error: Any) -> bool:
+    code = getattr(error, "code", None)
+    return callable(code) and code() == KafkaError.MSG_SIZE_TOO_LARGE
+
+
+
+def _timestamp(message: Any) -> int | None:
+    timestamp: int = message.timestamp()[1]
+    return timestamp if timestamp > 0 else None

@@ -52,8 +52,14 @@ _RETRY_PAUSE = 0.2
 class RecordWriter:
     """A batched, idempotent producer. With transactional_id, a zombie writer is fenced."""
 
-    def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None) -> None:
-        self._reports = reports = DeliveryFailures()
+    def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None, *,
+                 keep_too_large: bool = False) -> None:
+        # With ``keep_too_large`` (no transaction: one refused record fails a transaction
+        # whole), records the broker refuses as too large for their topic do not fail
+        # `flush` or `drain`: `take_too_large` hands them back, and `send_alone` tries one.
+        if keep_too_large and transactional_id is not None:
+            raise ValueError("keep_too_large is for writers without a transaction")
+        self._reports = reports = DeliveryFailures(keep_too_large=keep_too_large)
         settings: dict[str, Any] = {
             # Delivery batches of JSON shrink several times; a deployment's `kafka:` settings
             # may choose another codec (or none: about 1 µs of CPU per message less here and
@@ -212,6 +218,28 @@ class RecordWriter:
         if failures:
             raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
         return len(self._producer)
+
+    def take_too_large(self) -> list[OutgoingRecord]:
+        """The records the broker refused as too large for their topic (MSG_SIZE_TOO_LARGE)
+        since the last call: reported by `drain` or `flush`, which do not fail for them (with
+        ``keep_too_large``). The broker refuses the whole produce batch librdkafka sent to a
+        partition, so a record that would fit alone may be among them."""
+        return self._reports.take_too_large()
+
+    def send_alone(self, record: OutgoingRecord, timeout: float = 30.0) -> bool:
+        """Write one record by itself and wait for it: False if the broker refused it as too
+        large for its topic, True once it is written; DeliveryFailed for any other failure.
+        Records sent before it are waited for too (a flush), and their refusals kept for
+        `take_too_large`."""
+        self.flush(timeout)  # what is in flight first: only this record is in flight then
+        earlier = self._reports.take_too_large()
+        try:
+            self.send([record], timeout)
+            self.flush(timeout)
+            refused = self._reports.take_too_large()
+        finally:
+            self._reports.put_back(earlier)
+        return not refused
 
     def _usable(self) -> None:
         if self.unusable is not None:

@@ -29,6 +29,7 @@ from layer.localstack.process import (
     terminate,
     wait_until,
 )
+from layer.localstack.tls import ensure_tls_files
 
 KAFKA_VERSION = "4.3.1"
 _BROKER_MAIN = "kafka.Kafka"
@@ -69,6 +70,18 @@ class KafkaConfig:
     #: (docs/security.md): None (the default) leaves the broker as it always was, one
     #: PLAINTEXT listener and no authorizer.
     sasl_port: int | None = None
+    #: A TLS listener (SSL, no login, no authorizer of its own), its CA and certificate made
+    #: in the state directory (`layer.localstack.tls`): None (the default) for none.
+    ssl_port: int | None = None
+
+    @property
+    def ssl_bootstrap_servers(self) -> str | None:
+        return None if self.ssl_port is None else f"{self.host}:{self.ssl_port}"
+
+    @property
+    def tls_dir(self) -> Path:
+        """Where the TLS listener's CA (``ca.pem``) and keystore (``broker.pem``) are."""
+        return self.state_dir / "kafka" / "tls"
 
     @property
     def bootstrap_servers(self) -> str:
@@ -107,10 +120,21 @@ def listener_properties(c: KafkaConfig) -> list[str]:
         listeners.append(f"SASL_PLAINTEXT://{c.host}:{c.sasl_port}")
         advertised.append(f"SASL_PLAINTEXT://{c.host}:{c.sasl_port}")
         protocols.append("SASL_PLAINTEXT:SASL_PLAINTEXT")
+    tls: list[str] = []
+    if c.ssl_port is not None:
+        listeners.append(f"SSL://{c.host}:{c.ssl_port}")
+        advertised.append(f"SSL://{c.host}:{c.ssl_port}")
+        protocols.append("SSL:SSL")
+        tls = ["listener.name.ssl.ssl.keystore.type=PEM",
+               f"listener.name.ssl.ssl.keystore.location={c.tls_dir / 'broker.pem'}",
+               # Clients are not asked for certificates: TLS here is the channel's privacy
+               # and the broker's identity; who the client is stays SASL's question.
+               "listener.name.ssl.ssl.client.auth=none"]
     lines = [
         f"listeners={','.join(listeners)},CONTROLLER://{c.host}:{c.controller_port}",
         f"advertised.listeners={','.join(advertised)}",
         f"listener.security.protocol.map={','.join(protocols)}",
+        *tls,
     ]
     if c.sasl_port is None:
         return lines
@@ -211,6 +235,12 @@ class KafkaNode:
     def running(self) -> bool:
         return self.pid() is not None and port_open(self.config.host, self.config.port)
 
+    def _log_size(self) -> int:
+        try:
+            return self.log_file.stat().st_size
+        except OSError:
+            return 0
+
     def _classpath(self) -> str:
         return str(self.config.libs_dir / "*")
 
@@ -270,7 +300,8 @@ class KafkaNode:
             self.ensure_admin_user()
             return c.bootstrap_servers
         if self.pid() is None:
-            ports = [c.port, c.controller_port] + ([c.sasl_port] if c.sasl_port else [])
+            ports = [c.port, c.controller_port] + ([c.sasl_port] if c.sasl_port else []) + (
+                [c.ssl_port] if c.ssl_port else [])
             for port in ports:
                 if port_open(c.host, port):
                     raise LocalStackError(
@@ -280,6 +311,8 @@ class KafkaNode:
                     )
         java = _java()
         ensure_jars(c)
+        if c.ssl_port is not None:
+            ensure_tls_files(c.tls_dir, c.host)
         self._write_config()
         self._format(java)
         if self.pid() is None:
@@ -294,11 +327,21 @@ class KafkaNode:
             )
             log.close()
             self.pid_file.write_text(f"{proc.pid}\n")
-        wait_until(
-            self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
-            alive=lambda: self.pid() is not None,
-            on_death=self._death_report,
-        )
+        try:
+            # A broker with thousands of partitions loads each one's log before it listens
+            # (minutes on a busy machine): waited for as long as its log keeps growing.
+            wait_until(
+                self._ready, timeout, f"Kafka on {c.bootstrap_servers}",
+                alive=lambda: self.pid() is not None,
+                on_death=self._death_report,
+                progress=self._log_size, longest=timeout * 10,
+            )
+        except LocalStackError as exc:
+            raise LocalStackError(
+                f"{exc}. It holds {self.partitions():,} partitions (each loaded at start-up); "
+                f"it still runs as pid {self.pid()} and may yet become ready (`qlayer dev "
+                f"status`). `qlayer dev down --wipe` starts it empty. Last lines of "
+                f"{self.log_file}:\n{tail(self.log_file)}") from None
         self.ensure_admin_user()
         return c.bootstrap_servers
 
@@ -306,6 +349,11 @@ class KafkaNode:
         """A running broker has the listeners asked for: one started without the SASL listener
         is not silently taken for a secured one."""
         c = self.config
+        if c.ssl_port is not None and not port_open(c.host, c.ssl_port):
+            raise LocalStackError(
+                f"the running Kafka (pid {self.pid()}) has no TLS listener on "
+                f"{c.host}:{c.ssl_port}: stop it (`qlayer dev down`) and start it with "
+                "`qlayer dev up --tls`")
         if c.sasl_port is not None and not port_open(c.host, c.sasl_port):
             raise LocalStackError(
                 f"the running Kafka (pid {self.pid()}) has no SASL listener on "
@@ -384,6 +432,11 @@ class KafkaNode:
         c = self.config
         if not port_open(c.host, c.port):
             return False
+        if c.ssl_port is not None and not port_open(c.host, c.ssl_port):
+            raise LocalStackError(
+                f"the running Kafka (pid {self.pid()}) has no TLS listener on "
+                f"{c.host}:{c.ssl_port}: stop it (`qlayer dev down`) and start it with "
+                "`qlayer dev up --tls`")
         if c.sasl_port is not None and not port_open(c.host, c.sasl_port):
             return False
         # A listening socket is not yet a serving broker: ask for metadata.

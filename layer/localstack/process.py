@@ -82,9 +82,17 @@ def wait_until(
     what: str,
     alive: Callable[[], bool] | None = None,
     on_death: Callable[[], str] | None = None,
+    progress: Callable[[], object] | None = None,
+    longest: float | None = None,
 ) -> None:
-    """Poll check() until it is true. Fail fast (with on_death()'s text) if the process died."""
-    deadline = time.monotonic() + timeout
+    """Poll check() until it is true. Fail fast (with on_death()'s text) if the process died.
+
+    With ``progress`` (say, its log's size): while what it returns keeps changing, the process
+    is busy starting (a broker loading thousands of partitions) and is given ``timeout`` more
+    after each change, up to ``longest`` in all."""
+    started = time.monotonic()
+    deadline = started + timeout
+    last = progress() if progress is not None else None
     while time.monotonic() < deadline:
         if check():
             return
@@ -92,7 +100,13 @@ def wait_until(
             detail = on_death() if on_death is not None else ""
             raise LocalStackError(f"{what} exited during start-up. {detail}".strip())
         time.sleep(0.2)
-    raise LocalStackError(f"{what} did not become ready within {timeout:.0f}s")
+        if progress is not None:
+            now, seen = time.monotonic(), progress()
+            if seen != last:
+                last = seen
+                deadline = min(now + timeout, started + (longest or timeout))
+    waited = time.monotonic() - started
+    raise LocalStackError(f"{what} did not become ready within {waited:.0f}s")
 
 
 def read_end(path: Path, size: int) -> str:

@@ -94,6 +94,12 @@ class NodeStatus:
     pid: int | None
     endpoint: str
 
+    @property
+    def state(self) -> str:
+        """running; starting (its process lives but does not listen yet: a broker loading its
+        partitions' logs); or stopped."""
+        return "running" if self.running else "starting" if self.pid is not None else "stopped"
+
 
 @dataclass(frozen=True)
 class Endpoints:

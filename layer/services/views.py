@@ -17,7 +17,8 @@ Approximations, by design (the coordinator's memory is the only exact answer):
 - barriers are not modelled;
 - stats' ``depth`` counts every journal record past the recovery point that is not done,
   including records the queue's enqueue filter refuses (reading them all to apply the filter
-  would make ``stats`` as expensive as ``view``).
+  would make ``stats`` as expensive as ``view``) and the commit markers of transactional
+  producers (a redrive writes one per run), which take an offset each.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ __all__ = [
 ]
 
 #: The counters `qlayer stats` turns into per-second rates.
-RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "dead_lettered", "expired")
+RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "rejected", "dead_lettered",
+                 "expired")
 #: Journal records read with a fault that stays with the record, and entries lost with a
 #: journal deleted while read (shown, not rated).
 FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers", "journal_deleted")

@@ -22,7 +22,7 @@ def _where(database_url: str) -> str:
 def alembic_config(database_url: str) -> Config:
     """An Alembic config pointing at the `migrations` package shipped with qlayer."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(resources.files("migrations")))
+    cfg.set_main_option("script_location", str(resources.files("layer_migrations")))
     # ConfigParser interpolation would choke on '%' in passwords.
     cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     return cfg

@@ -214,4 +214,5 @@ class QueueCounters:
     deletes: int = 0
     malformed_headers: int = 0
     journal_deleted: int = 0
+    rejected: int = 0
     updated_at: float | None = None

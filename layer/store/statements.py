@@ -555,6 +555,8 @@ SELECT_INPUT_POSITIONS: Final = select(
 ).where(input_positions.c.shard == bindparam("shard"))
 
 SELECT_CONSUMERS: Final = select(consumers).order_by(consumers.c.consumer_id)
+#: The delivery topics live sessions use, on every shard (the delivery-topic sweep keeps them).
+SELECT_DELIVERY_TOPICS_IN_USE: Final = select(consumers.c.delivery_topic).distinct()
 REQUEST_EVICTION: Final = (
     update(consumers)
     .where(consumers.c.consumer_id == bindparam("the_consumer_id"))

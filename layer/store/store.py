@@ -440,6 +440,12 @@ class Store:
                 for row in conn.execute(sql.SELECT_CONSUMERS)
             ]
 
+    def delivery_topics_in_use(self) -> set[str]:
+        """The delivery topics of every stored session, whichever shard serves it."""
+        with translate_errors("loading delivery topics"), self._engine.connect() as conn:
+            return {row.delivery_topic
+                    for row in conn.execute(sql.SELECT_DELIVERY_TOPICS_IN_USE)}
+
     def request_eviction(self, consumer_id: str, now: float) -> None:
         """Ask the owning coordinator to evict a consumer (`qlayer consumers evict`).
 

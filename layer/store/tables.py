@@ -74,6 +74,8 @@ COUNTER_NAMES: Final = (
     # Entries that left the queue because their journal partition was deleted while the
     # queue read it (0008, reason journal_deleted): the queue's mark of a lost journal.
     "journal_deleted",
+    # Entries consumers rejected (0010); `expired` counts the other ways out unprocessed.
+    "rejected",
 )
 
 # Explicit constraint names, so the hand-written migration and this metadata name every

@@ -452,7 +452,7 @@ impl Lane {
             self.rows.push(Row { queue: queue.clone(), rec });
         }
         let (mut enqueued, mut delivered, mut acked, mut released, mut ended) = (0i64, 0i64, 0i64, 0i64, 0i64);
-        let (mut expired, mut dead, mut redelivered) = (0i64, 0i64, 0i64);
+        let (mut expired, mut dead, mut redelivered, mut rejected) = (0i64, 0i64, 0i64, 0i64);
         let mut specials = Vec::new();
         let mut items: Vec<Item> = Vec::new();
         let mut runs: Vec<Run> = Vec::new();
@@ -600,7 +600,12 @@ impl Lane {
                     items.push(Item::Bytes(self.event_item("LEASE_EXPIRED", at_ms(*at), q, Some(bm), f)));
                 }
                 Ev::Expired { bm, reason, dead_letter, delivery_count, consumer_id, detail, at, .. } => {
-                    expired += 1;
+                    // A consumer's rejection is counted apart: `expired` is every other way out.
+                    if *reason == Reason::Rejected {
+                        rejected += 1;
+                    } else {
+                        expired += 1;
+                    }
                     self.done.push(bm.clone());
                     let wire_reason = reason.as_str().replace('-', "_");
                     if *reason == Reason::Rejected {
@@ -677,6 +682,7 @@ impl Lane {
             ("expired", expired),
             ("dead_lettered", dead),
             ("redelivered", redelivered),
+            ("rejected", rejected),
         ]
         .into_iter()
         .filter(|(_, n)| *n != 0)

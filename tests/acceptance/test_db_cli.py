@@ -14,7 +14,7 @@ pytestmark = pytest.mark.acceptance
 
 
 def qlayer(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "layer_cli.main", *args], capture_output=True,
                           text=True, timeout=120, check=False)
 
 

@@ -27,7 +27,7 @@ def demo(bootstrap_servers: str, database_url: str, prefix: str,
          *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QLAYER_")}
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", "demo", "--bootstrap-servers", bootstrap_servers,
+        [sys.executable, "-m", "layer_cli.main", "demo", "--bootstrap-servers", bootstrap_servers,
          "--database-url", database_url, "--topic-prefix", prefix, *extra],
         capture_output=True, text=True, env=env, timeout=170, check=False)
 

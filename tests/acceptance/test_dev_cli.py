@@ -27,7 +27,7 @@ def qlayer(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "QLAYER_DEV_STATE_DIR": str(state),
            "QLAYER_DEV_KAFKA_PORT": str(KAFKA_PORT),
            "QLAYER_DEV_POSTGRES_PORT": str(POSTGRES_PORT)}
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "layer_cli.main", *args], capture_output=True,
                           text=True, env=env, timeout=300, check=False)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,7 +25,6 @@ import yaml
 from confluent_kafka import Consumer, KafkaError
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.kafka.acls import Role, apply_acls, recipe, sdk_group
 from layer.kafka.errors import KafkaAdapterError
 from layer.localstack.kafka import KafkaConfig, KafkaNode, sasl_client_config
@@ -31,6 +32,7 @@ from layer.localstack.stack import default_cache_dir
 from layer.protocol import TopicNames
 from layer.sdk import QueueConsumer, QueuePublisher
 from layer.settings import Settings
+from layer_cli.main import app
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
 from tests.support.ports import free_ports
@@ -206,3 +208,51 @@ def test_a_consumer_with_a_wrong_password_is_told_so(secured: SecuredKafka) -> N
         QueueConsumer("Jobs", secured.sasl_servers, topic_prefix=topics.prefix,
                       kafka_config={**alice_kafka, "sasl.password": "wrong"},
                       consumer_id="alice-worker", subscribe_timeout=5).close()
+
+
+def test_the_spark_audit_reads_the_secured_broker_with_the_same_kafka_settings(
+        secured: SecuredKafka, database_url: str, unique_name: Callable[[str], str],
+        tmp_path: Path) -> None:
+    """`qlayer pipeline reconcile` (Spark's Kafka source, a separate JVM) logs in with the
+    settings file's `kafka:` block, as the coordinator and the SDK do, and with the pipeline
+    role's ACLs alone it reads the journal and the events: the audit finds every entry done."""
+    topics = TopicNames(f"qsec{uuid.uuid4().hex[:8]}.")
+    journal = unique_name("Audit")
+    create_topic(secured.node.config.bootstrap_servers, journal, partitions=1)
+    coordinator_user, coordinator_kafka = secured.user("coordinator")
+    worker, worker_kafka = secured.user("worker")
+    spark_user, spark_kafka = secured.user("spark")
+    rules = [*recipe(Role.COORDINATOR, coordinator_user, topics, journals=[journal]),
+             *recipe(Role.CONSUMER, worker, topics, consumer_id="audit-worker"),
+             *recipe(Role.PIPELINE, spark_user, topics, journals=[journal])]
+    assert apply_acls(secured.admin, rules) == len(set(rules))
+    settings = Settings(bootstrap_servers=secured.sasl_servers, database_url=database_url,
+                        topic_prefix=topics.prefix, kafka=coordinator_kafka)
+    put_queues(settings, {"name": "Audited", "underlying_topic": journal})
+    with QueuePublisher(secured.node.config.bootstrap_servers,
+                        topic_prefix=topics.prefix) as publisher:
+        for i in range(6):
+            publisher.publish(journal, str(i).encode(), key=str(i).encode())
+    with running_coordinator(settings):
+        with QueueConsumer("Audited", secured.sasl_servers, topic_prefix=topics.prefix,
+                           kafka_config=worker_kafka, consumer_id="audit-worker",
+                           max_backlog=6) as consumer:
+            for _ in range(6):
+                message = consumer.receive(timeout=30)
+                assert message is not None
+                message.ack()
+        wait_until(lambda: counters(settings, "Audited").get("acked") == 6 or None,
+                   timeout=30, what="the 6 acks applied")
+
+    config = tmp_path / "qlayer.yaml"
+    config.write_text(yaml.safe_dump({"bootstrap_servers": secured.sasl_servers,
+                                      "database_url": database_url,
+                                      "topic_prefix": topics.prefix, "kafka": spark_kafka}))
+    qlayer = Path(sys.executable).with_name("qlayer")
+    audit = subprocess.run([str(qlayer), "pipeline", "reconcile", "Audited", "--json"],
+                           env={**os.environ, "QLAYER_CONFIG": str(config)},
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert audit.returncode == 0, audit.stderr[-3000:]
+    report = json.loads(audit.stdout)
+    assert (report["done"], report["pending"], report["ok"], report["violations"]) == (
+        6, 0, True, [])

@@ -61,7 +61,8 @@ def main(out_path: str, queues: list[str]) -> int:
                         if message is None:
                             break
                         batch.append(message)
-                        out.write(f"{queue}\t{(message.value or b'').decode()}\n")
+                        out.write(f"{queue}\t{(message.value or b'').decode()}"
+                                  f"\t{time.time():.3f}\n")
                     out.flush()  # recorded (in the kernel: a SIGKILL keeps it) before acked
                     for message in batch:
                         message.ack()

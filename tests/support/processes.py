@@ -55,7 +55,7 @@ class CoordinatorSubprocess(Subprocess):
 
     def __init__(self, settings: Settings, log_dir: Path, name: str, *extra: str) -> None:
         self.name = name
-        super().__init__([sys.executable, "-m", "cli.main", "coordinator", "run",
+        super().__init__([sys.executable, "-m", "layer_cli.main", "coordinator", "run",
                           "--owner-id", name, "--group-session-timeout", "6",
                           "--session-timeout", "20", *extra],
                          settings, log_dir / f"{name}.log")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from cli.main import app
 from layer.settings import Settings
 from layer.store.rows import ConsumerRow
 from layer.store.store import Store, WriteBatch
+from layer_cli.main import app
 
 
 @pytest.fixture
@@ -59,12 +59,12 @@ class Completed:
 
 @pytest.fixture
 def run_cli(cli_env: dict[str, str], tmp_path: Path) -> Callable[..., Completed]:
-    """`run_cli("queue", "apply", "-f", path)` as a real process: `python -m cli.main ...`."""
+    """`run_cli("queue", "apply", "-f", path)` as a real process: `python -m layer_cli.main ...`."""
 
     def run(*args: str, input: str | None = None, timeout: float = 90,
             env: dict[str, str] | None = None) -> Completed:
         env = {**os.environ, **cli_env, **(env or {})}
-        done = subprocess.run([sys.executable, "-m", "cli.main", *args], input=input,
+        done = subprocess.run([sys.executable, "-m", "layer_cli.main", *args], input=input,
                               capture_output=True, text=True, env=env, cwd=tmp_path,
                               timeout=timeout, check=False)
         return Completed(done.returncode, done.stdout, done.stderr)

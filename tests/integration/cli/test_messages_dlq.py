@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from cli.main import app
 from layer.kafka import KafkaAdmin
 from layer.protocol import Bookmark, header_value
 from layer.protocol.headers import DLQ_VALUE_OMITTED, DeadLetterInfo, dead_letter_headers
@@ -26,6 +25,7 @@ from layer.services.messages import REDRIVEN_FROM, redrive
 from layer.settings import Settings
 from layer.store.rows import ConsumerRow
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import (
     TopicReader,
     counters,
@@ -333,7 +333,8 @@ def test_consume_as_a_process_prints_acks_and_closes_cleanly_on_ctrl_c(
         # A shell without job control starts background jobs with SIGINT ignored, and an
         # ignored signal stays ignored across exec (Python then installs no KeyboardInterrupt
         # handler): Ctrl-C is restored for the child, as a terminal would have it.
-        process = subprocess.Popen([sys.executable, "-m", "cli.main", "consume", "Live", "--json"],
+        process = subprocess.Popen([sys.executable, "-m", "layer_cli.main", "consume", "Live",
+                                    "--json"],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, preexec_fn=_default_sigint)
         try:

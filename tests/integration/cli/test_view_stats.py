@@ -16,10 +16,10 @@ from collections.abc import Callable
 import pytest
 from typer.testing import CliRunner, Result
 
-from cli.main import app
 from layer.sdk import QueueConsumer
 from layer.settings import Settings
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import produce, put_queues, running_coordinator, wait_until
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def test_view_shows_exactly_the_available_entries_and_leases_nothing_and_stats_a
             table = qlayer(settings, "view", "Urgent")
             assert table.exit_code == 0 and "6 available entries" in table.stdout
 
-            result = qlayer(settings, "stats", "--json", "--interval", "0.2")
+            result = qlayer(settings, "stats", "--json")
             assert result.exit_code == 0, result.output
             figures = {q["queue"]: q for q in json.loads(result.stdout)["queues"]}
             work_stats, urgent_stats = figures["Work"], figures["Urgent"]
@@ -112,12 +112,31 @@ def test_view_shows_exactly_the_available_entries_and_leases_nothing_and_stats_a
                                                  "recovery_point": 1, "end_offset": 7,
                                                  "lag": 6}]
             assert 0 <= work_stats["oldest_available_age"] < 300
-            assert set(work_stats["rates"]) == {"enqueued", "delivered", "acked",
-                                                "redelivered", "dead_lettered", "expired"}
+            # One sample, at once: no rates without a second one (--watch).
+            assert work_stats["rates"] is None
             assert (urgent_stats["depth"], urgent_stats["leased"],
                     urgent_stats["consumers"]) == (7, 0, 0)
-            people = qlayer(settings, "stats", "Work", "--interval", "0.1")
+            people = qlayer(settings, "stats", "Work")
             assert people.exit_code == 0 and "recovery-point lag" in people.stdout
+            assert "(/s)" not in people.stdout
+            # --watch: every sample after the first carries the rates over --interval.
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "layer_cli.main", "stats", "Work", "--watch", "--json",
+                 "--interval", "0.2"], stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "QLAYER_BOOTSTRAP_SERVERS": settings.bootstrap_servers,
+                     "QLAYER_DATABASE_URL": settings.database_url,
+                     "QLAYER_TOPIC_PREFIX": settings.topic_prefix,
+                     "QLAYER_CONFIG": os.devnull})
+            try:
+                assert watch.stdout is not None
+                samples = [json.loads(watch.stdout.readline())["queues"][0] for _ in range(2)]
+            finally:
+                watch.kill()
+                watch.wait(10)
+            assert samples[0]["rates"] is None
+            assert set(samples[1]["rates"]) == {"enqueued", "delivered", "acked",
+                                                "redelivered", "rejected", "dead_lettered",
+                                                "expired"}
         finally:
             holder.close()
 
@@ -177,14 +196,14 @@ def test_as_a_subprocess_settings_from_the_environment_errors_in_one_line(
            "QLAYER_TOPIC_PREFIX": settings.topic_prefix, "QLAYER_CONFIG": os.devnull}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "layer_cli.main", *args], env=env,
                               capture_output=True, text=True, timeout=120)
 
     # No coordinator ever ran: view reads the stored state and the journal all the same.
     shown = run("view", "Plain", "--json")
     assert shown.returncode == 0, shown.stderr
     assert {e["value"] for e in json.loads(shown.stdout)["entries"]} == {'{"n": 1}', "not json"}
-    stats = run("stats", "Plain", "--json", "--interval", "0.1")
+    stats = run("stats", "Plain", "--json")
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["queues"][0]["depth"] == 2
 

@@ -46,12 +46,18 @@ pytestmark = pytest.mark.integration
 #: session timeout (10 s) and the coordinators' group session timeout (6 s), so both must
 #: survive their timers running out.
 OUTAGE = 15.0
-#: Longer than a Kafka transaction's commit may take (30 s): the commit fails.
-LONG_OUTAGE = 40.0
+#: Longer than a Kafka transaction's commit may take (30 s) after the bounced messages come
+#: due (LONG_BOUNCE_MS), with room to spare on a loaded machine: the commit fails, and Kafka is
+#: probed (and found away) well before the broker is back.
+LONG_OUTAGE = 55.0
 #: Messages released with this delay (ms) just before the broker dies come up for delivery
 #: again in the middle of the outage: the coordinator then has records to write (in a Kafka
 #: transaction with --transactions) while no broker answers.
 BOUNCE_MS = 3000
+#: The same for the long outage, later: the wait between the release and the kill (reading
+#: the counters, then SIGKILL) must never reach it on a loaded CI machine, or the bounced
+#: messages are delivered before the outage and it has nothing to write (CI once saw that).
+LONG_BOUNCE_MS = 8000
 
 
 def _free_port_pair(first: int, last: int) -> int:
@@ -171,7 +177,10 @@ class Worker:
     #: Set to RELEASE the held messages of ``bounce`` (with a delay) rather than ack them.
     bounce_now: threading.Event = field(default_factory=threading.Event)
     bounce: set[bytes] = field(default_factory=set)
+    bounce_ms: int = BOUNCE_MS
     bounced: bool = False
+    #: When each bounced message came again.
+    bounced_back: list[float] = field(default_factory=list)
     #: Set while the broker is down: acks sent then are remembered in ``acked_in_outage``.
     outage: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -198,6 +207,8 @@ class Worker:
                     for d in fresh:
                         if d.value is not None:
                             self.received.setdefault(d.value, now)
+                            if d.value in self.bounce and d.delivery_count > 1:
+                                self.bounced_back.append(now)
                         self.arrivals.append(now)
                     # Held: the first delivery of a held message (a bounced one comes again,
                     # with another token, and is acked then).
@@ -207,7 +218,8 @@ class Worker:
                     if self.bounce_now.is_set() and not self.bounced:
                         bounced = [d for d in self.held if d.value in self.bounce]
                         self.held = [d for d in self.held if d.value not in self.bounce]
-                        self.consumer.ack(bounced, type=AckType.RELEASE, delay_ms=BOUNCE_MS)
+                        self.consumer.ack(bounced, type=AckType.RELEASE,
+                                          delay_ms=self.bounce_ms)
                         self.bounced = True
                     if self.release.is_set() and self.held:
                         batch.extend(self.held)
@@ -273,7 +285,8 @@ def test_the_owning_coordinator_rides_out_a_broker_outage(
     before, held, bounced, after = 300, 100, 50, 300
     total = before + held + bounced + after
     coordinator = CoordinatorSubprocess(settings, tmp_path, "owner", *options)
-    worker = Worker(RawConsumer(bootstrap, settings.topic_prefix, "Outage", max_backlog=500))
+    worker = Worker(RawConsumer(bootstrap, settings.topic_prefix, "Outage", max_backlog=500),
+                    bounce_ms=LONG_BOUNCE_MS if outage > 30 else BOUNCE_MS)
     thread = threading.Thread(target=worker.run, name="consumer", daemon=True)
     pid = coordinator.pid
 
@@ -313,6 +326,7 @@ def test_the_owning_coordinator_rides_out_a_broker_outage(
         wait_for("the coordinator to apply the releases",
                  lambda: counters(settings, "Outage").get("released", 0) >= bounced, 60)
 
+        killing = time.monotonic()
         killed = outage_broker.kill()
         assert killed is not None
         killed_at = time.monotonic()
@@ -348,6 +362,11 @@ def test_the_owning_coordinator_rides_out_a_broker_outage(
     # after the outage reached the consumer, and what was released before it came again.
     assert set(worker.received) == values(0, total)
     assert worker.acked_in_outage, "no ack was sent while the broker was down"
+    # The premise of the case: the bounced messages were not delivered again before the
+    # broker died (then the coordinator would have had nothing to write in the outage).
+    assert len(worker.bounced_back) >= bounced and min(worker.bounced_back) > killing, (
+        "the released messages came again before the broker was killed: "
+        f"{sum(t <= killing for t in worker.bounced_back)} of {bounced}")
     # No ack was refused (a refusal is answered; a successful ACCEPT is not): the session
     # outlived the outage and its leases with it.
     assert worker.consumer.ack_results() == []

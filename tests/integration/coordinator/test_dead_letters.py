@@ -37,6 +37,10 @@ from tests.support.coordinator import (
     wait_until,
 )
 
+from .test_options_expiry_and_backoff import core
+
+__all__ = ["core"]  # the fixture: the rejection test runs on both cores
+
 pytestmark = pytest.mark.integration
 
 JOB = json.dumps({"job": 42, "kind": "render"}).encode()
@@ -143,11 +147,11 @@ def test_max_deliveries_dead_letters_after_the_last_lease_expires(
 
 
 def test_reject_sends_the_job_with_its_reason_to_failed_jobs(
-    settings: Settings, journal: Callable[..., str]
+    core: str, settings: Settings, journal: Callable[..., str]
 ) -> None:
     jobs, failed = journal("Jobs"), journal("FailedJobs")
     jobs_queues(settings, jobs, failed)
-    with running_coordinator(settings), Consumers(settings) as pool:
+    with running_coordinator(settings, core=core), Consumers(settings) as pool:
         worker = pool.subscribe("Jobs", max_backlog=2)
         reviewer = pool.subscribe("FailedJobs")
         good = json.dumps({"job": 1}).encode()
@@ -168,6 +172,8 @@ def test_reject_sends_the_job_with_its_reason_to_failed_jobs(
         assert worker.ack_results() == []
         totals = wait_for_counters(settings, "Jobs", acked=1)
         assert (totals["acked"], totals["dead_lettered"], totals["released"]) == (1, 1, 0)
+        # Counted as a rejection, not as an expiry (nothing timed out or hit a limit).
+        assert (totals["rejected"], totals["expired"]) == (1, 0)
         wait_until(lambda: recovery_points(settings, "Jobs").get((jobs, 0)) == 2,
                    what="both jobs to leave the queue")
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.settings import Settings
+from layer_cli.main import app
 from tests.support.coordinator import (
     Consumers,
     produce,

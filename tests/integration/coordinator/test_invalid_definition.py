@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 from typer.testing import CliRunner, Result
 
-from cli.main import app
 from layer.protocol import SubscribeStatus
 from layer.settings import Settings
+from layer_cli.main import app
 from tests.support.coordinator import (
     Consumers,
     produce,

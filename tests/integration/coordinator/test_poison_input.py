@@ -13,15 +13,15 @@ import time
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from typer.testing import CliRunner
 
-from cli.main import app
 from layer.protocol import EventType, TopicNames
 from layer.protocol.headers import DLQ_REASON, DLQ_VALUE_OMITTED
 from layer.settings import Settings
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import (
     Consumers,
     EventReader,
@@ -32,6 +32,7 @@ from tests.support.coordinator import (
     wait_for_counters,
     wait_until,
 )
+from tests.support.kafka import create_topic
 
 from .test_options_expiry_and_backoff import core
 
@@ -181,3 +182,48 @@ def test_a_journal_deleted_while_read_expires_its_entries_and_made_again_is_read
         counted = wait_until(
             lambda: _shard_counters(settings).get("journal_deleted") == 5 or None, timeout=20)
         assert counted
+
+
+def test_a_journal_deleted_and_made_again_before_the_listing_sees_it_expires_its_entries(
+    core: str, settings: Settings, unique_name: Callable[[str], str]
+) -> None:
+    """Found by the soak: the journal deleted and made again (by an operator, or by a broker
+    that creates topics on first use) between two listings, with nothing acked yet (recovery
+    point 0). The reader meets its position (5) past the new log's end (2): that is a log made
+    again, never retention (which moves a log's start, not its end), even though the recovery
+    point (0) is inside the new log. It was taken for retention: the shard rebuilt, and the
+    old entries never expired."""
+    doomed = unique_name("Remade")
+    _create(settings, doomed)
+    put_queues(settings, {"name": "Remade", "underlying_topic": doomed})
+    # Listings far apart: only the reader's out-of-range position can tell.
+    with running_coordinator(settings, core=core, topic_check_interval=60.0):
+        before = _epochs(settings)
+        produce(settings.bootstrap_servers, doomed, [b'{"d": %d}' % i for i in range(5)],
+                partition=0)
+        assert wait_for_counters(settings, "Remade", enqueued=5)["enqueued"] == 5
+        admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+        for future in admin.delete_topics([doomed]).values():
+            future.result(30)
+        wait_until(lambda: doomed not in admin.list_topics(timeout=10).topics or None)
+        made = wait_until(lambda: _made_again(settings, doomed), timeout=60)
+        assert made
+        produce(settings.bootstrap_servers, doomed, [b'{"new": 1}', b'{"new": 2}'],
+                partition=0)
+        assert wait_for_counters(settings, "Remade", timeout=40, journal_deleted=5)[
+            "journal_deleted"] == 5
+        with Consumers(settings) as pool:
+            fresh = pool.subscribe("Remade", max_backlog=10)
+            assert sorted(d.value or b"" for d in fresh.receive(2, timeout=40)) == [
+                b'{"new": 1}', b'{"new": 2}']
+        assert _epochs(settings) == before, "no shard was rebuilt"
+
+
+def _made_again(settings: Settings, name: str) -> bool | None:
+    """Creates the topic (made already: a broker that creates topics on first use); None
+    (tried again) while Kafka still deletes the old one."""
+    try:
+        create_topic(settings.bootstrap_servers, name, 1, exist_ok=True)
+    except KafkaException:
+        return None
+    return True

@@ -115,7 +115,8 @@ def test_views_through_the_command_line(
     write_events(bootstrap_servers, events_topic, events)
 
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "pipeline", "views", "Orders", "--journal", journal,
+        [sys.executable, "-m", "layer_cli.main", "pipeline", "views", "Orders", "--journal",
+         journal,
          "--group-by", "/region", "--field", "/region",
          "--field", "SUM(/price * /qty) AS /total", "--field", "COUNT(*) AS /orders",
          "--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix,

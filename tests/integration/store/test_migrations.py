@@ -151,3 +151,30 @@ def test_0009_leaves_existing_sessions_unproven_and_its_downgrade_drops_the_hash
         assert "secret_sha256" not in columns
     finally:
         engine.dispose()
+
+
+def test_0010_counts_rejections_apart_and_its_downgrade_adds_them_back_to_expired(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0009_session_secrets")
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO queue_counters (queue, expired, dead_lettered, "
+                                 "updated_at) VALUES ('Work', 5, 4, now())"))
+        assert migrate.upgrade(empty_database_url, "0010_rejected_counter") == (
+            "0010_rejected_counter")
+        with engine.begin() as conn:
+            # What was counted before stays where it was: the two cannot be told apart.
+            assert conn.execute(sa.text(
+                "SELECT expired, rejected, dead_lettered FROM queue_counters")).one() == (5, 0, 4)
+            conn.execute(sa.text("UPDATE queue_counters SET rejected = 2"))
+        assert migrate.downgrade(empty_database_url, "0009_session_secrets") == (
+            "0009_session_secrets")
+        with engine.connect() as conn:
+            assert conn.execute(sa.text(
+                "SELECT expired, dead_lettered FROM queue_counters")).one() == (7, 4)
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("queue_counters")}
+        assert "rejected" not in columns
+    finally:
+        engine.dispose()

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from cli.messages import NotText, _lines
 from layer.services.messages import PublishResult
+from layer_cli.main import app
+from layer_cli.messages import NotText, _lines
 
 runner = CliRunner()
 
@@ -26,7 +26,7 @@ def qlayer(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     config.write_text("{}\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("QLAYER_")}
     environment.update({"QLAYER_CONFIG": str(config), **(env or {})})
-    done = subprocess.run([sys.executable, "-m", "cli.main", *args], input=stdin,
+    done = subprocess.run([sys.executable, "-m", "layer_cli.main", *args], input=stdin,
                           capture_output=True, env=environment, cwd=tmp_path, timeout=120,
                           check=False)
     return done.returncode, done.stdout.decode(), done.stderr.decode()
@@ -112,7 +112,7 @@ def test_publish_of_non_utf8_stdin_is_one_line_and_exit_1(tmp_path: Path) -> Non
     # one that reads the lines without Kafka.
     code = ("import sys\nimport layer.services.messages as m\n"
             "m.publish_lines = lambda settings, queue, lines, **options: list(lines)\n"
-            "sys.argv = ['qlayer', 'publish', 'Q']\nfrom cli.main import run\nrun()\n")
+            "sys.argv = ['qlayer', 'publish', 'Q']\nfrom layer_cli.main import run\nrun()\n")
     done = subprocess.run([sys.executable, "-c", code], input=b"ok\n\x80\n", cwd=tmp_path,
                           capture_output=True, timeout=120, check=False)
     assert done.returncode == 1

@@ -21,7 +21,7 @@ def qlayer(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tup
     config.write_text("{}\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("QLAYER_")}
     environment.update({"QLAYER_CONFIG": str(config), **(env or {})})
-    done = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "layer_cli.main", *args], capture_output=True,
                           text=True, env=environment, cwd=tmp_path, timeout=120, check=False)
     return done.returncode, done.stdout, done.stderr
 

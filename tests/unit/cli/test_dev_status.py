@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from layer_cli.main import app
 
 runner = CliRunner()
 
@@ -52,3 +52,13 @@ def test_a_broker_near_its_open_file_limit_is_warned_about(broker_with_100_files
     text = " ".join(status(broker_with_100_files).split())
     assert "Kafka holds 71 partitions, near its limit of 100 open files" in text
     assert "qlayer dev down --wipe" in text
+
+
+def test_a_broker_process_that_does_not_listen_yet_is_starting(
+        broker_with_100_files: Path) -> None:
+    """Its process lives (a broker loading thousands of partitions' logs listens only after),
+    so "stopped" would send the user to start a second one."""
+    [kafka, postgres] = json.loads(status(broker_with_100_files, "--json"))
+    assert (kafka["state"], kafka["running"]) == ("starting", False)
+    assert postgres["state"] == "stopped"
+    assert "starting" in status(broker_with_100_files)

@@ -19,7 +19,7 @@ def qlayer(tmp_path: Path, *args: str) -> tuple[int, str, str]:
     config.write_text("{}\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("QLAYER_")}
     environment["QLAYER_CONFIG"] = str(config)
-    done = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "layer_cli.main", *args], capture_output=True,
                           text=True, env=environment, cwd=tmp_path, timeout=120, check=False)
     return done.returncode, done.stdout, done.stderr
 

@@ -6,7 +6,6 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from cli.messages import payload_text
 from layer.domain.errors import QlayerError
 from layer.services.messages import (
     parse_deliver_at_option,
@@ -14,6 +13,7 @@ from layer.services.messages import (
     parse_header_options,
 )
 from layer.services.views import QueueStats, ViewEntry, rates, sort_for_delivery
+from layer_cli.messages import payload_text
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from cli.output import age_text, value_text
 from layer.domain.definitions import load_queue_file
 from layer.services.consumers import EvictionResult
 from layer.services.queues import ApplyResult, plan_apply, stored_form
 from layer.store.rows import QueueRecord
+from layer_cli.main import app
+from layer_cli.output import age_text, value_text
 
 # A database no test here may reach: parsing errors must come before any service call.
 UNREACHABLE = {"QLAYER_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none",

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cli.main import app
+from layer_cli.main import app
 
 runner = CliRunner()
 
@@ -50,7 +50,8 @@ def test_usage_errors_exit_2(args: list[str], message: str) -> None:
 
 def test_a_bad_view_definition_is_one_line_and_status_1() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "pipeline", "views", "Orders", "--journal", "orders",
+        [sys.executable, "-m", "layer_cli.main", "pipeline", "views", "Orders", "--journal",
+         "orders",
          "--field", "/region", "--field", "SUM(/price * ) AS /total", "--group-by", "/region"],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
@@ -62,7 +63,7 @@ def test_a_bad_view_definition_is_one_line_and_status_1() -> None:
 
 def test_a_stream_needs_an_output() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "pipeline", "lifecycle", "--stream",
+        [sys.executable, "-m", "layer_cli.main", "pipeline", "lifecycle", "--stream",
          "--checkpoint", "/tmp/x"],
         capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1

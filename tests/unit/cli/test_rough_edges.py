@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from layer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 runner = CliRunner()

@@ -1,8 +1,8 @@
 """`qlayer` starts quickly: the heavy libraries are imported by the commands that use them.
 
 Not a timed test (timings are noisy on shared machines): it checks the cause instead. Every
-command pays the import of `cli.main`; before issue 16 that pulled in PySpark, the Kafka client,
-SQLAlchemy and fastavro (about 0.5 s of imports) for `qlayer --help`.
+command pays the import of `layer_cli.main`; before issue 16 that pulled in PySpark, the Kafka
+client, SQLAlchemy and fastavro (about 0.5 s of imports) for `qlayer --help`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.demo import path_hint
-from cli.main import app
+from layer_cli.demo import path_hint
+from layer_cli.main import app
 
 # pydantic itself is not here: typer 0.29 imports it to convert some option types. qlayer's
 # own pydantic models (layer.domain.definitions) and pydantic-settings are.
 HEAVY = ("pyspark", "confluent_kafka", "sqlalchemy", "fastavro", "pydantic_settings", "alembic",
          "psycopg", "lark", "layer.domain.definitions", "layer.services", "layer.store",
-         "layer.sdk", "layer.kafka")
+         "layer.sdk", "layer.kafka", "starlette", "uvicorn", "jinja2", "layer.console")
 
 _PROBE = """
 import json, sys
@@ -41,13 +41,14 @@ def _loaded(body: str) -> list[str]:
 
 
 def test_importing_the_cli_loads_no_heavy_module() -> None:
-    assert _loaded("import cli.main") == []
+    assert _loaded("import layer_cli.main") == []
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["queue", "--help"],
-                                  ["pipeline", "views", "--help"], ["dlq", "redrive", "--help"]])
+                                  ["pipeline", "views", "--help"], ["dlq", "redrive", "--help"],
+                                  ["console", "--help"]])
 def test_help_and_version_load_no_heavy_module(args: list[str]) -> None:
-    body = ("import sys\nfrom cli.main import app\n"
+    body = ("import sys\nfrom layer_cli.main import app\n"
             f"try:\n    app({args!r})\nexcept SystemExit:\n    pass")
     assert _loaded(body) == []
 
@@ -71,5 +72,5 @@ def test_the_demo_says_how_to_run_qlayer_when_it_is_not_on_path(tmp_path: Path) 
     assert f"source {bin_dir}/activate" in hint and f"{bin_dir}/qlayer" in hint
     # On PATH (an activated venv): nothing to say.
     assert path_hint(str(script), path=str(bin_dir)) is None
-    # `python -m cli.main`: no script to point at.
+    # `python -m layer_cli.main`: no script to point at.
     assert path_hint("/somewhere/cli/main.py", path=os.defpath) is None

@@ -23,7 +23,7 @@ from layer.coordinator.ports import FakeTopicAdmin
 from layer.coordinator.sessions import Session
 from layer.domain.definitions import QueueDefinition
 from layer.domain.native import native_available
-from layer.kafka import JournalRecord
+from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
     AcceptGroup,
     AcceptRecord,
@@ -288,8 +288,24 @@ def test_records_of_unknown_sessions_create_no_topic_and_are_counted(shard: Shar
     plan = shard.step(*records)
     assert counted(plan, "acked") == 0
     assert shard.core.counters["identity_refused_ack_unknown_session"] == 30
-    assert Output(shard.core).answerable(plan.replies) == []  # the heartbeat's: nowhere
+    assert Output(shard.core).answerable(plan.replies, shard.now) == []  # the heartbeat's: nowhere
     assert shard.admin.partitions == before
+
+
+def test_replies_to_made_up_consumers_cost_one_topic_listing_per_iteration(
+        shard: Shard) -> None:
+    """Each reply to a topic not known would list the broker's topics (a metadata request, in
+    the shard's loop): a flood of records naming made-up consumers must not cost one each."""
+    output, now = Output(shard.core), shard.now
+    replies = [OutgoingRecord(f"qt.delivery.random-{i}", b"x") for i in range(50)]
+    assert output.answerable(replies, now) == []
+    assert output.answerable(replies, now) == []
+    assert shard.admin.listings == 1
+    # Made since (a consumer makes its topic, then subscribes): found in the next iteration.
+    shard.admin.partitions["qt.delivery.random-7"] = 1
+    assert output.answerable(replies, now + 0.001) == [replies[7]]
+    assert shard.admin.listings == 2
+    assert shard.core.counters["unanswerable_replies"] == 50 + 50 + 49
 
 
 def test_an_old_protocol_consumer_still_works_with_identity_not_required(shard: Shard) -> None:

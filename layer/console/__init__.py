@@ -1,0 +1,1 @@
+"""`qlayer console`: the web console (Starlette, server-rendered; see docs/console.md)."""

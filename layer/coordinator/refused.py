@@ -1,0 +1,57 @@
+"""Records the broker refused as too large for their topic, taken apart to be sent alone.
+
+A delivery topic whose ``max.message.bytes`` is below the producer's ``message.max.bytes``
+(made by hand, or altered) takes nothing larger than its own limit; librdkafka accepts such a
+record locally and learns of the refusal (MSG_SIZE_TOO_LARGE) in a delivery report, an
+iteration later. The broker refuses the whole produce batch librdkafka sent to the partition,
+so the refused records include ones that would fit alone (replies among them), and a delivery
+batch record (protocol 3) carries many messages. Which message is too large is known only by
+sending each alone: `alone` gives one record per message, with the bookmark of the entry it
+delivers (None for anything else: a reply, a dead letter, an event batch), and the shard loop
+writes them one at a time (`ShardLoop._resend_refused`). A message still refused alone is
+dead-lettered with reason ``too_large`` (`ShardCore.too_large`); the others are delivered. The
+refusals are rare (a misconfigured topic), so this path may take a round trip per message;
+the loop's ordinary path is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from layer.domain.states import Bookmark
+from layer.kafka import OutgoingRecord
+from layer.protocol import BATCH, ProtocolError
+from layer.protocol.batch import decode_delivery_batch, encode_delivery_batch, encode_entry
+from layer.protocol.headers import DLQ_REASON, LEASE, header_value, parse_delivery_headers
+
+__all__ = ["alone"]
+
+
+def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Bookmark | None]]:
+    """Each refused record's messages as records of their own, each with the bookmark of the
+    entry it delivers (None: not a delivery)."""
+    for record in records:
+        headers = record.headers or []
+        if header_value(headers, BATCH) is not None and record.value is not None:
+            try:
+                entries = decode_delivery_batch(record.value)
+            except ProtocolError:
+                yield record, None
+                continue
+            for e in entries:
+                value = encode_delivery_batch([encode_entry(
+                    e.queue.encode(), e.topic.encode(), e.partition, e.offset, e.lease.encode(),
+                    e.lease_expires_ms, e.delivery_count, e.barrier, e.timestamp_ms, e.key,
+                    e.value, e.headers)])
+                yield (record._replace(value=value),
+                       Bookmark(e.topic, e.partition, e.offset))
+        elif header_value(headers, LEASE) is not None and header_value(
+                headers, DLQ_REASON) is None:
+            try:
+                b = parse_delivery_headers(headers).bookmark
+            except ProtocolError:
+                yield record, None
+                continue
+            yield record, Bookmark(b.topic, b.partition, b.offset)
+        else:
+            yield record, None
