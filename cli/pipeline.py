@@ -7,7 +7,8 @@ with `layer.pipeline.jobs.run_job` and prints what it did. Exit statuses: 0 done
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -46,9 +47,11 @@ KafkaOption = Annotated[list[str] | None, typer.Option(
     "repeatable.")]
 Master = Annotated[str, typer.Option("--master", help="The Spark master.")]
 Start = Annotated[str | None, typer.Option(
-    "--start", help="Range start: epoch milliseconds or an ISO-8601 time (UTC if no zone).")]
+    "--since", "--start", help="Read from this time on: epoch milliseconds, an ISO-8601 time "
+    "(UTC if no zone) or a length before now (30m, 1h, 2d). Only this range is read from "
+    "Kafka.")]
 End = Annotated[str | None, typer.Option(
-    "--end", help="Range end, exclusive: epoch milliseconds or an ISO-8601 time.")]
+    "--until", "--end", help="Read up to this time, exclusive: the same forms as --since.")]
 Output = Annotated[str | None, typer.Option(
     "--output", help="Write the table here: a directory (Parquet) or a PostgreSQL URL "
     "(postgresql://user:pw@host/db or jdbc:postgresql://...).")]
@@ -85,19 +88,15 @@ def _journal(queue: str, journal: str | None, database_url: str | None,
         raise PipelineFailed(f"{exc}; or name the journal with --journal TOPIC") from exc
 
 
-def _millis(option: str, value: str | None) -> int | None:
+def _millis(option: str, value: str | None, now_ms: int) -> int | None:
+    from layer.pipeline.timerange import TimeRangeError, parse_instant
+
     if value is None:
         return None
-    if value.strip().lstrip("-").isdigit():
-        return int(value)
     try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time",
-                                 param_hint=option) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return int(when.timestamp() * 1000)
+        return parse_instant(value, now_ms)
+    except TimeRangeError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 def _source(bootstrap_servers: str | None, topic_prefix: str | None,
@@ -140,7 +139,11 @@ def _run(job: Job, source: EventSource, master: str, *, start: str | None = None
          stream: StreamOptions | None = None, limit: int = 100) -> JobResult:
     from layer.pipeline.jobs import SessionOptions, run_job
 
-    start_ms, end_ms = _millis("--start", start), _millis("--end", end)
+    now_ms = int(time.time() * 1000)  # one "now" for both ends of a relative range
+    start_ms, end_ms = _millis("--since", start, now_ms), _millis("--until", end, now_ms)
+    if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+        raise typer.BadParameter(f"the range ends ({end}) before it starts ({start})",
+                                 param_hint="--until")
     try:
         return run_job(job, source, session=SessionOptions(master), start_ms=start_ms,
                        end_ms=end_ms, output=output, table=table, stream=stream, limit=limit)
@@ -216,8 +219,9 @@ def _show(result: JobResult, json_out: bool, title: str) -> None:
         emit_json(document)
         return
     if stream is not None:
+        in_all = "" if stream.landed is None else f", {stream.landed} in all"
         typer.echo(f"{result.job}: {stream.batches} micro-batch(es), {stream.events} new "
-                   f"event(s), {stream.landed} in all; output {result.output}")
+                   f"event record(s){in_all}; output {result.output}")
         return
     if result.rows and result.job == "metrics":
         show(_metrics_table(result.rows))
@@ -305,6 +309,7 @@ def views(
         "the available ones only).")] = False,
     as_of: Annotated[str | None, typer.Option(
         "--as-of", help="The queue as it was then: epoch ms or ISO-8601 (default now).")] = None,
+    start: Start = None, end: End = None,
     output: Output = None, table: Table = None, stream: Stream = False,
     checkpoint: Checkpoint = None, available_now: AvailableNow = False,
     trigger: Trigger = "1 minute", master: Master = "local[2]", limit: Limit = 100,
@@ -319,9 +324,9 @@ def views(
     from layer.pipeline.jobs import ViewsJob
 
     job = ViewsJob(queue, journal, tuple(field), tuple(group_by or ()), where, include_leased,
-                   _millis("--as-of", as_of))
+                   _millis("--as-of", as_of, int(time.time() * 1000)))
     result = _run(job, _source(bootstrap_servers, topic_prefix, kafka_option), master,
-                  output=output, table=table,
+                  start=start, end=end, output=output, table=table,
                   stream=_stream(stream, checkpoint, available_now, trigger), limit=limit)
     _show(result, json_out, f"view of {queue}")
 

@@ -10,6 +10,8 @@ with the `.avsc` shipped in the package.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,12 +34,14 @@ from layer.store.reports import (
     check_table_name,
     drop_staging,
     final_state_query,
+    merge_table,
     queue_definition_query,
     replace_table,
 )
 
 __all__ = [
     "BATCH_ID_COLUMNS",
+    "SOURCE_READS",
     "OutputError",
     "Sink",
     "StoreRead",
@@ -47,7 +51,9 @@ __all__ = [
     "java_kafka_settings",
     "jdbc_ready",
     "kafka_options",
+    "latest_rows",
     "local_session",
+    "merge_rows",
     "parse_sink",
     "read_events",
     "read_journal",
@@ -76,6 +82,10 @@ def local_session(master: str = "local[2]", app_name: str = "qlayer-pipeline",
         .config("spark.ui.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
     )
+    # Python workers (the incremental lifecycle's per-entry state) must run this interpreter,
+    # whose environment has pandas and pyarrow, not whatever `python3` is first on PATH.
+    # PySpark reads only the environment for it, when the context starts.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     for key, value in (extra_conf or {}).items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
@@ -169,13 +179,23 @@ def event_header_hex() -> str:
 
 def read_events(spark: SparkSession, events_topic: str, options: Mapping[str, str],
                 start_ms: int | None = None, end_ms: int | None = None) -> DataFrame:
-    """The events topic decoded to the `Event` columns, ``type`` as a string.
+    """The events topic decoded to the `Event` columns, ``type`` as a string, in
+    ``[start_ms, end_ms)``.
 
-    The range is on the events' Kafka timestamps; an entry's events are written when they
-    happen, so read a range wider than the journal's when reconciling (the outcomes of the last
-    records come later).
+    The range bounds the read: the Kafka source turns it into offsets by the records'
+    timestamps (``startingTimestamp`` / ``endingTimestamp``), so only that part of the topic
+    is read. It is then applied to each event's own ``timestamp_ms`` too: an `EventBatch`
+    published late (an outbox drained by the shard's next owner) carries events older than
+    its record, and those are outside the range. An entry's events are written when they
+    happen, so read a range wider than the journal's when reconciling (the outcomes of the
+    last records come later).
     """
-    return decode_events(_read_topic(spark, events_topic, options, start_ms, end_ms))
+    events = decode_events(_read_topic(spark, events_topic, options, start_ms, end_ms))
+    if start_ms is not None:
+        events = events.where(F.col("timestamp_ms") >= F.lit(start_ms))
+    if end_ms is not None:
+        events = events.where(F.col("timestamp_ms") < F.lit(end_ms))
+    return events
 
 
 def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, str],
@@ -191,6 +211,10 @@ def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, 
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
     return decode_events(reader.load(), keep_batch_ids=True)
 
+
+#: How many times `decode_events` reads its input in a plan (single Event records, EventBatch
+#: items, EventBatch runs): a stream's `numInputRows` counts each record that many times.
+SOURCE_READS = 3
 
 #: Columns `decode_events(keep_batch_ids=True)` adds: which EventBatch an event came in (null
 #: for a single Event record), its item's place in it, and its place in that item's run (0
@@ -448,3 +472,41 @@ def write_table(frame: DataFrame, sink: Sink, mode: str = "overwrite") -> None:
             raise
     finally:
         engine.dispose()
+
+
+def merge_rows(frame: DataFrame, sink: Sink, keys: Sequence[str], batch_id: int) -> None:
+    """Write the rows one micro-batch changed, keyed by ``keys``, so the sink's work is that
+    batch's rows only.
+
+    Postgres: the rows replace the table's rows with the same keys, in one transaction
+    (`layer.store.reports.merge_table`). Parquet: a directory cannot replace rows in
+    place, so the output is a change log, ``<path>/batch=<id>``, each batch directory
+    overwritten whole (a replayed batch lands once); `latest_rows` reads the table from it.
+    """
+    if not sink.is_jdbc:
+        assert sink.path is not None
+        write_parquet(frame, f"{sink.path.rstrip('/')}/batch={batch_id}")
+        return
+    assert sink.table is not None
+    table = check_table_name(sink.table)
+    flat = jdbc_ready(frame)
+    staging = _staging_name(table)
+    engine = create_engine(store_url(sink))
+    try:
+        try:
+            _jdbc_writer(flat, sink, staging, "overwrite").save()
+            with engine.begin() as conn:
+                merge_table(conn, table, staging, flat.columns, keys)
+        except BaseException:
+            with engine.begin() as conn:
+                drop_staging(conn, staging)
+            raise
+    finally:
+        engine.dispose()
+
+
+def latest_rows(change_log: DataFrame, keys: Sequence[str]) -> DataFrame:
+    """The table a `merge_rows` Parquet change log stands for: per ``keys``, the row of the
+    highest ``batch``, without the ``batch`` column."""
+    latest = change_log.groupBy(*keys).agg(F.max("batch").alias("batch"))
+    return change_log.join(latest, [*keys, "batch"], "left_semi").drop("batch")

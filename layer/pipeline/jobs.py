@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from pyspark import StorageLevel
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -26,10 +27,13 @@ from pyspark.sql import functions as F
 from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
+    BATCH_ID_COLUMNS,
+    SOURCE_READS,
     Sink,
     drop_batch_copies,
     kafka_options,
     local_session,
+    merge_rows,
     parse_sink,
     read_events,
     read_journal,
@@ -37,6 +41,7 @@ from layer.pipeline.io import (
     stream_events,
     write_table,
 )
+from layer.pipeline.timerange import TimeRangeError, parse_range
 from layer.pipeline.views import ViewDefinition, parse_view
 from layer.protocol import TopicNames
 from layer.store.reports import check_table_name
@@ -47,6 +52,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "EXIT_VIOLATIONS",
+    "BatchProgress",
     "EventSource",
     "Job",
     "JobResult",
@@ -66,6 +72,7 @@ __all__ = [
     "run",
     "run_job",
     "run_lifecycle",
+    "run_lifecycle_stream",
     "run_metrics",
     "run_reconcile",
     "run_views",
@@ -127,6 +134,19 @@ class ReconcileReport:
 # ------------------------------------------------------------------------------------------
 # Batch jobs: each reads its range, transforms, writes, and returns the (lazy) table.
 # ------------------------------------------------------------------------------------------
+
+
+def _decoded_once(events: DataFrame) -> DataFrame:
+    """The decoded events, kept (memory, then local disk) after their first read: for
+    `metrics`, which unions seven kinds of samples, each from the events or the lifecycle, so
+    without it reads the Kafka range and decodes every record about 50 times (at 1,000,000
+    events: 49.5 JVM CPU seconds with it, 88.9 without). Not for the other jobs, which use
+    their events twice: there, caching cost more than the second read (lifecycle 26.9 s with
+    it, 19.1 s without; docs/pipeline.md "Speed"). The returned table depends on it, so it
+    stays cached while the caller uses the table: `run_job` clears it when it is done, a
+    caller of `run_metrics` calls ``spark.catalog.clearCache()``.
+    """
+    return events.persist(StorageLevel.MEMORY_AND_DISK)
 
 
 def _sink(output: str | Sink | None, table: str) -> Sink | None:
@@ -203,11 +223,18 @@ def run_reconcile(spark: SparkSession, source: EventSource, queue: str, journal:
 
 def run_views(spark: SparkSession, source: EventSource, queue: str, journal: str,
               definition: ViewDefinition, *, as_of_ms: int, include_leased: bool = False,
+              start_ms: int | None = None, end_ms: int | None = None,
               output: str | Sink | None = None) -> DataFrame:
     """The view over ``queue``'s entries available at ``as_of_ms`` (with ``include_leased``:
     every pending entry), payloads from ``journal``. Computed and written at once (the state
-    of the queue is read now); returns the computed view."""
-    events = read_events(spark, source.events_topic, source.options())
+    of the queue is read now); returns the computed view.
+
+    Only the events written in ``[start_ms, min(end_ms, as_of_ms + 1))`` are read: events
+    after ``as_of_ms`` cannot change the view as of then, and an entry enqueued before
+    ``start_ms`` has no ENQUEUED in the range, so it is not in the view (docs/pipeline.md).
+    """
+    until = as_of_ms + 1 if end_ms is None else min(end_ms, as_of_ms + 1)
+    events = read_events(spark, source.events_topic, source.options(), start_ms, until)
     table = _views(spark, source, queue, journal, definition, as_of_ms, include_leased)(events)
     sink = _sink(output, "qlayer_view")
     if sink is not None:
@@ -237,7 +264,8 @@ def run_metrics(spark: SparkSession, source: EventSource, *, queue: str | None =
                 end_ms: int | None = None, output: str | Sink | None = None) -> DataFrame:
     """SLA metrics per queue and ``window`` from the events written in ``[start_ms, end_ms)``
     (`transforms.metrics`); written to ``output`` when given."""
-    events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
+    events = _decoded_once(read_events(spark, source.events_topic, source.options(), start_ms,
+                                       end_ms))
     table = _metrics(queue, window)(events)
     sink = _sink(output, "qlayer_metrics")
     if sink is not None:
@@ -269,13 +297,122 @@ class StreamOptions:
     available_now: bool = False
     trigger: str = "1 minute"
     max_offsets_per_trigger: int | None = None
+    #: How late an event may come (by its own time, after the latest one seen) and still be
+    #: counted, in the incremental lifecycle; also how long a finished entry's state is kept.
+    watermark: str = "1 hour"
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    """One micro-batch, from Spark's `StreamingQueryProgress`: the rows it read and, for
+    its stateful operator, the state rows in all, updated and removed."""
+
+    batch_id: int
+    input_rows: int
+    state_rows_total: int = 0
+    state_rows_updated: int = 0
+    state_rows_removed: int = 0
 
 
 @dataclass(frozen=True)
 class StreamSummary:
+    """A streaming run: its micro-batches, the event records it read and, for the streams that
+    land their events (metrics, views), the events landed in all (None for the incremental
+    lifecycle, which lands nothing)."""
+
     batches: int
     events: int
-    landed: int
+    landed: int | None
+    progress: tuple[BatchProgress, ...] = ()
+
+
+def _progress(query: Any) -> tuple[BatchProgress, ...]:
+    found = []
+    for p in query.recentProgress:
+        states = list(p.stateOperators or [])
+        found.append(BatchProgress(
+            int(p.batchId), int(p.numInputRows),
+            sum(int(s.numRowsTotal) for s in states),
+            sum(int(s.numRowsUpdated) for s in states),
+            sum(int(s.numRowsRemoved) for s in states)))
+    return tuple(found)
+
+
+def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
+                         stream: StreamOptions, queue: str | None = None) -> StreamSummary:
+    """The lifecycle table kept up to date incrementally: a micro-batch costs its new events.
+
+    Each open entry's events are kept in Spark's state store (`applyInPandasWithState`,
+    keyed by queue and bookmark, `layer.pipeline.entrystate`); a micro-batch hands over only
+    the entries it has events for, gets back all the events of those entries, recomputes
+    their rows with the batch job's own `transforms.lifecycle` and merges just those rows
+    into the output (`io.merge_rows`). An entry's state is removed once it has an outcome and
+    the watermark (the latest event time seen less ``stream.watermark``) has passed its last
+    event. Events later than the watermark are dropped by Spark (counted in the progress as
+    ``numRowsDroppedByWatermark``). Why a Python function per entry: docs/pipeline.md.
+    """
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    from layer.pipeline.entrystate import entry_step, plain_rows
+
+    events = stream_events(spark, source.events_topic, source.options(),
+                           stream.max_offsets_per_trigger)
+    events = events.where(F.col("queue").isNotNull() & F.col("bookmark").isNotNull())
+    if queue is not None:
+        events = events.where(F.col("queue") == F.lit(queue))
+    schema = events.schema
+    columns = list(events.columns)
+    integral = [f.name for f in schema.fields
+                if f.dataType.typeName() in ("integer", "long")]
+
+    def step(key: Any, frames: Any, state: Any) -> Any:
+        import pandas as pd  # type: ignore[import-untyped]
+
+        kept = state.get[0] if state.exists else None
+        new = (row for frame in frames
+               for row in plain_rows(frame[columns].to_dict("records"), integral))
+        done = entry_step(kept, new, state.hasTimedOut)
+        if done.state is None:
+            if state.exists:
+                state.remove()
+        else:
+            state.update((done.state,))
+            if done.timeout_ms is not None:
+                # Spark refuses a timeout the watermark has passed already.
+                state.setTimeoutTimestamp(max(done.timeout_ms,
+                                              state.getCurrentWatermarkMs() + 1))
+        if done.emit:
+            yield pd.DataFrame(done.emit, columns=columns, dtype=object)
+
+    touched = (events.withColumn("event_time", F.timestamp_millis(F.col("timestamp_ms")))
+               .withWatermark("event_time", stream.watermark)
+               .groupBy("queue", "bookmark")
+               .applyInPandasWithState(step, schema, "events string", "update",
+                                       GroupStateTimeout.EventTimeTimeout))
+    counted = {"batches": 0, "events": 0}
+
+    def each_batch(batch: DataFrame, batch_id: int) -> None:
+        rows = transforms.lifecycle(batch.drop(*BATCH_ID_COLUMNS)).cache()
+        try:
+            merge_rows(rows, sink, ["queue", "bookmark"], batch_id)
+            counted["batches"] += 1
+        finally:
+            rows.unpersist()
+
+    writer = (touched.writeStream.outputMode("update").foreachBatch(each_batch)
+              .option("checkpointLocation", stream.checkpoint.rstrip("/") + "/state"))
+    if stream.available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=stream.trigger)
+    query = writer.start()
+    try:
+        query.awaitTermination()
+    finally:
+        query.stop()
+    progress = _progress(query)
+    records = sum(p.input_rows for p in progress) // SOURCE_READS
+    return StreamSummary(counted["batches"], records, None, progress)
 
 
 def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFrame], DataFrame],
@@ -444,13 +581,20 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
                 "time (docs/pipeline.md)")
         if sink is None:
             raise PipelineUsageError("--stream needs --output: the table it keeps up to date")
+        if start_ms is not None or end_ms is not None:
+            raise PipelineUsageError(
+                "--since/--until bound a batch job's read; a stream reads from where its "
+                "checkpoint stopped")
     # Checked before any JVM starts: a typo fails in a second, not after Spark's start.
     if isinstance(job, MetricsJob):
         check_window(job.window)
     definition = (parse_view(job.fields, job.group_by, job.where)
                   if isinstance(job, ViewsJob) else None)
     if spark is not None:
-        return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
+        try:
+            return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
+        finally:
+            spark.catalog.clearCache()  # the events `_decoded_once` kept
     with _session(session or SessionOptions(), name) as own:
         return _run(job, definition, own, source, start_ms, end_ms, sink, stream, limit)
 
@@ -463,8 +607,10 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
     if stream is not None and sink is not None:
         build: Callable[[DataFrame], DataFrame]
         if isinstance(job, LifecycleJob):
-            build = _lifecycle(job.queue)
-        elif isinstance(job, MetricsJob):
+            return JobResult(name, [], where,
+                             stream=run_lifecycle_stream(spark, source, sink, stream,
+                                                         job.queue))
+        if isinstance(job, MetricsJob):
             build = _metrics(job.queue, job.window)
         else:
             assert isinstance(job, ViewsJob) and definition is not None
@@ -485,7 +631,8 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
         assert definition is not None
         at = job.as_of_ms if job.as_of_ms is not None else int(time.time() * 1000)
         result = run_views(spark, source, job.queue, job.journal, definition, as_of_ms=at,
-                           include_leased=job.include_leased, output=sink)
+                           include_leased=job.include_leased, start_ms=start_ms,
+                           end_ms=end_ms, output=sink)
         return JobResult(name, _rows(result, limit), where)
     found = run_metrics(spark, source, queue=job.queue, window=job.window, start_ms=start_ms,
                         end_ms=end_ms, output=sink)
@@ -509,8 +656,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--from-submit", action="store_true",
                         help="use the session spark-submit configured (its --master and --jars)")
-    parser.add_argument("--start-ms", type=int, help="range start, epoch milliseconds")
-    parser.add_argument("--end-ms", type=int, help="range end (exclusive), epoch milliseconds")
+    parser.add_argument("--since", metavar="T",
+                        help="range start: epoch ms, ISO-8601 (UTC if no zone) or a length "
+                        "before now (1h, 30m, 2d)")
+    parser.add_argument("--until", metavar="T",
+                        help="range end (exclusive), in the same forms as --since")
+    parser.add_argument("--start-ms", type=int, help="range start, epoch milliseconds "
+                        "(the older name of --since)")
+    parser.add_argument("--end-ms", type=int, help="range end (exclusive), epoch milliseconds "
+                        "(the older name of --until)")
     parser.add_argument("--output", help="a directory for Parquet, or a postgresql:// URL")
     parser.add_argument("--table", help="the Postgres table (default qlayer_<job>)")
     parser.add_argument("--stream", action="store_true",
@@ -566,12 +720,26 @@ def _job(args: argparse.Namespace) -> Job:
     return MetricsJob(args.queue, args.window)
 
 
+def _range(args: argparse.Namespace, parser: argparse.ArgumentParser
+           ) -> tuple[int | None, int | None]:
+    if args.since is not None and args.start_ms is not None:
+        parser.error("give --since or --start-ms, not both")
+    if args.until is not None and args.end_ms is not None:
+        parser.error("give --until or --end-ms, not both")
+    try:
+        start, end = parse_range(args.since, args.until, int(time.time() * 1000))
+    except TimeRangeError as exc:
+        parser.error(str(exc))  # exits 2
+    return (start if start is not None else args.start_ms,
+            end if end is not None else args.end_ms)
+
+
 def print_result(result: JobResult) -> None:
     """The plain-text report both front ends print (tab-separated, for scripts)."""
     if result.stream is not None:
         s = result.stream
-        print(f"{result.job}: {s.batches} micro-batches, {s.events} new events, "
-              f"{s.landed} events in all")
+        in_all = "" if s.landed is None else f", {s.landed} events in all"
+        print(f"{result.job}: {s.batches} micro-batches, {s.events} new event records{in_all}")
     elif result.report is not None:
         report = result.report
         print(f"{report.queue}: {report.done} done, {report.pending} pending, "
@@ -594,9 +762,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--stream needs --checkpoint DIR")
     stream = (StreamOptions(args.checkpoint, args.available_now, args.trigger)
               if args.stream else None)
+    start_ms, end_ms = _range(args, parser)
     result = run_job(_job(args), source,
                      session=SessionOptions(args.master, args.from_submit),
-                     start_ms=args.start_ms, end_ms=args.end_ms, output=args.output,
+                     start_ms=start_ms, end_ms=end_ms, output=args.output,
                      table=args.table, stream=stream)
     print_result(result)
     return result.exit_status

@@ -77,6 +77,27 @@ def replace_table(conn: Connection, table: str, staging: str, columns: Sequence[
     conn.execute(text(f"DROP TABLE {staging}"))
 
 
+def merge_table(conn: Connection, table: str, staging: str, columns: Sequence[str],
+                keys: Sequence[str]) -> None:
+    """Make ``table``'s rows whose ``keys`` are in ``staging`` the rows of ``staging`` (the
+    others stay), then drop ``staging``; in one transaction (the caller's). What an
+    incremental stream writes: only the rows its micro-batch changed. A table that does not
+    exist yet is the staging table renamed."""
+    check_table_name(table)
+    check_table_name(staging)
+    exists = conn.execute(text("SELECT to_regclass(:name) IS NOT NULL"),
+                          {"name": table}).scalar_one()
+    if not exists:
+        conn.execute(text(f"ALTER TABLE {staging} RENAME TO {table.rsplit('.', 1)[-1]}"))
+        return
+    names = ", ".join(_quoted(c) for c in columns)
+    match = " AND ".join(f"t.{_quoted(k)} = s.{_quoted(k)}" for k in keys)
+    conn.execute(text(f"LOCK TABLE {table} IN EXCLUSIVE MODE"))
+    conn.execute(text(f"DELETE FROM {table} AS t USING {staging} AS s WHERE {match}"))
+    conn.execute(text(f"INSERT INTO {table} ({names}) SELECT {names} FROM {staging}"))
+    conn.execute(text(f"DROP TABLE {staging}"))
+
+
 def drop_staging(conn: Connection, staging: str) -> None:
     """Drop a staging table whose swap did not happen (no reader ever reads one)."""
     conn.execute(text(f"DROP TABLE IF EXISTS {check_table_name(staging)}"))

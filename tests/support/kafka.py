@@ -9,10 +9,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 
 def create_topic(bootstrap_servers: str, name: str, partitions: int = 3, *,
-                 exist_ok: bool = False) -> None:
+                 exist_ok: bool = False, config: dict[str, str] | None = None) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
     futures = admin.create_topics([NewTopic(name, num_partitions=partitions,
-                                            replication_factor=1)])
+                                            replication_factor=1, config=config or {})])
     try:
         futures[name].result(timeout=30)
     except KafkaException as exc:

@@ -35,7 +35,10 @@ def test_the_group_lists_its_jobs() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["lifecycle", "--stream"], "--stream needs --checkpoint DIR"),
     (["metrics", "--available-now"], "--checkpoint and --available-now go with --stream"),
-    (["metrics", "--start", "yesterday"], "neither epoch milliseconds nor an ISO-8601 time"),
+    (["metrics", "--start", "yesterday"], "neither epoch milliseconds, an ISO-8601 time"),
+    (["views", "Orders", "--journal", "o", "--field", "/a", "--since", "soon"],
+     "neither epoch milliseconds, an ISO-8601 time"),
+    (["lifecycle", "--since", "1h", "--until", "2h"], "ends (2h) before it starts (1h)"),
     (["lifecycle", "--kafka-option", "security.protocol"], "takes KEY=VALUE"),
     (["metrics", "--window", "5m"], "give a length such as '1 minute'"),
 ])
@@ -93,3 +96,21 @@ def test_violations_exit_3_and_are_listed(monkeypatch: pytest.MonkeyPatch) -> No
     assert (seen["start_ms"], seen["end_ms"]) == (1767225600000, 1767312000000)
     # qlayer's own PostgreSQL is the audit's third source.
     assert seen["job"] == ReconcileJob("Orders", "orders", "postgresql+psycopg://q@db/qlayer")
+
+
+def test_since_and_until_take_a_length_before_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    from layer.pipeline.jobs import JobResult
+
+    seen: dict[str, object] = {}
+
+    def fake_run_job(job: object, source: object, **options: object) -> JobResult:
+        seen.update(options)
+        return JobResult("lifecycle", [], None)
+
+    monkeypatch.setattr("layer.pipeline.jobs.run_job", fake_run_job)
+    monkeypatch.setattr("time.time", lambda: 1_767_225_600.0)
+    result = runner.invoke(app, ["pipeline", "lifecycle", "--since", "2h", "--until", "30m",
+                                 "--bootstrap-servers", "kafka:9092"])
+    assert result.exit_code == 0, result.output
+    assert (seen["start_ms"], seen["end_ms"]) == (1_767_225_600_000 - 7_200_000,
+                                                  1_767_225_600_000 - 1_800_000)
