@@ -395,18 +395,22 @@ def counters(events: DataFrame) -> DataFrame:
 
     Same names and meaning as the coordinator's counters: enqueued (entries, ENQUEUED
     deduplicated), delivered (LEASED), redelivered (LEASED with delivery_count > 1), acked,
-    released, lease_expired, expired (every EXPIRED, dead letters included), dead_lettered
-    (EXPIRED after DEAD_LETTERED).
+    released, lease_expired, rejected (EXPIRED after REJECTED), expired (every other EXPIRED,
+    dead letters included), dead_lettered (EXPIRED after DEAD_LETTERED).
     """
     e = entry_events(events)
 
     def count(condition: Column) -> Column:
         return F.count(F.when(condition, F.lit(1)))
 
-    dead = (e.where(_is(EventType.DEAD_LETTERED)).select("queue", "bookmark")
-            .distinct().withColumn("dead", F.lit(True)))
+    def marked(kind: EventType, column: str) -> DataFrame:
+        return (e.where(_is(kind)).select("queue", "bookmark").distinct()
+                .withColumn(column, F.lit(True)))
+
+    expired = _is(EventType.EXPIRED)
     return (
-        e.join(dead, ["queue", "bookmark"], "left")
+        e.join(marked(EventType.DEAD_LETTERED, "dead"), ["queue", "bookmark"], "left")
+        .join(marked(EventType.REJECTED, "rejected_by"), ["queue", "bookmark"], "left")
         .groupBy("queue")
         .agg(
             count(_is(EventType.ENQUEUED)).alias("enqueued"),
@@ -415,8 +419,9 @@ def counters(events: DataFrame) -> DataFrame:
             count(_is(EventType.ACKED)).alias("acked"),
             count(_is(EventType.RELEASED)).alias("released"),
             count(_is(EventType.LEASE_EXPIRED)).alias("lease_expired"),
-            count(_is(EventType.EXPIRED)).alias("expired"),
-            count(_is(EventType.EXPIRED) & F.col("dead").isNotNull()).alias("dead_lettered"),
+            count(expired & F.col("rejected_by").isNotNull()).alias("rejected"),
+            count(expired & F.col("rejected_by").isNull()).alias("expired"),
+            count(expired & F.col("dead").isNotNull()).alias("dead_lettered"),
         )
     )
 
