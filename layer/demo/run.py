@@ -21,10 +21,12 @@ owns the database's queues: then that one serves the demo); the local stack stay
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -49,6 +51,7 @@ from layer.sdk import (
     QueuePublisher,
     UnknownQueueError,
 )
+from layer.sdk.identity import STATE_DIR_ENV
 from layer.settings import Settings
 from layer.store.store import Store
 
@@ -255,7 +258,11 @@ def _jobs(settings: Settings, options: DemoOptions, publisher: QueuePublisher,
          "--consumer-id", crasher_id, "--max-backlog", str(crasher_backlog),
          "--session-timeout", str(options.session_timeout),
          "--kafka-config", json.dumps(settings.kafka)],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True,
+        # Its session secret in a directory of the demo's own: SIGKILLed, it never removes
+        # the file, which would otherwise stay in the user's ~/.local/state for good.
+        env={**os.environ, STATE_DIR_ENV: stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="qlayer-demo-"))})
     stack.callback(_kill, crasher)
     lines: list[dict[str, Any]] = []
     reader = threading.Thread(target=_read_lines, args=(crasher, lines), daemon=True)

@@ -241,10 +241,11 @@ class QueueConsumer:
         self._shard: int | None = None
         self._delivery_topic = self._topics.delivery(self._consumer_id)  # validates the id
         # Protocol 5: the live session's secret, proved by every later record; kept on disk
-        # for a restarted process of this consumer id (`layer.sdk.identity`).
-        self._secrets = SecretStore(Path(state_dir) if state_dir is not None
-                                    else default_state_dir(), self._topics.prefix,
-                                    self._consumer_id)
+        # for a restarted process of this consumer id (`layer.sdk.identity`). Not for an id
+        # made up here: no later process has it, and a SIGKILLed one's file would stay forever.
+        self._secrets = (SecretStore(Path(state_dir) if state_dir is not None
+                                     else default_state_dir(), self._topics.prefix,
+                                     self._consumer_id) if consumer_id else None)
         self._secret: bytes | None = None
         self._proof: list[tuple[str, bytes]] | None = None
         self._session_timeout = session_timeout
@@ -589,7 +590,7 @@ class QueueConsumer:
                     )
                 )
                 self._producer.wait(timeout)
-            if self._secret is not None:
+            if self._secret is not None and self._secrets is not None:
                 # The session is over (unsubscribed, or ended by the coordinator): a later
                 # process of this consumer id has nothing to prove.
                 self._secrets.forget(self._secret)
@@ -631,7 +632,8 @@ class QueueConsumer:
         # process's own, or the one a previous process of this consumer id kept (a Subscribe
         # over a live session is refused without it).
         secret = new_session_secret()
-        previous = self._secret or self._secrets.load()
+        previous = self._secret or (self._secrets.load() if self._secrets is not None
+                                    else None)
         with self._cond:
             self._session_id = session_id
             self._set_secret(secret)
@@ -684,7 +686,8 @@ class QueueConsumer:
             with self._cond:
                 self._set_secret(previous)  # no session has the new secret
             raise self._refusal(result, self._queue, self._filter)
-        self._secrets.save(secret)
+        if self._secrets is not None:
+            self._secrets.save(secret)
         self._request_id = request_id
         self._grants = {grant.queue: grant for grant in result.queues}
         self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))

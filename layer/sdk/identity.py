@@ -5,7 +5,8 @@ is still live is refused unless it proves that session's secret. A worker that c
 comes back under its consumer id (docs/protocol.md §8) should still break its old leases at
 once, so the SDK keeps the secret of its live session in a file only its user can read: one
 file per topic prefix and consumer id, mode 0600, in a directory of mode 0700. The file is
-written when the coordinator accepts a Subscribe and removed by ``close()``.
+written when the coordinator accepts a Subscribe and removed by ``close()``. A consumer
+without a ``consumer_id`` (the SDK makes one up) keeps no file: no later process has its id.
 
 The directory: the consumer's ``state_dir`` argument, else ``QLAYER_SDK_STATE_DIR``, else
 ``$XDG_STATE_HOME/qlayer/sessions`` (``~/.local/state/qlayer/sessions``). A restarted process
@@ -20,7 +21,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["SecretStore", "default_state_dir"]
+__all__ = ["STATE_DIR_ENV", "SecretStore", "default_state_dir"]
 
 log = logging.getLogger(__name__)
 

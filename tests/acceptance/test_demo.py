@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +25,10 @@ pytestmark = pytest.mark.acceptance
 
 
 def demo(bootstrap_servers: str, database_url: str, prefix: str,
-         *extra: str) -> subprocess.CompletedProcess[str]:
+         *extra: str, state_home: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QLAYER_")}
+    if state_home is not None:
+        env["XDG_STATE_HOME"] = str(state_home)
     return subprocess.run(
         [sys.executable, "-m", "layer_cli.main", "demo", "--bootstrap-servers", bootstrap_servers,
          "--database-url", database_url, "--topic-prefix", prefix, *extra],
@@ -34,12 +37,15 @@ def demo(bootstrap_servers: str, database_url: str, prefix: str,
 
 def test_demo_shows_every_headline_feature_and_runs_again(
         bootstrap_servers: str, empty_database_url: str,
-        unique_name: Callable[[str], str]) -> None:
+        unique_name: Callable[[str], str], tmp_path: Path) -> None:
     prefix = unique_name("demo") + "."
     started = time.monotonic()
-    first = demo(bootstrap_servers, empty_database_url, prefix, "--json")
+    first = demo(bootstrap_servers, empty_database_url, prefix, "--json", state_home=tmp_path)
     took = time.monotonic() - started
     assert first.returncode == 0, first.stderr[-3000:]
+    # The SIGKILLed consumer's session secret was kept out of the user's state directory
+    # (it never removes its own file; the demo's temporary one went with the demo).
+    assert list(tmp_path.rglob("*.secret")) == []
     report: dict[str, Any] = json.loads(first.stdout)
     assert took < 120, f"the demo took {took:.0f}s"
 

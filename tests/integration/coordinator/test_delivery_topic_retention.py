@@ -63,9 +63,10 @@ def test_topics_of_closed_and_killed_consumers_go_and_a_live_ones_stays(
                                    state_dir=tmp_path / "closed")
             closed_topic = f"{prefix}delivery.{closed.consumer_id}"
             assert closed_topic in _topics(settings)
-            assert list((tmp_path / "closed").iterdir()), "the session's secret is kept"
+            # A made-up consumer id: no later process has it, so no secret is kept for one.
+            assert not (tmp_path / "closed").exists()
+            assert list((tmp_path / "keeper").iterdir()), "the session's secret is kept"
             closed.close()
-            assert not list((tmp_path / "closed").iterdir()), "close() removes the secret"
 
             victim = subprocess.Popen(
                 [sys.executable, "-c", VICTIM, settings.bootstrap_servers, prefix,
@@ -76,6 +77,8 @@ def test_topics_of_closed_and_killed_consumers_go_and_a_live_ones_stays(
             assert killed_topic in _topics(settings)
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
+            # SIGKILLed, it leaves no secret file behind (it kept none).
+            assert not (tmp_path / "victim").exists()
 
             # Closed: retention (and one listing) after close. Killed: its 2 s session
             # timeout first. Both well within 30 s.
@@ -85,6 +88,7 @@ def test_topics_of_closed_and_killed_consumers_go_and_a_live_ones_stays(
             assert live.receive(timeout=0.5) is None  # still subscribed, nothing failed
         finally:
             live.close()
+        assert not list((tmp_path / "keeper").iterdir()), "close() removes the secret"
         # Once it closed, its topic goes too.
         assert _wait_until_gone(settings, {f"{prefix}delivery.keeper"}, 30.0) == set()
 
