@@ -136,20 +136,26 @@ def test_renew_with_a_length_outlives_the_lease_period(
     now, past the queue's lease period; nobody else gets the message meanwhile; a length out
     of bounds is refused before it is sent."""
     work = create_topic(unique_name("Work"), partitions=1)
-    # Long enough that a first delivery that is slow to arrive (a new delivery topic) is
-    # still leased when it is renewed.
-    put_queues(settings, {"name": "Jobs", "underlying_topic": work, "lease_period": "6s"})
-    with QueuePublisher(settings.bootstrap_servers,
-                        topic_prefix=settings.topic_prefix) as publisher:
-        publisher.publish(work, b"slow")
-        publisher.publish(work, b"short")
+    put_queues(settings, {"name": "Jobs", "underlying_topic": work, "lease_period": "10s"})
     with running_coordinator(settings):
+        # The worker subscribes before anything is published, so its delivery topic exists
+        # and both deliveries arrive well within the lease period even on a loaded machine
+        # (a first delivery that waits on a new topic could outlive a short lease and be
+        # delivered again under a new token before this test renews the old one).
         worker = consumer(settings, "Jobs", max_backlog=2)
-        other = consumer(settings, "Jobs", max_backlog=2)
+        other: QueueConsumer | None = None
         try:
+            with QueuePublisher(settings.bootstrap_servers,
+                                topic_prefix=settings.topic_prefix) as publisher:
+                publisher.publish(work, b"slow")
+                publisher.publish(work, b"short")
             slow = worker.receive(timeout=20)
             short = worker.receive(timeout=20)
             assert slow is not None and short is not None
+            assert (slow.value, short.value) == (b"slow", b"short")
+            assert (slow.delivery_count, short.delivery_count) == (1, 1), \
+                "premise: both first deliveries arrived within the lease period"
+            other = consumer(settings, "Jobs", max_backlog=2)
             with pytest.raises(ValueError, match="12 hours"):
                 slow.renew(extend=13 * 3600)
             first = slow.lease_expires_at
@@ -163,14 +169,17 @@ def test_renew_with_a_length_outlives_the_lease_period(
             got = other.receive(timeout=5)
             assert got is not None and got.value == b"short" and got.delivery_count == 2
             got.ack()
-            # Past the 6 s lease period of the first delivery, the renewed one still holds.
-            assert other.receive(timeout=7) is None, "the renewed lease was broken"
+            # Past the end of the first delivery's lease, the renewed one still holds.
+            remaining = (first - datetime.now(UTC)).total_seconds()
+            assert other.receive(timeout=max(remaining, 0) + 2) is None, \
+                "the renewed lease was broken"
             slow.ack()
             wait_until(lambda: counters(settings, "Jobs").get("acked") == 2 or None,
                        timeout=20, what="both acked, the renewed one by its holder")
         finally:
             worker.close()
-            other.close()
+            if other is not None:
+                other.close()
 
 
 def publish_mail(settings: Settings, journal: str, *recipients: str) -> None:
