@@ -178,3 +178,46 @@ def test_0010_counts_rejections_apart_and_its_downgrade_adds_them_back_to_expire
         assert "rejected" not in columns
     finally:
         engine.dispose()
+
+
+def _storage(conn: sa.Connection, column: str) -> str:
+    """PostgreSQL's storage strategy of an entry_runs column: 'x' extended (compressed, the
+    default for arrays and text), 'e' external (out of line, uncompressed)."""
+    return str(conn.execute(sa.text(
+        "SELECT attstorage FROM pg_attribute WHERE attrelid = 'entry_runs'::regclass "
+        "AND attname = :column"), {"column": column}).scalar_one())
+
+
+def test_0011_stores_runs_uncompressed_and_keeps_the_runs_already_written(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0010_rejected_counter")
+    engine = sa.create_engine(empty_database_url)
+    tokens = ",".join(f"{i:032x}" for i in range(200))  # past the 2 kB TOAST threshold
+    insert = sa.text(
+        "INSERT INTO entry_runs (queue, topic, partition, first_offset, last_offset, offsets, "
+        "state, delivery_count, cancel_count, lease_consumer, lease_tokens, lease_deadline, "
+        "updated_at) VALUES ('Work', 'work', :partition, 0, 199, "
+        "ARRAY(SELECT generate_series(0, 199))::bigint[], 'LEASED', 1, 0, 'w-1', :tokens, "
+        "now(), now())")
+    try:
+        with engine.begin() as conn:
+            assert (_storage(conn, "offsets"), _storage(conn, "lease_tokens")) == ("x", "x")
+            conn.execute(insert, {"partition": 0, "tokens": tokens})
+        assert migrate.upgrade(empty_database_url, "0011_runs_stored_uncompressed") == (
+            "0011_runs_stored_uncompressed")
+        with engine.begin() as conn:
+            assert (_storage(conn, "offsets"), _storage(conn, "lease_tokens")) == ("e", "e")
+            conn.execute(insert, {"partition": 1, "tokens": tokens})
+            # Both runs read back whole, the one compressed before the upgrade and the new one.
+            rows = conn.execute(sa.text(
+                "SELECT partition, lease_tokens, cardinality(offsets), "
+                "pg_column_compression(lease_tokens) FROM entry_runs ORDER BY partition")).all()
+        assert [(p, t, n) for p, t, n, _ in rows] == [(0, tokens, 200), (1, tokens, 200)]
+        assert rows[0][3] == "pglz" and rows[1][3] is None
+        assert migrate.downgrade(empty_database_url, "0010_rejected_counter") == (
+            "0010_rejected_counter")
+        with engine.connect() as conn:
+            assert (_storage(conn, "offsets"), _storage(conn, "lease_tokens")) == ("x", "x")
+    finally:
+        engine.dispose()
