@@ -2,6 +2,7 @@
 //! ported line by line, behind the same Python interface (`layer.domain.native` wraps it).
 //! The Python engine is the reference; tests run both on the same inputs and compare.
 
+mod batch;
 mod convert;
 mod engine;
 mod lane;
@@ -734,6 +735,7 @@ fn enqueue(
 #[pymodule]
 fn qlayer_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
+    m.add_function(wrap_pyfunction!(batch::decode_delivery_batch, m)?)?;
     m.add_class::<NativeEngine>()?;
     m.add_class::<Share>()?;
     m.add_class::<Lane>()?;

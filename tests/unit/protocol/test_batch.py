@@ -4,6 +4,7 @@ that is not a whole batch is refused with a ProtocolError, never misread."""
 from __future__ import annotations
 
 import pytest
+import qlayer_native as native
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -239,3 +240,49 @@ def test_many_events_are_split_into_batches_that_read_back_in_order() -> None:
     assert read == events
     assert codec.event_arrays([]) == []
     assert len(codec.event_arrays(records)) == 1  # the default: 256 KiB per batch
+
+
+
+def _reference_or_error(value: bytes) -> list[tuple] | None:  # type: ignore[type-arg]
+    from layer.protocol.batch import _decode_delivery_batch
+    try:
+        return [tuple(e) for e in _decode_delivery_batch(value)]
+    except ProtocolError:
+        return None
+
+
+def _native_or_error(value: bytes) -> list[tuple] | None:  # type: ignore[type-arg]
+    try:
+        return [tuple(e) for e in native.decode_delivery_batch(value)]
+    except ValueError:
+        return None
+
+
+@given(st.lists(entries, max_size=6), st.data())
+def test_the_native_decoder_reads_what_the_reference_reads_and_refuses_what_it_refuses(
+    messages: list[tuple], data: st.DataObject,  # type: ignore[type-arg]
+) -> None:
+    """The SDK decodes with the native extension when it is installed: on whole batches and
+    on the same batch cut, padded or with a byte changed, it answers exactly the reference's
+    messages, or refuses where the reference raises (the reference then says why)."""
+    value = encode_delivery_batch([
+        encode_entry(q.encode(), t.encode(), p, o, lease.encode(), exp, dc, barrier, ts, k, v, h)
+        for q, t, p, o, lease, exp, dc, barrier, ts, k, v, h in messages])
+    variants = [value, value[:data.draw(st.integers(0, len(value)))], value + b"\x00"]
+    if value:
+        at = data.draw(st.integers(0, len(value) - 1))
+        variants.append(value[:at] + bytes([data.draw(st.integers(0, 255))]) + value[at + 1:])
+    for variant in variants:
+        assert _native_or_error(variant) == _reference_or_error(variant)
+    assert [tuple(e) for e in decode_delivery_batch(value)] == _reference_or_error(value)
+
+
+def test_a_refused_batch_is_explained_by_the_reference_decoder() -> None:
+    value = encode_delivery_batch([encode_entry(b"Q", b"t", 0, 1, b"ab", 5, 1, False, None,
+                                                None, b"v", None)])
+    with pytest.raises(ValueError):
+        native.decode_delivery_batch(value[:-1])
+    with pytest.raises(ProtocolError, match="cut or garbled"):
+        decode_delivery_batch(value[:-1])
+    with pytest.raises(ProtocolError, match="1 bytes after the last of 1 messages"):
+        decode_delivery_batch(value + b"\x00")
