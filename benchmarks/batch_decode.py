@@ -1,5 +1,6 @@
 """What an SDK consumer spends decoding a delivery batch, per message: the native decoder
-(`native/src/batch.rs`, used when the extension is installed) beside the Python reference.
+(`native/src/batch.rs`, through `decode_delivery_batch_fields` as the SDK calls it when the
+extension is installed) beside the Python reference.
 
     .venv/bin/python benchmarks/batch_decode.py [--messages 500] [--repetitions 5]
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from layer.protocol.batch import (
     _decode_delivery_batch,
-    decode_delivery_batch,
+    decode_delivery_batch_fields,
     encode_delivery_batch,
     encode_entry,
 )
@@ -55,7 +56,7 @@ def main() -> None:
         for headers in (0, 8):
             data = batch(args.messages, size, headers)
             python = best(_decode_delivery_batch, data, args.messages, args.repetitions)
-            native = best(decode_delivery_batch, data, args.messages, args.repetitions)
+            native = best(decode_delivery_batch_fields, data, args.messages, args.repetitions)
             print(f"{size:>8} {headers:>7} {python:>13.2f} {native:>10.2f} {python / native:>6.1f}")
 
 

@@ -33,7 +33,12 @@ from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
 from layer.domain.likepattern import name_matcher
 from layer.kafka.acls import sdk_group
-from layer.protocol.batch import BATCH, DELIVERY_FORMAT, DeliveryFormat, decode_delivery_batch
+from layer.protocol.batch import (
+    BATCH,
+    DELIVERY_FORMAT,
+    DeliveryFormat,
+    decode_delivery_batch_fields,
+)
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
@@ -768,7 +773,7 @@ class QueueConsumer:
                     ignored += 1
                     continue
                 try:
-                    entries = decode_delivery_batch(record.value())
+                    entries = decode_delivery_batch_fields(record.value())
                 except ProtocolError as exc:
                     malformed += 1
                     log.warning("unreadable delivery batch on %s at offset %s: %s",

@@ -144,15 +144,16 @@ class Message:
         return message
 
     @classmethod
-    def from_batch(cls, entry: BatchEntry, *, consumer_id: str, session_id: str,
-                   settler: Settler) -> Message:
-        """Build a message from one entry of a delivery batch (protocol 3)."""
+    def from_batch(cls, entry: BatchEntry | tuple[Any, ...], *, consumer_id: str,
+                   session_id: str, settler: Settler) -> Message:
+        """Build a message from one entry of a delivery batch (protocol 3): a `BatchEntry`, or
+        the plain tuple of its fields (`decode_delivery_batch_fields`), read by position."""
         message = cls.__new__(cls)
-        message.key = entry.key
-        message.value = entry.value
-        message.headers = entry.headers
+        message.key = entry[9]
+        message.value = entry[10]
+        message.headers = entry[11]
         message._timestamp = None
-        message._timestamp_ms = entry.timestamp_ms
+        message._timestamp_ms = entry[8]
         message._lease_fields = entry[:8]  # queue ... barrier, in `BatchEntry`'s order
         message._bookmark = None
         message._session_id = session_id

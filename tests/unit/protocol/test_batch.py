@@ -12,6 +12,7 @@ from layer.protocol import AckType, Codec, ProtocolError
 from layer.protocol.batch import (
     DeliveryFormat,
     decode_delivery_batch,
+    decode_delivery_batch_fields,
     delivery_format,
     encode_delivery_batch,
     encode_entry,
@@ -275,6 +276,7 @@ def test_the_native_decoder_reads_what_the_reference_reads_and_refuses_what_it_r
     for variant in variants:
         assert _native_or_error(variant) == _reference_or_error(variant)
     assert [tuple(e) for e in decode_delivery_batch(value)] == _reference_or_error(value)
+    assert [tuple(e) for e in decode_delivery_batch_fields(value)] == _reference_or_error(value)
 
 
 def test_a_refused_batch_is_explained_by_the_reference_decoder() -> None:
@@ -286,3 +288,5 @@ def test_a_refused_batch_is_explained_by_the_reference_decoder() -> None:
         decode_delivery_batch(value[:-1])
     with pytest.raises(ProtocolError, match="1 bytes after the last of 1 messages"):
         decode_delivery_batch(value + b"\x00")
+    with pytest.raises(ProtocolError, match="cut or garbled"):
+        decode_delivery_batch_fields(value[:-1])
