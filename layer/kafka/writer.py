@@ -54,11 +54,10 @@ class RecordWriter:
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None, *,
                  keep_too_large: bool = False) -> None:
-        # With ``keep_too_large`` (no transaction: one refused record fails a transaction
-        # whole), records the broker refuses as too large for their topic do not fail
-        # `flush` or `drain`: `take_too_large` hands them back, and `send_alone` tries one.
-        if keep_too_large and transactional_id is not None:
-            raise ValueError("keep_too_large is for writers without a transaction")
+        # With ``keep_too_large``, the records the broker refuses as too large for their
+        # topic are kept for `take_too_large`. Without a transaction they do not fail `flush`
+        # or `drain` (`send_alone` tries one again); in a transaction one refusal still fails
+        # the commit whole (the transaction is aborted), and they say which records it was.
         self._reports = reports = DeliveryFailures(keep_too_large=keep_too_large)
         settings: dict[str, Any] = {
             # Delivery batches of JSON shrink several times; a deployment's `kafka:` settings
