@@ -638,74 +638,91 @@ class ShardLoop:
         """Write ``records`` in a Kafka transaction and commit it (``--transactions``).
 
         A record the broker refuses as too large for its topic (a delivery topic's
-        ``max.message.bytes`` under the producer's) fails the whole transaction: it is
+        ``max.message.bytes`` under the producer's) dooms the whole transaction: it is
         aborted, so none of its records was ever readable (consumers read committed records
-        only), and written again by a new producer without the refused records, as many times
-        as new refusals come (the broker refuses the whole produce batch of a partition, so
-        each round takes out at least one record). Then each refused record's messages are
-        written alone, a transaction each (`layer.coordinator.refused`): a delivery still
-        refused alone is dead-lettered by the next step (reason ``too_large``), the others are
-        delivered with their original lease. Nothing is sent twice: only committed
-        transactions are read, and each record is in one committed transaction. A refused
-        record that is not a delivery, still refused alone, fails the iteration as before; so
-        does any other failure (the shard is rebuilt). Refusals are rare (a misconfigured
-        topic): this costs a new producer per refused round and per message too large alone,
-        where a rebuild cost the same and came back for ever (issue 15)."""
+        only), and written again by a new producer, the refused records taken apart
+        (`layer.coordinator.refused`): each of their messages is sent alone, after the
+        others, and waited for before the next, so a refusal then is that message's own. A
+        delivery refused alone is left out of the next attempt and dead-lettered by the next
+        step (reason ``too_large``); the others are delivered with their original lease.
+        Each attempt takes at least one record out of the batch or one message out of those
+        sent alone, so this ends. Nothing is sent twice: only committed transactions are
+        read, and every record is in one committed transaction. A record that is not a
+        delivery, still refused alone, fails the iteration as before; so does any other
+        failure (the shard is rebuilt). Refusals are rare (a misconfigured topic): each costs
+        an abort and a new producer, where a rebuild cost as much and came back for ever."""
         batch = records
         singles: list[tuple[OutgoingRecord, Bookmark | None]] = []
-        started = time.perf_counter()
-        while batch:
-            refused = self._commit_or_refused(batch)
-            if not refused:
-                break
-            out = {id(r) for r in refused}
-            batch = [r for r in batch if id(r) not in out]
-            singles.extend(alone(refused))
-        if not singles:
-            return
         too_large: list[Bookmark] = []
-        sent = 0
-        for record, bookmark in singles:
-            if not self._commit_or_refused([record]):
-                sent += 1
-            elif bookmark is None:
+        started = time.perf_counter()
+        attempts = 0
+        while True:
+            refused = self._transaction(batch, [r for r, _ in singles])
+            if refused is None:
+                break
+            attempts += 1
+            records_refused, at = refused
+            if at is None:
+                out = {id(r) for r in records_refused}
+                batch = [r for r in batch if id(r) not in out]
+                singles.extend(alone(records_refused))
+                continue
+            record, bookmark = singles.pop(at)
+            if bookmark is None:
                 raise DeliveryFailed(f"{record.topic}: the broker refused a record of "
                                      f"{len(record.value or b'')} bytes as larger than the "
                                      "topic's max.message.bytes")
-            else:
-                too_large.append(bookmark)
-        self.counters["refused_sent_alone"] += sent
+            too_large.append(bookmark)
+        if not attempts:
+            return
+        self.counters["refused_sent_alone"] += len(singles)
         log.warning("shard %d: the broker refused records as too large for their topic in a "
-                    "Kafka transaction (aborted and written again); %d messages sent again "
+                    "Kafka transaction; aborted and written again %d times: %d messages sent "
                     "alone, %d still refused alone (dead-lettered, reason too_large), in %.0f ms",
-                    self.shard, sent, len(too_large), (time.perf_counter() - started) * 1e3,
+                    self.shard, attempts, len(singles), len(too_large),
+                    (time.perf_counter() - started) * 1e3,
                     extra=fields(shard=self.shard, epoch=self.epoch, reason="too_large"))
         if too_large:
             self.core.too_large(too_large)
 
-    def _commit_or_refused(self, records: list[OutgoingRecord]) -> list[OutgoingRecord]:
-        """One Kafka transaction with ``records``: [] once it is committed; the records the
-        broker refused as too large if that failed it, with the writer replaced. Any other
+    def _transaction(self, batch: list[OutgoingRecord], singles: list[OutgoingRecord]
+                     ) -> tuple[list[OutgoingRecord], int | None] | None:
+        """One Kafka transaction: ``batch`` sent together, then each of ``singles`` alone and
+        waited for. None once it is committed. If the broker refused records as too large,
+        the transaction is aborted, the writer replaced, and the answer is the records of
+        ``batch`` refused with None, or [] with the index of the single refused. Any other
         failure raises."""
         writer = self._transacting()
+        at: int | None = None
         try:
-            writer.send(records)
-            writer.flush()
-            return []
+            if batch:
+                writer.send(batch)
+            if singles:
+                writer.wait()  # the batch's refusals are known before any single is sent
+                for i, record in enumerate(singles):
+                    at = i
+                    writer.send([record])
+                    writer.wait()
+                at = None
+            writer.flush()  # commits
+            return None
         except DeliveryFailed:
             reported = writer.take_too_large()
             if not reported:
                 raise
-        # The writer aborted the transaction (or gave up on it: the new producer's
-        # init_transactions aborts it on the broker). After an abort for a refused record
-        # librdkafka failed the producer's next transaction too (RecordWriter), so a new
-        # producer with the same transactional id writes the next one.
-        writer.close(0.0)
+        # The transaction is doomed: aborted here (or, by a writer that gave up on it, by the
+        # new producer's init_transactions). After an abort for a refused record librdkafka
+        # failed the producer's next transaction too (RecordWriter), so a new producer with
+        # the same transactional id writes the next attempt.
+        writer.close(10.0)
         self._writer = None
         self._writer = RecordWriter(self._kafka_config(), transactional_id=self._tid,
                                     keep_too_large=True)
         self.counters["producers_replaced"] += 1
-        return refused_among(reported, [records])
+        if at is None:
+            return refused_among(reported, [batch]), None
+        refused_among(reported, [[singles[at]]])  # it alone was in flight
+        return [], at
 
     def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Journal records read again, one sequential range per partition."""
