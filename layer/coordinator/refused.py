@@ -12,6 +12,11 @@ writes them one at a time (`ShardLoop._resend_refused`). A message still refused
 dead-lettered with reason ``too_large`` (`ShardCore.too_large`); the others are delivered. The
 refusals are rare (a misconfigured topic), so this path may take a round trip per message;
 the loop's ordinary path is unchanged.
+
+In a Kafka transaction (``--transactions``) one refusal fails the whole transaction: the
+shard loop aborts it, makes a new producer and writes the transaction again without the
+refused records, then each of their messages alone in a transaction of its own
+(`ShardLoop._transact`). `refused_among` finds the refused records in either case.
 """
 
 from __future__ import annotations
@@ -19,12 +24,34 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from layer.domain.states import Bookmark
-from layer.kafka import OutgoingRecord
+from layer.kafka import DeliveryFailed, OutgoingRecord
 from layer.protocol import BATCH, ProtocolError
 from layer.protocol.batch import decode_delivery_batch, encode_delivery_batch, encode_entry
 from layer.protocol.headers import DLQ_REASON, LEASE, header_value, parse_delivery_headers
 
-__all__ = ["alone"]
+__all__ = ["alone", "refused_among"]
+
+
+def refused_among(reported: list[OutgoingRecord],
+                  sent: list[list[OutgoingRecord]]) -> list[OutgoingRecord]:
+    """The records of ``sent`` (the very objects, headers and all) that the ``reported``
+    refusals are about. A delivery report has the topic, key and value, not the headers: the
+    records are paired by those, one report per record sent, so equal ones pair off. A report
+    that matches no record sent raises DeliveryFailed (the caller cannot deal with it)."""
+    sent_by: dict[tuple[str, int, bytes | None], list[OutgoingRecord]] = {}
+    for records in sent:
+        for r in records:
+            sent_by.setdefault((r.topic, len(r.value or b""), r.key), []).append(r)
+    refused: list[OutgoingRecord] = []
+    for report in reported:
+        candidates = sent_by.get((report.topic, len(report.value or b""), report.key), [])
+        found = next((i for i, r in enumerate(candidates) if r.value == report.value), None)
+        if found is None:
+            raise DeliveryFailed(f"{report.topic}: the broker refused a record of "
+                                 f"{len(report.value or b'')} bytes as larger than the "
+                                 "topic's max.message.bytes")
+        refused.append(candidates.pop(found))
+    return refused
 
 
 def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Bookmark | None]]:

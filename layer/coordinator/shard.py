@@ -47,7 +47,7 @@ from layer.coordinator.output import Output
 from layer.coordinator.payloads import MemoryPool, RangeReader
 from layer.coordinator.phases import PhaseTimes
 from layer.coordinator.ports import StateStore
-from layer.coordinator.refused import alone
+from layer.coordinator.refused import alone, refused_among
 from layer.coordinator.topicsweep import DeliveryTopicSweep
 from layer.coordinator.translate import ms
 from layer.domain.errors import QlayerError
@@ -151,6 +151,8 @@ class ShardLoop:
         self._sent_at = 0.0
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
+        # The writer's transactional id (``--transactions``), None without.
+        self._tid: str | None = None
         # The records sent without a transaction whose delivery reports may still come (each
         # iteration's list, kept by reference): a record the broker refuses as too large is
         # found here again, headers and all (`_resend_refused`).
@@ -332,11 +334,12 @@ class ShardLoop:
         kafka = self._kafka_config()
         # One transactional id per shard: a process that takes the shard fences the producer
         # of the one that had it.
-        tid = (f"{self.topics.prefix}coordinator-{self.shard}"
-               if self.options.transactional else None)
-        # Without a transaction, records a topic refuses as too large are handed back to be
-        # sent alone (`_resend_refused`); in a transaction one refusal fails the whole of it.
-        self._writer = RecordWriter(kafka, transactional_id=tid, keep_too_large=tid is None)
+        self._tid = (f"{self.topics.prefix}coordinator-{self.shard}"
+                     if self.options.transactional else None)
+        # Records a topic refuses as too large are handed back: without a transaction to be
+        # sent alone (`_resend_refused`); in one, whose whole commit a refusal fails, to be
+        # written again split (`_transact`).
+        self._writer = RecordWriter(kafka, transactional_id=self._tid, keep_too_large=True)
         self._publish_outbox(self._writer)
         self._reader = reader = JournalReader(kafka, group_id=f"{self.topics.prefix}coordinator")
         # Acks and control records are assigned before the journals, so the first fetches
@@ -432,14 +435,17 @@ class ShardLoop:
         # passed on to other shards before their input positions are stored.
         if dead_letters or plan.forwards:
             safe = dead_letters + plan.forwards
-            if not writer.transactional:
+            if writer.transactional:
+                self._transact(safe)
+                writer = self._transacting()  # a refusal replaces the writer
+            else:
                 self._unconfirmed.append(safe)
-            writer.send(safe)
-            writer.flush()
-            # A dead letter or a forward refused as too large is written alone, or fails the
-            # iteration as any other failure does.
-            self._resend_refused(writer)
-            self._unconfirmed = []  # all written: the flush waited for every record
+                writer.send(safe)
+                writer.flush()
+                # A dead letter or a forward refused as too large is written alone, or fails
+                # the iteration as any other failure does.
+                self._resend_refused(writer)
+                self._unconfirmed = []  # all written: the flush waited for every record
             stats.dead_letters = len(dead_letters)
             self.counters["forwarded"] += len(plan.forwards)
         # The events, into the outbox of the transaction that commits what they describe.
@@ -545,17 +551,17 @@ class ShardLoop:
                                   self._event_key)
                    for batch_id, events in zip(batch_ids, plan.batch.outbox, strict=True))
         encoding = int((time.perf_counter() - started) * 1e6)
-        if out:
-            if not writer.transactional:
-                self._unconfirmed.append(out)
-            writer.send(out)
         if writer.transactional:
             # A transaction's records are readable only once it commits.
             if out:
-                writer.flush()
+                self._transact(out)
             if batch_ids:
                 self._published = batch_ids[-1]
-        elif batch_ids:
+            return encoding
+        if out:
+            self._unconfirmed.append(out)
+            writer.send(out)
+        if batch_ids:
             if self._sent is None:
                 self._sent_at = now
             self._sent = batch_ids[-1]
@@ -601,21 +607,7 @@ class ShardLoop:
         reported = writer.take_too_large()
         if not reported:
             return False
-        # A delivery report has the topic, key and value, not the headers: the records sent
-        # are found again by those (one report per record sent, so equal ones pair off).
-        sent_by: dict[tuple[str, int, bytes | None], list[OutgoingRecord]] = {}
-        for records in self._unconfirmed:
-            for r in records:
-                sent_by.setdefault((r.topic, len(r.value or b""), r.key), []).append(r)
-        refused: list[OutgoingRecord] = []
-        for report in reported:
-            candidates = sent_by.get((report.topic, len(report.value or b""), report.key), [])
-            found = next((i for i, r in enumerate(candidates) if r.value == report.value), None)
-            if found is None:
-                raise DeliveryFailed(f"{report.topic}: the broker refused a record of "
-                                     f"{len(report.value or b'')} bytes as larger than the "
-                                     "topic's max.message.bytes")
-            refused.append(candidates.pop(found))
+        refused = refused_among(reported, self._unconfirmed)
         too_large: list[Bookmark] = []
         sent = 0
         for record, bookmark in alone(refused):
@@ -635,6 +627,102 @@ class ShardLoop:
         if too_large:
             self.core.too_large(too_large)
         return True
+
+    def _transacting(self) -> RecordWriter:
+        writer = self._writer
+        if writer is None:
+            raise QlayerError("the shard has no Kafka writer: call take first")
+        return writer
+
+    def _transact(self, records: list[OutgoingRecord]) -> None:
+        """Write ``records`` in a Kafka transaction and commit it (``--transactions``).
+
+        A record the broker refuses as too large for its topic (a delivery topic's
+        ``max.message.bytes`` under the producer's) dooms the whole transaction: it is
+        aborted, so none of its records was ever readable (consumers read committed records
+        only), and written again by a new producer, the refused records taken apart
+        (`layer.coordinator.refused`): each of their messages is sent alone, after the
+        others, and waited for before the next, so a refusal then is that message's own. A
+        delivery refused alone is left out of the next attempt and dead-lettered by the next
+        step (reason ``too_large``); the others are delivered with their original lease.
+        Each attempt takes at least one record out of the batch or one message out of those
+        sent alone, so this ends. Nothing is sent twice: only committed transactions are
+        read, and every record is in one committed transaction. A record that is not a
+        delivery, still refused alone, fails the iteration as before; so does any other
+        failure (the shard is rebuilt). Refusals are rare (a misconfigured topic): each costs
+        an abort and a new producer, where a rebuild cost as much and came back for ever."""
+        batch = records
+        singles: list[tuple[OutgoingRecord, Bookmark | None]] = []
+        too_large: list[Bookmark] = []
+        started = time.perf_counter()
+        attempts = 0
+        while True:
+            refused = self._transaction(batch, [r for r, _ in singles])
+            if refused is None:
+                break
+            attempts += 1
+            records_refused, at = refused
+            if at is None:
+                out = {id(r) for r in records_refused}
+                batch = [r for r in batch if id(r) not in out]
+                singles.extend(alone(records_refused))
+                continue
+            record, bookmark = singles.pop(at)
+            if bookmark is None:
+                raise DeliveryFailed(f"{record.topic}: the broker refused a record of "
+                                     f"{len(record.value or b'')} bytes as larger than the "
+                                     "topic's max.message.bytes")
+            too_large.append(bookmark)
+        if not attempts:
+            return
+        self.counters["refused_sent_alone"] += len(singles)
+        log.warning("shard %d: the broker refused records as too large for their topic in a "
+                    "Kafka transaction; aborted and written again %d times: %d messages sent "
+                    "alone, %d still refused alone (dead-lettered, reason too_large), in %.0f ms",
+                    self.shard, attempts, len(singles), len(too_large),
+                    (time.perf_counter() - started) * 1e3,
+                    extra=fields(shard=self.shard, epoch=self.epoch, reason="too_large"))
+        if too_large:
+            self.core.too_large(too_large)
+
+    def _transaction(self, batch: list[OutgoingRecord], singles: list[OutgoingRecord]
+                     ) -> tuple[list[OutgoingRecord], int | None] | None:
+        """One Kafka transaction: ``batch`` sent together, then each of ``singles`` alone and
+        waited for. None once it is committed. If the broker refused records as too large,
+        the transaction is aborted, the writer replaced, and the answer is the records of
+        ``batch`` refused with None, or [] with the index of the single refused. Any other
+        failure raises."""
+        writer = self._transacting()
+        at: int | None = None
+        try:
+            if batch:
+                writer.send(batch)
+            if singles:
+                writer.wait()  # the batch's refusals are known before any single is sent
+                for i, record in enumerate(singles):
+                    at = i
+                    writer.send([record])
+                    writer.wait()
+                at = None
+            writer.flush()  # commits
+            return None
+        except DeliveryFailed:
+            reported = writer.take_too_large()
+            if not reported:
+                raise
+        # The transaction is doomed: aborted here (or, by a writer that gave up on it, by the
+        # new producer's init_transactions). After an abort for a refused record librdkafka
+        # failed the producer's next transaction too (RecordWriter), so a new producer with
+        # the same transactional id writes the next attempt.
+        writer.close(10.0)
+        self._writer = None
+        self._writer = RecordWriter(self._kafka_config(), transactional_id=self._tid,
+                                    keep_too_large=True)
+        self.counters["producers_replaced"] += 1
+        if at is None:
+            return refused_among(reported, [batch]), None
+        refused_among(reported, [[singles[at]]])  # it alone was in flight
+        return [], at
 
     def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Journal records read again, one sequential range per partition."""

@@ -70,6 +70,11 @@ class DeliveryFailures:
             found, self._too_large = self._too_large, []
         return found
 
+    def has_too_large(self) -> bool:
+        """Whether records refused as too large wait for `take_too_large`."""
+        with self._lock:
+            return bool(self._too_large)
+
     def put_back(self, records: list[OutgoingRecord]) -> None:
         """Records taken by `take_too_large` and not dealt with: the next take has them."""
         if records:

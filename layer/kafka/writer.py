@@ -20,7 +20,10 @@ aborted). (After an abort for a record the broker refused, librdkafka 2.16 faile
 transaction too, with OUT_OF_ORDER_SEQUENCE_NUMBER: the refused record's sequence number left
 a gap. A new producer starts from a new epoch.) Either outcome is safe for the coordinator:
 PostgreSQL was committed first, and the rebuild that follows sends the deliveries of the
-restored leases and the outbox's event batches again.
+restored leases and the outbox's event batches again. (A record refused as too large for its
+topic need not cost a rebuild: with ``keep_too_large`` the refused records are kept for
+`take_too_large`, and `wait` finds them record by record without committing; the coordinator
+writes such a transaction again without them, `ShardLoop._transact`.)
 """
 
 from __future__ import annotations
@@ -54,11 +57,10 @@ class RecordWriter:
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str | None = None, *,
                  keep_too_large: bool = False) -> None:
-        # With ``keep_too_large`` (no transaction: one refused record fails a transaction
-        # whole), records the broker refuses as too large for their topic do not fail
-        # `flush` or `drain`: `take_too_large` hands them back, and `send_alone` tries one.
-        if keep_too_large and transactional_id is not None:
-            raise ValueError("keep_too_large is for writers without a transaction")
+        # With ``keep_too_large``, the records the broker refuses as too large for their
+        # topic are kept for `take_too_large`. Without a transaction they do not fail `flush`
+        # or `drain` (`send_alone` tries one again); in a transaction one refusal still fails
+        # the commit whole (the transaction is aborted), and they say which records it was.
         self._reports = reports = DeliveryFailures(keep_too_large=keep_too_large)
         settings: dict[str, Any] = {
             # Delivery batches of JSON shrink several times; a deployment's `kafka:` settings
@@ -225,6 +227,23 @@ class RecordWriter:
         ``keep_too_large``). The broker refuses the whole produce batch librdkafka sent to a
         partition, so a record that would fit alone may be among them."""
         return self._reports.take_too_large()
+
+    def wait(self, timeout: float = 30.0) -> None:
+        """Wait until the broker has acknowledged every record sent, without committing the
+        open transaction (`flush` commits it); raise DeliveryFailed if any record failed. A
+        record refused as too large fails this too: in a transaction it dooms the whole of it
+        (the owner aborts it), and `take_too_large` says which records were refused."""
+        self._usable()
+        with translated("writing to Kafka failed", DeliveryFailed):
+            remaining = self._producer.flush(timeout)
+        if remaining:
+            raise DeliveryFailed(f"{remaining} records not acknowledged within {timeout}s",
+                                 retriable=True)
+        failures = self._reports.take()
+        if failures:
+            raise DeliveryFailed(f"{len(failures)} records failed, first: {failures[0]}")
+        if self._transactional and self._reports.has_too_large():
+            raise DeliveryFailed("the broker refused records as too large for their topic")
 
     def send_alone(self, record: OutgoingRecord, timeout: float = 30.0) -> bool:
         """Write one record by itself and wait for it: False if the broker refused it as too

@@ -79,3 +79,44 @@ def test_a_transaction_the_broker_refuses_a_record_of_is_aborted_and_the_writer_
     finally:
         reader.close()
         writer.close()
+
+
+def test_wait_names_the_records_a_transaction_was_refused_for_without_committing(
+    bootstrap_servers: str, unique_name: Callable[[str], str],
+) -> None:
+    """With ``keep_too_large`` a transactional writer says which records the broker refused
+    as too large (`wait`, acknowledged but not committed), so its owner can write the
+    transaction again without them (`ShardLoop._transact`); what was acknowledged in the
+    aborted transaction is never readable, and a record waited for alone is committed."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = unique_name("small")
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[
+        topic].result(30)
+    config = {"bootstrap.servers": bootstrap_servers, "compression.type": "none"}
+    tid = f"test-writer-{uuid.uuid4().hex[:8]}"
+    writer = RecordWriter(config, transactional_id=tid, keep_too_large=True)
+    reader = TopicReader(bootstrap_servers, topic)
+    try:
+        writer.send([OutgoingRecord(topic, b"acknowledged, then aborted")])
+        writer.wait()  # acknowledged alone: not refused, not committed
+        big = b"x" * 5000
+        writer.send([OutgoingRecord(topic, big)])
+        with pytest.raises(DeliveryFailed):
+            writer.wait()
+        assert [r.value for r in writer.take_too_large()] == [big]
+        writer.close()
+        writer = RecordWriter(config, transactional_id=tid, keep_too_large=True)
+        writer.send([OutgoingRecord(topic, b"written again")])
+        writer.wait()
+        writer.flush()
+        deadline = time.monotonic() + 30
+        seen: list[bytes | None] = []
+        while b"written again" not in seen and time.monotonic() < deadline:
+            seen.extend(r.value for r in reader.read())
+        assert seen == [b"written again"]
+        assert writer.take_too_large() == []
+    finally:
+        reader.close()
+        writer.close()

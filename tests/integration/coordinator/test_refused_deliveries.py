@@ -5,7 +5,9 @@ A delivery topic whose ``max.message.bytes`` is below the coordinator producer's
 in a delivery report, a later iteration. The whole produce batch librdkafka sent for the
 partition is refused with it, and a packed delivery batch carries many messages: the coordinator
 sends each refused message again alone, dead-letters (reason ``too_large``) the one that is
-still refused, and delivers the others, without rebuilding the shard."""
+still refused, and delivers the others, without rebuilding the shard. With ``--transactions``
+the refusal fails the iteration's Kafka transaction instead: it is aborted (nothing of it was
+readable) and written again with the refused records split, the same outcome."""
 
 from __future__ import annotations
 
@@ -92,15 +94,21 @@ def _dead_lettered_alone(settings: Settings, queue: str) -> None:
                       timeout=20)
 
 
+#: Each test runs with and without ``--transactions`` (a Kafka transaction per iteration).
+_TRANSACTIONS = pytest.mark.parametrize("transactional", [False, True],
+                                        ids=["plain", "transactions"])
+
+
+@_TRANSACTIONS
 def test_a_batch_refused_as_too_large_is_split_and_only_its_big_message_dead_lettered(
-    core: str, settings: Settings, unique_name: Callable[[str], str]
+    core: str, transactional: bool, settings: Settings, unique_name: Callable[[str], str]
 ) -> None:
     journal = unique_name("Packed")
     small = _journal(settings, journal)
     put_queues(settings, {"name": "Packed", "underlying_topic": journal})
     consumer_id = unique_name("packer").replace(".", "-")
     _delivery_topic(settings, consumer_id)
-    with running_coordinator(settings, core=core):
+    with running_coordinator(settings, core=core, transactional=transactional):
         before = _epochs(settings)
         worker = QueueConsumer("Packed", settings.bootstrap_servers, consumer_id=consumer_id,
                                topic_prefix=settings.topic_prefix, max_backlog=100)
@@ -119,15 +127,16 @@ def test_a_batch_refused_as_too_large_is_split_and_only_its_big_message_dead_let
         assert _epochs(settings) == before, "no shard was rebuilt"
 
 
+@_TRANSACTIONS
 def test_records_refused_as_too_large_are_sent_again_alone_and_the_big_one_dead_lettered(
-    core: str, settings: Settings, unique_name: Callable[[str], str]
+    core: str, transactional: bool, settings: Settings, unique_name: Callable[[str], str]
 ) -> None:
     journal = unique_name("Plain")
     small = _journal(settings, journal)
     put_queues(settings, {"name": "Plain", "underlying_topic": journal})
     consumer_id = unique_name("plain").replace(".", "-")
     _delivery_topic(settings, consumer_id)
-    with running_coordinator(settings, core=core):
+    with running_coordinator(settings, core=core, transactional=transactional):
         before = _epochs(settings)
         with Consumers(settings) as pool:
             worker = pool.subscribe("Plain", max_backlog=100, consumer_id=consumer_id)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from layer.coordinator.refused import alone
+import pytest
+
+from layer.coordinator.refused import alone, refused_among
 from layer.domain.states import Bookmark
-from layer.kafka import OutgoingRecord
+from layer.kafka import DeliveryFailed, OutgoingRecord
 from layer.protocol import BATCH, DeadLetterInfo, DeliveryInfo
 from layer.protocol.batch import decode_delivery_batch, encode_delivery_batch, encode_entry
 from layer.protocol.bookmark import Bookmark as WireBookmark
@@ -42,3 +44,22 @@ def test_a_record_delivery_keeps_its_record_and_a_reply_or_dead_letter_has_no_bo
     assert list(alone([delivery, reply, letter])) == [
         (delivery, Bookmark("jobs", 1, 9)), (reply, None), (letter, None)]
 
+
+
+def test_refusals_pair_off_with_the_records_sent_headers_and_all() -> None:
+    """A report has no headers: the sent records are found by topic, key and value, and two
+    equal records refused once each are both found (each once)."""
+    first = OutgoingRecord("p.delivery.c1", b"same", b"c1", [(SESSION, b"s1")])
+    second = OutgoingRecord("p.delivery.c1", b"same", b"c1", [(SESSION, b"s2")])
+    other = OutgoingRecord("p.delivery.c1", b"else", b"c1", [(SESSION, b"s1")])
+    events = OutgoingRecord("p.events", b"same", b"c1")
+    reported = [OutgoingRecord("p.delivery.c1", b"same", b"c1")] * 2
+    found = refused_among(reported, [[first, other], [events, second]])
+    assert [id(r) for r in found] == [id(first), id(second)]
+    assert refused_among([], [[first]]) == []
+
+
+def test_a_refusal_of_a_record_never_sent_is_a_delivery_failure() -> None:
+    sent = OutgoingRecord("p.delivery.c1", b"v", b"c1", [(SESSION, b"s1")])
+    with pytest.raises(DeliveryFailed, match="refused a record of 1 bytes"):
+        refused_among([OutgoingRecord("p.delivery.c2", b"v", b"c1")], [[sent]])
