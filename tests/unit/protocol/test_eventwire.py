@@ -67,6 +67,19 @@ def test_the_encoder_writes_fastavros_bytes_and_they_decode_back(events: list[Ev
         assert codec.decode_event(encoded) == event
 
 
+def test_the_first_event_of_coordinator_empty_at_epoch_minus_one_is_written_whole() -> None:
+    """The encoder caches the coordinator's id and epoch; its empty cache once passed for
+    coordinator "" at epoch -1, so such an event came out without those two fields."""
+    codec = Codec()
+    event = Event(type=EventType.CONSUMER_UNSUBSCRIBED, timestamp_ms=-39687, coordinator_id="",
+                  coordinator_epoch=-1, queue=None, bookmark=Bookmark("Br", 5501, 3390),
+                  consumer_id="w", session_id="s", delivery_count=None, reason=None,
+                  lease_expires_ms=None, available_at_ms=None, record_timestamp_ms=None)
+    encoded = codec.encode_event(event)
+    assert encoded == _fastavro(codec, event)
+    assert codec.decode_event(encoded) == event
+
+
 @given(_LONGS)
 def test_longs_are_zigzag_varints(n: int) -> None:
     out = BytesIO()
