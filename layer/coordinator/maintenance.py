@@ -118,7 +118,8 @@ class QueueLoader:
             entries = [r for r in entries if (r.topic, r.partition) not in forget]
             admitted = {k: v for k, v in admitted.items()
                         if (k.topic, k.partition) not in forget}
-        starts = self.start_positions(definition, self.journal_partitions(definition), stored)
+        partitions = self.journal_partitions(definition)
+        starts = self.start_positions(definition, partitions, stored)
         reads = dict(starts)
         if moved:
             entries, admitted = _moved_state(name, entries, admitted, moved)
@@ -127,8 +128,11 @@ class QueueLoader:
                 # Reading goes back, never forward: other queues over the journal may need the
                 # records in between (and this one ignores those below its position).
                 reads[tp] = min(before, after)
+        # Each partition's end: stored state past it (or of a partition not listed) is of a
+        # journal deleted, and perhaps made again, while no coordinator served the queue.
         state = QueueState(definition, record.version, entries, starts, stored, admitted,
-                           self.admin.log_start_offsets(list(starts)))
+                           self.admin.log_start_offsets(list(starts)),
+                           self.admin.end_offsets(partitions))
         starts = core.add_queue(state, rows, now)
         self.admin.ensure_topics([TopicSpec(dead_letter_topic(topics, definition), 1)])
         read_from(self.reader, {tp: min(offset, reads.get(tp, offset))
