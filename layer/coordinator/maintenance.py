@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from layer.coordinator.core import QueueState, ShardCore
+from layer.coordinator.deleted import lost_to_deletion
 from layer.coordinator.logformat import fields
 from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
 from layer.coordinator.translate import add_outbox, event_fields
@@ -350,11 +351,15 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
     points = engine.recovery_points()
     # Partitions there again (the topic made again): read from the new log's start.
     remade = [tp for tp in lost if tp[1] < listed.get(tp[0], 0)]
+    # How far the journal was read: entries the stored admitted offset says the queue had,
+    # past it, were not replayed yet after a takeover (queued, never leased: no row).
+    reached = {tp: loader.reader.position(*tp) for tp in lost}
     remove = getattr(loader.reader, "remove", None)
     if remove is not None:
         remove(lost)
-    stored = [row for row in loader.store.load_entries(name)
-              if row.state not in _DONE and (row.topic, row.partition) in lost]
+    rows = [row for row in loader.store.load_entries(name) if (row.topic, row.partition) in lost]
+    stored = [row for row in rows if row.state not in _DONE]
+    admitted = loader.store.load_admitted(name)
     closed: list[ev.Event] = []
     for topic, partition in sorted(lost):
         for row in stored:
@@ -369,6 +374,19 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
         batch.set_recovery_point(name, topic, partition, 0)
         batch.set_admitted(name, topic, partition, 0)
     closed.extend(engine.drain().events)
+    seen = {(e.bookmark.topic, e.bookmark.partition, e.bookmark.offset) for e in closed
+            if isinstance(e, ev.EntryExpired)}
+    for topic, partition in sorted(lost):
+        read = reached.get((topic, partition))
+        point = points.get((topic, partition), 0)
+        top = admitted.get(PartitionKey(name, topic, partition), point)
+        start = max(point, read) if read is not None and read >= 0 else point
+        if top > start:
+            done = {r.offset for r in rows if (r.topic, r.partition) == (topic, partition)
+                    and r.state in _DONE}
+            closed.extend(lost_to_deletion(
+                name, topic, partition, start, top, {}, done, now,
+                {o for t, p, o in seen if (t, p) == (topic, partition)}))
     expired = 0
     for e in closed:
         if isinstance(e, ev.EntryExpired):

@@ -11,14 +11,16 @@ import pytest
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, QueueState, ShardCore
 from layer.coordinator.deleted import deleted_partitions, lost_to_deletion
+from layer.coordinator.maintenance import PartitionCheck, QueueLoader
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.output import Output
-from layer.coordinator.ports import FakeTopicAdmin
+from layer.coordinator.ports import FakeJournal, FakeTopicAdmin
 from layer.domain.definitions import QueueDefinition
 from layer.domain.native import native_available
 from layer.domain.states import ExpiryReason
 from layer.kafka import JournalRecord
 from layer.protocol import Codec, EventType, TopicNames
+from layer.store.batch import WriteBatch
 from layer.store.rows import EntryRow, PartitionKey, QueueRecord
 
 TOPICS = TopicNames("qt.")
@@ -34,12 +36,12 @@ ROWS = [*(EntryRow("Work", JOURNAL, 0, o, "LEASED", 1, 0, "c1", f"tok-{o}", 1e9)
 CORES = ["python", *(["native"] if native_available() else [])]
 
 
-def _core(kind: str) -> ShardCore:
+def _core(kind: str, admin: FakeTopicAdmin | None = None) -> ShardCore:
     record = QueueRecord(name="Work", definition={"name": "Work", "underlying_topic": JOURNAL},
                          version=1, created_at=0.0, updated_at=0.0, shard=0)
     catalog = Catalog.of(1, [record], [], now=0.0)
     core = ShardCore(0, CoordinatorOptions(owner_id="test", core=kind), topics=TOPICS,
-                     catalog=lambda: catalog, admin=FakeTopicAdmin({JOURNAL: 1}),
+                     catalog=lambda: catalog, admin=admin or FakeTopicAdmin({JOURNAL: 1}),
                      tokens=lambda: "tok", owner_id="test")
     core.epoch = 1
     return core
@@ -129,3 +131,41 @@ def test_what_is_lost_is_bounded_by_the_recovery_point_and_the_admitted_offset()
     other = PartitionKey("Work", "elsewhere", 0)
     assert deleted_partitions(WORK, {other: 0}, {other: 3}, [], {}, {}, 1.0) == []
     assert deleted_partitions(WORK, {KEY: 0}, {KEY: 3}, [], {(JOURNAL, 0): 3}, {}, 1.0) == []
+
+
+class _Stored:
+    """What the previous owner stored (`StateStore`, the reads a queue's load makes)."""
+
+    def load_entries(self, queue: str) -> list[EntryRow]:
+        return list(ROWS)
+
+    def load_recovery_points(self, queue: str | None = None) -> dict[PartitionKey, int]:
+        return {KEY: 0}
+
+    def load_admitted(self, queue: str) -> dict[PartitionKey, int]:
+        return {KEY: 10}
+
+
+@pytest.mark.parametrize("kind", CORES)
+def test_a_journal_deleted_while_the_replay_is_under_way_expires_what_it_did_not_reach(
+        kind: str) -> None:
+    # The shard taken, its replay has read offsets 0..3 of 10 admitted when the journal is
+    # deleted: the entries 4, 6..9 (queued, never leased: no row) are known only to the
+    # stored admitted offset. They expire too, once each.
+    journal = FakeJournal()
+    for i in range(10):
+        journal.append(JOURNAL, 0, json.dumps({"old": i}).encode())
+    admin = FakeTopicAdmin({JOURNAL: 1}, journal=journal)
+    core = _core(kind, admin)
+    loader = QueueLoader(core, _Stored(), admin, journal)  # type: ignore[arg-type]
+    assert loader.add(core.catalog().queues["Work"], [], 1.0)
+    replayed = core.step(journal.poll(4, 0.0), 2.0)
+    assert [t for t, _, _ in _events(core, replayed) if t is EventType.EXPIRED] == []
+    admin.delete_topics([JOURNAL])
+    journal.records.clear()
+    batch = WriteBatch()
+    PartitionCheck(core, loader, 5.0).run_once(3.0, batch, set())
+    plan = core.step([], 3.0, batch)
+    expired = [(o, reason) for t, o, reason in _events(core, plan) if t is EventType.EXPIRED]
+    assert expired == [(o, "journal_deleted") for o in (0, 1, 2, 3, 4, 6, 7, 8, 9)]
+    assert plan.batch.counters["Work"]["journal_deleted"] == 9
