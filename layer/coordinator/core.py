@@ -617,6 +617,10 @@ class ShardCore:
                     batch.set_admitted(name, topic, partition, admitted)
                     self._persisted_admitted[key] = admitted
 
+    def admitted_to(self, name: str, partition: tuple[str, int]) -> int:
+        """The next offset of a journal partition the queue has not admitted (0: none)."""
+        return self._admitted_to.get(PartitionKey(name, *partition), 0)
+
     def _expire_deleted(self, batch: WriteBatch, now: float) -> None:
         """The entries of the journal partitions found deleted when their queues were built
         expire (reason ``journal_deleted``, each with its EXPIRED event), and the partitions'

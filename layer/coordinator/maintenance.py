@@ -323,8 +323,10 @@ class PartitionCheck:
             # A log that now ends before what was read of it was made again: retention moves
             # a log's start, never its end back. The reader's position says so even when the
             # recovery point is inside the new log (nothing acked yet; found by the soak).
+            # The admitted offset too: the reader may have gone back for another queue.
             lost = [tp for tp in points if tp[1] >= listed.get(tp[0], 0)
-                    or (tp in ends and max(points[tp], reader.position(*tp) or 0) > ends[tp])]
+                    or (tp in ends and max(points[tp], reader.position(*tp) or 0,
+                                           core.admitted_to(name, tp)) > ends[tp])]
             if lost:
                 remade.update(tp for tp in lost if tp in ends)
                 journal_deleted(core, self.loader, name, lost, listed, now, batch)
