@@ -51,10 +51,11 @@ def deleted_partitions(definition: QueueDefinition, stored_points: Mapping[Parti
     """The queue's partitions whose stored state outlived their log.
 
     ``ends`` is the end offset of every journal partition the queue's underlying topic matches
-    that Kafka lists now; ``log_starts`` their first offsets. A partition with nothing
-    unfinished stored (its recovery point at its admitted offset, no open row) has nothing to
-    lose and is left alone: its stored point, 0 after a deletion, reads a log made again from
-    its start anyway."""
+    that Kafka lists now; ``log_starts`` their first offsets. A partition not listed with
+    nothing unfinished stored (its recovery point at its admitted offset, no open row) has
+    nothing to lose and is left alone: its stored point, 0 after a deletion, reads a log made
+    again from its start anyway. A listed one whose recovery point is past its log's end (all
+    done, then made again) loses nothing but starts over at the new log's start."""
     name = definition.name
     open_rows: dict[tuple[str, int], dict[int, EntryRow]] = {}
     done: dict[tuple[str, int], set[int]] = {}
@@ -73,12 +74,11 @@ def deleted_partitions(definition: QueueDefinition, stored_points: Mapping[Parti
         rows_of = open_rows.get(tp, {})
         # The next offset past everything the queue knew of the old log.
         top = max(point, admitted.get(key, point), max(rows_of, default=-1) + 1)
-        if top <= point and not rows_of:
-            continue
         end = ends.get(tp)
         if end is None:
-            if not definition.matches_topic(topic):
-                continue  # the queue reads another journal now: not a deletion
+            if (top <= point and not rows_of) or not definition.matches_topic(topic):
+                # Nothing unfinished, or the queue reads another journal now.
+                continue
             start = None
         elif top > end:
             start = log_starts.get(tp, 0)

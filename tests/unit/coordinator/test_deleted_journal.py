@@ -10,7 +10,7 @@ import pytest
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, QueueState, ShardCore
-from layer.coordinator.deleted import deleted_partitions, lost_to_deletion
+from layer.coordinator.deleted import DeletedPartition, deleted_partitions, lost_to_deletion
 from layer.coordinator.maintenance import PartitionCheck, QueueLoader
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.output import Output
@@ -131,6 +131,10 @@ def test_what_is_lost_is_bounded_by_the_recovery_point_and_the_admitted_offset()
     other = PartitionKey("Work", "elsewhere", 0)
     assert deleted_partitions(WORK, {other: 0}, {other: 3}, [], {}, {}, 1.0) == []
     assert deleted_partitions(WORK, {KEY: 0}, {KEY: 3}, [], {(JOURNAL, 0): 3}, {}, 1.0) == []
+    # Everything done (recovery point 8), then made again with 2 records: nothing expires,
+    # the partition starts over at the new log's start.
+    assert deleted_partitions(WORK, {KEY: 8}, {KEY: 8}, [], {(JOURNAL, 0): 2}, {}, 1.0) == [
+        DeletedPartition(JOURNAL, 0, 0, [])]
 
 
 class _Stored:
