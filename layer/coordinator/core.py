@@ -21,6 +21,7 @@ from typing import Any
 from layer.coordinator.acks import Acks
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
+from layer.coordinator.deleted import DeletedPartition, deleted_partitions
 from layer.coordinator.identity import Identity
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.logformat import fields
@@ -28,7 +29,7 @@ from layer.coordinator.options import CoordinatorOptions, LoopStats
 from layer.coordinator.payloads import RECORD_OVERHEAD, MemoryPool, PayloadCache, record_size
 from layer.coordinator.ports import TopicAdmin
 from layer.coordinator.sessions import Session
-from layer.coordinator.translate import add_outbox, lost_to_retention
+from layer.coordinator.translate import add_outbox, event_fields, lost_to_retention
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
 from layer.domain.engine import RecordsWanted
@@ -111,6 +112,10 @@ class QueueState:
     admitted: dict[PartitionKey, int]
     #: Each partition's first offset still in Kafka (retention).
     log_starts: dict[tuple[str, int], int]
+    #: Each journal partition the queue's underlying topic matches that Kafka lists, with
+    #: its end offset: stored state of a partition not here, or past its end, describes a
+    #: log that was deleted (`layer.coordinator.deleted`). None: not checked.
+    ends: dict[tuple[str, int], int] | None = None
 
 
 def _newly_admitted(e: ev.EntriesEnqueued, counted_from: dict[tuple[str, int], int]
@@ -198,6 +203,9 @@ class ShardCore:
         # Entries lost to retention, found while (re)building a queue: reported (events,
         # counters) by the next step, with the queue's own decisions.
         self._lost: dict[str, list[ev.Event]] = {}
+        # Journal partitions found deleted while (re)building a queue: the next step expires
+        # their entries and resets their stored positions, in one transaction.
+        self._deleted: dict[str, list[DeletedPartition]] = {}
         self._input_offsets: dict[tuple[str, int], int] = {}
         # Positions read past acks that wait for the replay, stored once they are applied.
         self._held_positions: dict[tuple[str, int], int] = {}
@@ -221,6 +229,9 @@ class ShardCore:
                     replies if replies is not None else [])
         stats = plan.stats
         batch, replies = plan.batch, plan.replies
+        if self._deleted:
+            # First: the rows of a deleted log go before new entries at its offsets come.
+            self._expire_deleted(batch, now)
         offsets = self._input_offsets
         if self.acks.deferred:
             self.acks.retry_deferred(now, replies)
@@ -606,6 +617,43 @@ class ShardCore:
                     batch.set_admitted(name, topic, partition, admitted)
                     self._persisted_admitted[key] = admitted
 
+    def admitted_to(self, name: str, partition: tuple[str, int]) -> int:
+        """The next offset of a journal partition the queue has not admitted (0: none)."""
+        return self._admitted_to.get(PartitionKey(name, *partition), 0)
+
+    def _expire_deleted(self, batch: WriteBatch, now: float) -> None:
+        """The entries of the journal partitions found deleted when their queues were built
+        expire (reason ``journal_deleted``, each with its EXPIRED event), and the partitions'
+        stored positions start over (at a log made again's start, else 0) with no row left:
+        in the transaction of this step, so a crash before it finds them again, and one
+        after it finds nothing. The same on both cores: no engine holds these entries."""
+        codec = self.codec
+        encode = codec.event_encoder.encode_fields
+        for name, found in self._deleted.items():
+            closed: list[ev.Event] = []
+            for d in found:
+                start = d.start if d.start is not None else 0
+                batch.forget_partition(name, d.topic, d.partition)
+                batch.set_recovery_point(name, d.topic, d.partition, start)
+                batch.set_admitted(name, d.topic, d.partition, start)
+                closed.extend(d.expired)
+            if closed:
+                add_outbox(batch, name, ev.Outbox(closed, []))
+                batch.put_events(codec.event_arrays([
+                    codec.event_item(encode(self.owner_id, self.epoch, *f))
+                    for f in event_fields(closed, session_of=self.session_id_of)]))
+                batch.count(name, "journal_deleted", len(closed))
+            self.counters["journal_deleted"] += len(closed)
+            self.counters["journals_deleted"] += len(found)
+            lost = ", ".join(f"{d.topic}[{d.partition}]" for d in found)
+            self.journal_deleted[name] = (lost, now)
+            log.error("queue %s: journal partition(s) %s were deleted (or deleted and made "
+                      "again) while no coordinator served the queue: %d entries expired (reason "
+                      "journal_deleted); the queue reads on without them, from a new log's "
+                      "start", name, lost, len(closed),
+                      extra=fields(queue=name, shard=self.shard, reason="journal_deleted"))
+        self._deleted = {}
+
     # ------------------------------------------------------------------ queues
     def add_queue(self, state: QueueState, rows: Iterable[ConsumerRow], now: float
                   ) -> dict[tuple[str, int], int]:
@@ -623,10 +671,28 @@ class ShardCore:
                             session_timeout=self.options.default_session_timeout,
                             native=self.native)
         starts = dict(state.starts)
-        entries = [entry_record(row, session_of) for row in state.entries]
+        kept, stored_points, admitted = state.entries, state.stored_points, state.admitted
+        deleted = (deleted_partitions(definition, stored_points, admitted, kept, state.ends,
+                                      state.log_starts, now)
+                   if state.ends is not None else [])
+        if deleted:
+            # Nothing stored of a deleted log is used: a journal made again is read from its
+            # new start, its records new entries (ENQUEUED); the old entries expire.
+            gone = {(d.topic, d.partition) for d in deleted}
+            kept = [r for r in kept if (r.topic, r.partition) not in gone]
+            restarted = {PartitionKey(name, d.topic, d.partition): d.start for d in deleted
+                         if d.start is not None}
+            stored_points = {k: v for k, v in stored_points.items()
+                             if (k.topic, k.partition) not in gone}
+            stored_points.update(restarted)
+            admitted = {k: v for k, v in admitted.items() if (k.topic, k.partition) not in gone}
+            admitted.update(restarted)
+            starts.update({(k.topic, k.partition): v for k, v in restarted.items()})
+            self._deleted[name] = deleted
+        entries = [entry_record(row, session_of) for row in kept]
         engine.restore(entries, starts)
         stored_entries = {e.bookmark: e for e in entries}
-        for (topic, partition), start in state.starts.items():
+        for (topic, partition), start in list(starts.items()):
             first = state.log_starts.get((topic, partition), 0)
             if first > start:
                 # The engine settles the entries it knows of (persisted rows); the events and
@@ -644,10 +710,10 @@ class ShardCore:
         self.versions[name] = state.version
         for topic, partition in starts:
             key = PartitionKey(name, topic, partition)
-            self.persisted_points[key] = state.stored_points.get(key, -1)
-        self._admitted_to.update(state.admitted)
-        self._persisted_admitted.update(state.admitted)
-        self._counted_from[name] = {(k.topic, k.partition): v for k, v in state.admitted.items()}
+            self.persisted_points[key] = stored_points.get(key, -1)
+        self._admitted_to.update(admitted)
+        self._persisted_admitted.update(admitted)
+        self._counted_from[name] = {(k.topic, k.partition): v for k, v in admitted.items()}
         self._queues_by_topic.clear()
         if self.lane is not None:
             self.lane.forget_topics()
@@ -662,6 +728,9 @@ class ShardCore:
 
     def drop_queue(self, name: str, keep_sessions: bool = False) -> None:
         self.engines.pop(name)
+        # Found again from what is stored (unchanged until a step writes it) if the queue
+        # is added again.
+        self._deleted.pop(name, None)
         self.versions.pop(name, None)
         for known in (self.persisted_points, self._admitted_to, self._persisted_admitted):
             for key in [k for k in known if k.queue == name]:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from layer.coordinator.core import QueueState, ShardCore
+from layer.coordinator.deleted import lost_to_deletion
 from layer.coordinator.logformat import fields
 from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
 from layer.coordinator.translate import add_outbox, event_fields
@@ -118,7 +119,8 @@ class QueueLoader:
             entries = [r for r in entries if (r.topic, r.partition) not in forget]
             admitted = {k: v for k, v in admitted.items()
                         if (k.topic, k.partition) not in forget}
-        starts = self.start_positions(definition, self.journal_partitions(definition), stored)
+        partitions = self.journal_partitions(definition)
+        starts = self.start_positions(definition, partitions, stored)
         reads = dict(starts)
         if moved:
             entries, admitted = _moved_state(name, entries, admitted, moved)
@@ -127,8 +129,11 @@ class QueueLoader:
                 # Reading goes back, never forward: other queues over the journal may need the
                 # records in between (and this one ignores those below its position).
                 reads[tp] = min(before, after)
+        # Each partition's end: stored state past it (or of a partition not listed) is of a
+        # journal deleted, and perhaps made again, while no coordinator served the queue.
         state = QueueState(definition, record.version, entries, starts, stored, admitted,
-                           self.admin.log_start_offsets(list(starts)))
+                           self.admin.log_start_offsets(list(starts)),
+                           self.admin.end_offsets(partitions))
         starts = core.add_queue(state, rows, now)
         self.admin.ensure_topics([TopicSpec(dead_letter_topic(topics, definition), 1)])
         read_from(self.reader, {tp: min(offset, reads.get(tp, offset))
@@ -318,8 +323,10 @@ class PartitionCheck:
             # A log that now ends before what was read of it was made again: retention moves
             # a log's start, never its end back. The reader's position says so even when the
             # recovery point is inside the new log (nothing acked yet; found by the soak).
+            # The admitted offset too: the reader may have gone back for another queue.
             lost = [tp for tp in points if tp[1] >= listed.get(tp[0], 0)
-                    or (tp in ends and max(points[tp], reader.position(*tp) or 0) > ends[tp])]
+                    or (tp in ends and max(points[tp], reader.position(*tp) or 0,
+                                           core.admitted_to(name, tp)) > ends[tp])]
             if lost:
                 remade.update(tp for tp in lost if tp in ends)
                 journal_deleted(core, self.loader, name, lost, listed, now, batch)
@@ -346,11 +353,15 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
     points = engine.recovery_points()
     # Partitions there again (the topic made again): read from the new log's start.
     remade = [tp for tp in lost if tp[1] < listed.get(tp[0], 0)]
+    # How far the journal was read: entries the stored admitted offset says the queue had,
+    # past it, were not replayed yet after a takeover (queued, never leased: no row).
+    reached = {tp: loader.reader.position(*tp) for tp in lost}
     remove = getattr(loader.reader, "remove", None)
     if remove is not None:
         remove(lost)
-    stored = [row for row in loader.store.load_entries(name)
-              if row.state not in _DONE and (row.topic, row.partition) in lost]
+    rows = [row for row in loader.store.load_entries(name) if (row.topic, row.partition) in lost]
+    stored = [row for row in rows if row.state not in _DONE]
+    admitted = loader.store.load_admitted(name)
     closed: list[ev.Event] = []
     for topic, partition in sorted(lost):
         for row in stored:
@@ -365,6 +376,19 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
         batch.set_recovery_point(name, topic, partition, 0)
         batch.set_admitted(name, topic, partition, 0)
     closed.extend(engine.drain().events)
+    seen = {(e.bookmark.topic, e.bookmark.partition, e.bookmark.offset) for e in closed
+            if isinstance(e, ev.EntryExpired)}
+    for topic, partition in sorted(lost):
+        read = reached.get((topic, partition))
+        point = points.get((topic, partition), 0)
+        top = admitted.get(PartitionKey(name, topic, partition), point)
+        start = max(point, read) if read is not None and read >= 0 else point
+        if top > start:
+            done = {r.offset for r in rows if (r.topic, r.partition) == (topic, partition)
+                    and r.state in _DONE}
+            closed.extend(lost_to_deletion(
+                name, topic, partition, start, top, {}, done, now,
+                {o for t, p, o in seen if (t, p) == (topic, partition)}))
     expired = 0
     for e in closed:
         if isinstance(e, ev.EntryExpired):

@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from typer.testing import CliRunner
 
-from layer.protocol import EventType, TopicNames
+from layer.protocol import Event, EventType, TopicNames
 from layer.protocol.headers import DLQ_REASON, DLQ_VALUE_OMITTED
 from layer.settings import Settings
 from layer.store.store import Store
@@ -28,9 +28,13 @@ from tests.support.coordinator import (
     TopicReader,
     produce,
     put_queues,
+    recovery_points,
     running_coordinator,
     wait_for_counters,
     wait_until,
+)
+from tests.support.coordinator import (
+    counters as queue_counters,
 )
 from tests.support.kafka import create_topic
 
@@ -227,3 +231,86 @@ def _made_again(settings: Settings, name: str) -> bool | None:
     except KafkaException:
         return None
     return True
+
+
+def _lease_then_stop(settings: Settings, queue: str, topic: str, count: int,
+                     leased: int) -> None:
+    """Coordinator A admits ``count`` records of the journal, leases ``leased`` of them to a
+    consumer that never acks, and stops: the shard has no owner."""
+    with running_coordinator(settings):
+        produce(settings.bootstrap_servers, topic, [b'{"old": %d}' % i for i in range(count)],
+                partition=0)
+        assert wait_for_counters(settings, queue, enqueued=count)["enqueued"] == count
+        with Consumers(settings) as pool:
+            holder = pool.subscribe(queue, max_backlog=leased)
+            assert len(holder.receive(leased)) == leased  # leased, never acked
+            assert wait_for_counters(settings, queue, delivered=leased)["delivered"] == leased
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    for future in admin.delete_topics([topic]).values():
+        future.result(30)
+    wait_until(lambda: topic not in admin.list_topics(timeout=10).topics or None)
+
+
+def _expired_as_deleted(events: list[Event]) -> list[int]:
+    return sorted(e.bookmark.offset for e in events if e.type is EventType.EXPIRED
+                  and e.reason == "journal_deleted" and e.bookmark is not None)
+
+
+@pytest.mark.parametrize("made_again", [True, False], ids=["made-again", "gone"])
+def test_a_journal_deleted_while_its_shard_has_no_owner_expires_every_entry_at_the_next_owner(
+    core: str, made_again: bool, settings: Settings, unique_name: Callable[[str], str]
+) -> None:
+    """Found by the soak: the journal deleted while its shard had no owner (the owner stopped
+    or was SIGKILLed), and made again empty (a broker creating topics on first use) before
+    the next owner loads the shard -- or not made again. The next owner finds the stored
+    ``admitted`` offset (20) past the new log's end (3), or the partition no longer listed:
+    the 20 old entries (3 leased, 17 queued and never leased, which have no row) expire once
+    each, reason ``journal_deleted``, and the records of the journal made again are new
+    entries (ENQUEUED), delivered as such. It used to start reading the new log at the stored
+    recovery point (0): no old entry ever expired, and the new records were taken for the old
+    entries at the same offsets."""
+    doomed = unique_name("Orphaned")
+    _create(settings, doomed)
+    put_queues(settings, {"name": "Orphaned", "underlying_topic": doomed})
+    _lease_then_stop(settings, "Orphaned", doomed, 20, 3)
+    if made_again:
+        assert wait_until(lambda: _made_again(settings, doomed), timeout=60)
+        produce(settings.bootstrap_servers, doomed, [b'{"new": %d}' % i for i in range(3)],
+                partition=0)
+    events = EventReader(settings)
+    try:
+        with running_coordinator(settings, core=core):
+            taken = _epochs(settings)
+            seen = events.read_until(lambda es: len(_expired_as_deleted(es)) >= 20, timeout=40)
+            assert wait_for_counters(settings, "Orphaned", journal_deleted=20)[
+                "journal_deleted"] == 20
+            if made_again:
+                with Consumers(settings) as pool:
+                    fresh = pool.subscribe("Orphaned", max_backlog=10)
+                    got = fresh.receive(3, timeout=40)
+                    assert sorted(d.value or b"" for d in got) == [
+                        b'{"new": %d}' % i for i in range(3)]
+                    fresh.ack(got)
+                    assert wait_for_counters(settings, "Orphaned", acked=3)["acked"] == 3
+                seen = events.read_until(lambda es: sum(
+                    e.type is EventType.ENQUEUED and e.queue == "Orphaned"
+                    and e.bookmark is not None and e.bookmark.topic == doomed
+                    for e in es) >= 23, timeout=20)
+            else:
+                # The stored positions of the partition start over: nothing is left of it.
+                assert wait_until(lambda: recovery_points(settings, "Orphaned").get(
+                    (doomed, 0)) == 0 or None)
+            assert _epochs(settings) == taken, "no shard was rebuilt"
+            # Once each: the counters of the queue say so too.
+            assert _expired_as_deleted(seen) == list(range(20))
+            totals = queue_counters(settings, "Orphaned")
+            assert totals["enqueued"] == (23 if made_again else 20)
+            assert totals["journal_deleted"] == 20
+            # The shard's fault counters (`qlayer stats`), reported periodically.
+            assert wait_until(lambda: _shard_counters(settings).get("journal_deleted") == 20
+                              or None, timeout=20)
+    finally:
+        events.close()
+    enqueued = sorted(o for e in seen if e.type is EventType.ENQUEUED and e.bookmark is not None
+                      for o in [e.bookmark.offset])
+    assert enqueued == sorted([*range(20), *(range(3) if made_again else [])])
