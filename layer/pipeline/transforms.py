@@ -10,7 +10,7 @@ string). ``journal`` has the Kafka source's ``topic``, ``partition``, ``offset``
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     IntegerType,
@@ -333,15 +333,23 @@ def reconcile(events: DataFrame, journal: DataFrame, queue: str,
     entries = (_per_entry(events.where(F.col("queue") == F.lit(queue)))
                .withColumn("in_events", F.lit(True)))
     joined = entries.join(records, keys, "full_outer")
-    # Per partition: the span of the journal read, and of the records the queue admitted.
-    spans = joined.groupBy("topic", "partition").agg(
-        F.min(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_lo"),
-        F.max(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_hi"),
-        F.min(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
-        .alias("admitted_lo"),
-        F.max(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
-        .alias("admitted_hi"))
-    joined = joined.join(spans, ["topic", "partition"], "left")
+    # Per partition: the span of the journal read, and of the records the queue admitted. A
+    # window over the joined rows, not an aggregation joined back: that read the events, and
+    # decoded and aggregated them, a second time (docs/pipeline.md "Speed"). A row without a
+    # topic or partition has no span (it matched no partition's row in that join).
+    partition = Window.partitionBy("topic", "partition")
+    placed = F.col("topic").isNotNull() & F.col("partition").isNotNull()
+
+    def span(value: Column, name: str) -> Column:
+        return F.when(placed, value.over(partition)).alias(name)
+
+    admitted = F.col("in_journal") & F.col("in_events")
+    joined = joined.select(
+        "*",
+        span(F.min(F.when(F.col("in_journal"), F.col("offset"))), "journal_lo"),
+        span(F.max(F.when(F.col("in_journal"), F.col("offset"))), "journal_hi"),
+        span(F.min(F.when(admitted, F.col("offset"))), "admitted_lo"),
+        span(F.max(F.when(admitted, F.col("offset"))), "admitted_hi"))
     if store is not None:
         points = store.where(F.col("recovery_point").isNotNull()).select(
             "topic", "partition", "recovery_point")
