@@ -250,11 +250,15 @@ def _first_copies(batches: DataFrame) -> DataFrame:
     ``batch_id``, the record of the lowest (partition, offset), the one written first.
 
     This shuffles the raw records (one per coordinator iteration, a few KiB each), not the
-    events decoded from them."""
+    events decoded from them. Into as many partitions as the application has cores, by
+    number: the decoding after it is most of a job's work, and adaptive execution would
+    coalesce a shuffle this small into one partition, decoded by one core."""
     order: list[str] = [c for c in ("partition", "offset") if c in batches.columns]
     # A hand-built frame may have no place: any copy then, as they are the same batch.
     first = Window.partitionBy("raw_batch_id").orderBy(*(order or ["raw_batch_id"]))
+    cores = batches.sparkSession.sparkContext.defaultParallelism
     return (batches.withColumn("raw_batch_id", raw_batch_id())
+            .repartition(cores, "raw_batch_id")
             .withColumn("copy", F.row_number().over(first))
             .where(F.col("copy") == F.lit(1)))
 
