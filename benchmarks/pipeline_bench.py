@@ -31,7 +31,8 @@ from typing import Any
 from common import create_topic, delete_topics, machine  # type: ignore[import-not-found]
 from confluent_kafka import Producer
 
-from layer.pipeline.io import latest_rows, local_session, parse_sink
+from layer.pipeline import transforms
+from layer.pipeline.io import latest_rows, local_session, parse_sink, read_events, read_journal
 from layer.pipeline.jobs import (
     EventSource,
     StreamOptions,
@@ -128,8 +129,7 @@ def plan(frame: Any) -> str:
 def breakdown(spark: Any, source: EventSource, cpu: dict[str, Any]) -> dict[str, Any]:
     """Where lifecycle's time goes: the same read cut short at each step, each run to
     Spark's ``noop`` sink (every row computed, nothing written)."""
-    from layer.pipeline import transforms
-    from layer.pipeline.io import _read_topic, read_events
+    from layer.pipeline.io import _read_topic
 
     def noop(frame: Any) -> None:
         frame.write.format("noop").mode("overwrite").save()
@@ -140,8 +140,6 @@ def breakdown(spark: Any, source: EventSource, cpu: dict[str, Any]) -> dict[str,
         spark, source.events_topic, options, None, None)), spark, cpu)
     timed("decode", steps, lambda: noop(read_events(spark, source.events_topic, options)),
           spark, cpu)
-    timed("entry_events", steps, lambda: noop(transforms.entry_events(
-        read_events(spark, source.events_topic, options))), spark, cpu)
     timed("lifecycle_uncached", steps, lambda: noop(transforms.lifecycle(
         read_events(spark, source.events_topic, options))), spark, cpu)
     return steps
@@ -192,7 +190,12 @@ def main() -> int:
             found = timed("metrics", seconds, lambda: run_metrics(
                 spark, source, window="1 minute", output=f"{out}/metrics"), spark, cpu)
             windows = spark.read.parquet(f"{out}/metrics").count()
-            plans = (f"# lifecycle\n{life_plan}\n# metrics\n{plan(found)}\n")
+            # run_reconcile returns its verdict, not its table: the same table, built alike.
+            audit = transforms.reconcile(
+                read_events(spark, source.events_topic, source.options()),
+                read_journal(spark, journal, source.options()), "Bench")
+            plans = (f"# lifecycle\n{life_plan}\n# reconcile\n{plan(audit)}\n"
+                     f"# metrics\n{plan(found)}\n")
             spark.catalog.clearCache()
             steps = breakdown(spark, source, cpu) if args.breakdown else {}
             if args.stream:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
-from pyspark.sql import Column, DataFrame, DataFrameWriter, SparkSession
+from pyspark.sql import Column, DataFrame, DataFrameWriter, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro
 from pyspark.sql.types import ArrayType, MapType, StructType
@@ -55,6 +55,7 @@ __all__ = [
     "local_session",
     "merge_rows",
     "parse_sink",
+    "raw_batch_id",
     "read_events",
     "read_journal",
     "read_store",
@@ -213,8 +214,8 @@ def stream_events(spark: SparkSession, events_topic: str, options: Mapping[str, 
 
 
 #: How many times `decode_events` reads its input in a plan (single Event records, EventBatch
-#: items, EventBatch runs): a stream's `numInputRows` counts each record that many times.
-SOURCE_READS = 3
+#: records): a stream's `numInputRows` counts each record that many times.
+SOURCE_READS = 2
 
 #: Columns `decode_events(keep_batch_ids=True)` adds: which EventBatch an event came in (null
 #: for a single Event record), its item's place in it, and its place in that item's run (0
@@ -222,28 +223,78 @@ SOURCE_READS = 3
 BATCH_ID_COLUMNS = ("batch_id", "event_index", "run_index")
 
 
-def _run_as_events() -> tuple[Column, ...]:
-    """An `EventRun` item's columns as those of the `Event`s it stands for (one row per offset
-    after the posexplode of its offsets, as ``run_index`` and ``offset``)."""
+def _byte(position: str) -> str:
+    """SQL: the unsigned byte of ``value`` at a 1-based position (an SQL expression)."""
+    return f"CAST(conv(hex(substring(value, {position}, 1)), 16, 10) AS BIGINT)"
+
+
+def raw_batch_id() -> Column:
+    """An EventBatch record's ``batch_id`` read from its raw bytes, without decoding the rest.
+
+    The body starts with it (docs/protocol.md §4.4b: the header, then ``batch_id`` as an Avro
+    ``long``, a zigzag varint of at most 10 bytes), so copies of a batch can be told apart
+    before the whole record is decoded: dropping them after decoding shuffled every batch's
+    decoded events (docs/pipeline.md "Speed"). Only for records with the EventBatch header.
+    """
+    at = f"{HEADER_LENGTH + 1} + i"
+    varint = (
+        "aggregate(sequence(0, 9), named_struct('n', 0L, 'more', true), "
+        f"(acc, i) -> IF(acc.more, named_struct("
+        f"'n', acc.n | shiftleft({_byte(at)} & 127L, 7 * i), "
+        f"'more', {_byte(at)} >= 128L), acc), acc -> acc.n)")
+    return F.expr(f"shiftrightunsigned({varint}, 1) ^ -({varint} & 1L)")
+
+
+def _first_copies(batches: DataFrame) -> DataFrame:
+    """Raw EventBatch records without the copies of a batch published twice: per
+    ``batch_id``, the record of the lowest (partition, offset), the one written first.
+
+    This shuffles the raw records (one per coordinator iteration, a few KiB each), not the
+    events decoded from them. Into as many partitions as the application has cores, by
+    number: the decoding after it is most of a job's work, and adaptive execution would
+    coalesce a shuffle this small into one partition, decoded by one core."""
+    order: list[str] = [c for c in ("partition", "offset") if c in batches.columns]
+    # A hand-built frame may have no place: any copy then, as they are the same batch.
+    first = Window.partitionBy("raw_batch_id").orderBy(*(order or ["raw_batch_id"]))
+    cores = batches.sparkSession.sparkContext.defaultParallelism
+    return (batches.withColumn("raw_batch_id", raw_batch_id())
+            .repartition(cores, "raw_batch_id")
+            .withColumn("copy", F.row_number().over(first))
+            .where(F.col("copy") == F.lit(1)))
+
+
+def _run_or_event(name: str, run: Column) -> Column:
+    """One `Event` column of a batch item: the run's value for an `EventRun` item (one row
+    per offset), the event's own for an `Event` item."""
+    return F.when(F.col("item.member1").isNotNull(), run).otherwise(
+        F.col(f"item.member0.{name}")).alias(name)
+
+
+def _item_as_events() -> tuple[Column, ...]:
+    """A batch item's columns as `Event` columns: an `Event` item as it is, an `EventRun` item
+    as the `Event`s it stands for (one row per offset after the posexplode of its offsets, as
+    ``run_index`` and ``run_offset``)."""
+    r = "item.member1"
     return (
-        F.col("r.type").alias("type"),
-        F.col("r.timestamp_ms").alias("timestamp_ms"),
-        F.col("r.coordinator_id").alias("coordinator_id"),
-        F.col("r.coordinator_epoch").alias("coordinator_epoch"),
-        F.col("r.queue").alias("queue"),
-        F.concat_ws("/", F.col("r.topic"), F.col("r.partition").cast("string"),
-                    F.col("offset").cast("string")).alias("bookmark"),
-        F.col("r.topic").alias("topic"),
-        F.col("r.partition").alias("partition"),
-        F.col("offset"),
-        F.col("r.consumer_id").alias("consumer_id"),
-        F.col("r.session_id").alias("session_id"),
-        F.col("r.delivery_count").alias("delivery_count"),
-        F.col("r.reason").alias("reason"),
-        F.col("r.lease_expires_ms").alias("lease_expires_ms"),
-        F.lit(None).cast("long").alias("available_at_ms"),
-        F.expr("try_element_at(r.record_timestamps_ms, run_index + 1)").alias(
-            "record_timestamp_ms"),
+        _run_or_event("type", F.col(f"{r}.type")),
+        _run_or_event("timestamp_ms", F.col(f"{r}.timestamp_ms")),
+        _run_or_event("coordinator_id", F.col(f"{r}.coordinator_id")),
+        _run_or_event("coordinator_epoch", F.col(f"{r}.coordinator_epoch")),
+        _run_or_event("queue", F.col(f"{r}.queue")),
+        _run_or_event("bookmark", F.concat_ws(
+            "/", F.col(f"{r}.topic"), F.col(f"{r}.partition").cast("string"),
+            F.col("run_offset").cast("string"))),
+        _run_or_event("topic", F.col(f"{r}.topic")),
+        _run_or_event("partition", F.col(f"{r}.partition")),
+        _run_or_event("offset", F.col("run_offset")),
+        _run_or_event("consumer_id", F.col(f"{r}.consumer_id")),
+        _run_or_event("session_id", F.col(f"{r}.session_id")),
+        _run_or_event("delivery_count", F.col(f"{r}.delivery_count")),
+        _run_or_event("reason", F.col(f"{r}.reason")),
+        _run_or_event("lease_expires_ms", F.col(f"{r}.lease_expires_ms")),
+        _run_or_event("available_at_ms", F.lit(None).cast("long")),
+        _run_or_event("record_timestamp_ms", F.expr(
+            f"try_element_at({r}.record_timestamps_ms, run_index + 1)")),
     )
 
 
@@ -255,8 +306,9 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     outbox) and single Event records (earlier coordinators; a clean stop's OWNERSHIP_LOST).
     A batch's items are single events or runs (`EventRun`, one event per offset), expanded
     here. A batch published twice (a crash between publishing and forgetting it) counts once:
-    copies are dropped by ``batch_id``. A stream cannot drop them within one micro-batch's
-    rows only, so it keeps `BATCH_ID_COLUMNS` for `drop_batch_copies`.
+    copies are dropped by ``batch_id``, read from the raw records before they are decoded. A
+    stream cannot drop them within one micro-batch's rows only, so it keeps
+    `BATCH_ID_COLUMNS` for `drop_batch_copies`.
     """
     header = F.substring("value", 1, HEADER_LENGTH)
     body = F.expr(f"substring(value, {HEADER_LENGTH + 1})")
@@ -268,22 +320,26 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
                        F.lit(None).cast("int").alias("event_index"),
                        F.lit(None).cast("int").alias("run_index")))
     batch_header = ProtocolSchema.load(SchemaKind.EVENT_BATCH).header.hex().upper()
-    batches = (raw.where(header == F.unhex(F.lit(batch_header)))
-               .select(from_avro(body, batch_avsc, {"mode": "FAILFAST"}).alias("b"))
-               .select(F.col("b.batch_id").alias("batch_id"), F.col("b.events").alias("events")))
+    records = raw.where(header == F.unhex(F.lit(batch_header)))
     if not keep_batch_ids:
-        batches = batches.dropDuplicates(["batch_id"])
-    # A union of two records reads as a struct of both, the one not written null.
-    items = batches.select("batch_id", F.posexplode("events").alias("event_index", "item"))
-    batched = (items.where(F.col("item.member0").isNotNull())
-               .select("item.member0.*", "batch_id", "event_index",
-                       F.lit(0).alias("run_index")))
-    runs = (items.where(F.col("item.member1").isNotNull())
-            .select("batch_id", "event_index", F.col("item.member1").alias("r"))
-            .select("batch_id", "event_index", "r",
-                    F.posexplode("r.offsets").alias("run_index", "offset"))
-            .select(*_run_as_events(), "batch_id", "event_index", "run_index"))
-    events = singles.unionByName(batched).unionByName(runs)
+        records = _first_copies(records)
+    batches = (records.select(from_avro(body, batch_avsc, {"mode": "FAILFAST"}).alias("b"))
+               .select(F.col("b.batch_id").alias("batch_id"), F.col("b.events").alias("events")))
+    # A union of two records reads as a struct of both, the one not written null. Both kinds
+    # of item go through one pipeline (an Event item as a run of one, with no offset), so
+    # each record is decoded once: a union of two branches decoded it once per branch.
+    # posexplode_outer: for posexplode the optimizer infers a filter on the array's size and
+    # pushes it below the decoding, which then decodes every record twice (the outer row of
+    # an empty batch is dropped by the filter here).
+    items = (batches.select("batch_id",
+                            F.posexplode_outer("events").alias("event_index", "item"))
+             .where(F.col("item.member0").isNotNull() | F.col("item.member1").isNotNull()))
+    offsets = F.when(F.col("item.member1").isNotNull(), F.col("item.member1.offsets")).otherwise(
+        F.array(F.lit(None).cast("long")))
+    batched = (items.select("batch_id", "event_index", "item",
+                            F.posexplode(offsets).alias("run_index", "run_offset"))
+               .select(*_item_as_events(), "batch_id", "event_index", "run_index"))
+    events = singles.unionByName(batched)
     if keep_batch_ids:
         return events
     return events.drop(*BATCH_ID_COLUMNS)

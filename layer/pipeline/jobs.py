@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from pyspark import StorageLevel
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -134,19 +133,6 @@ class ReconcileReport:
 # ------------------------------------------------------------------------------------------
 # Batch jobs: each reads its range, transforms, writes, and returns the (lazy) table.
 # ------------------------------------------------------------------------------------------
-
-
-def _decoded_once(events: DataFrame) -> DataFrame:
-    """The decoded events, kept (memory, then local disk) after their first read: for
-    `metrics`, which unions seven kinds of samples, each from the events or the lifecycle, so
-    without it reads the Kafka range and decodes every record about 50 times (at 1,000,000
-    events: 49.5 JVM CPU seconds with it, 88.9 without). Not for the other jobs, which use
-    their events twice: there, caching cost more than the second read (lifecycle 26.9 s with
-    it, 19.1 s without; docs/pipeline.md "Speed"). The returned table depends on it, so it
-    stays cached while the caller uses the table: `run_job` clears it when it is done, a
-    caller of `run_metrics` calls ``spark.catalog.clearCache()``.
-    """
-    return events.persist(StorageLevel.MEMORY_AND_DISK)
 
 
 def _sink(output: str | Sink | None, table: str) -> Sink | None:
@@ -264,8 +250,9 @@ def run_metrics(spark: SparkSession, source: EventSource, *, queue: str | None =
                 end_ms: int | None = None, output: str | Sink | None = None) -> DataFrame:
     """SLA metrics per queue and ``window`` from the events written in ``[start_ms, end_ms)``
     (`transforms.metrics`); written to ``output`` when given."""
-    events = _decoded_once(read_events(spark, source.events_topic, source.options(), start_ms,
-                                       end_ms))
+    # Not cached: `transforms.metrics` reads its events once (one per-entry aggregation gives
+    # every sample), so the Kafka range is read and decoded once (docs/pipeline.md "Speed").
+    events = read_events(spark, source.events_topic, source.options(), start_ms, end_ms)
     table = _metrics(queue, window)(events)
     sink = _sink(output, "qlayer_metrics")
     if sink is not None:
@@ -591,10 +578,7 @@ def run_job(job: Job, source: EventSource, *, session: SessionOptions | None = N
     definition = (parse_view(job.fields, job.group_by, job.where)
                   if isinstance(job, ViewsJob) else None)
     if spark is not None:
-        try:
-            return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
-        finally:
-            spark.catalog.clearCache()  # the events `_decoded_once` kept
+        return _run(job, definition, spark, source, start_ms, end_ms, sink, stream, limit)
     with _session(session or SessionOptions(), name) as own:
         return _run(job, definition, own, source, start_ms, end_ms, sink, stream, limit)
 

@@ -10,7 +10,7 @@ string). ``journal`` has the Kafka source's ``topic``, ``partition``, ``offset``
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     IntegerType,
@@ -123,13 +123,24 @@ _LEASE_STEP = {EventType.ENQUEUED.value: 0, EventType.REDRIVEN.value: 0,
 _HOLDING = (EventType.LEASED.value, EventType.RENEWED.value)
 
 
+def _lease_step(kind: Column) -> Column:
+    step = F.create_map(*[F.lit(x) for pair in _LEASE_STEP.items() for x in pair])
+    return step[kind]
+
+
 def _last_lease_event() -> Column:
     """An aggregate: the type of the entry's last lease-related event (LEASED or RENEWED:
     it is leased)."""
-    step = F.create_map(*[F.lit(x) for pair in _LEASE_STEP.items() for x in pair])
     return F.max(F.when(F.col("type").isin(*_LEASE_STEP), F.struct(
         F.col("timestamp_ms"), F.coalesce(F.col("delivery_count"), F.lit(0)),
-        step[F.col("type")], F.col("type").alias("type")))).getField("type")
+        _lease_step(F.col("type")), F.col("type").alias("type")))).getField("type")
+
+
+def _first_enqueued_order(events: DataFrame) -> list[str]:
+    """The columns by which `entry_events` picks an entry's first ENQUEUED: its time, then
+    the other columns as a tie-break."""
+    return ["timestamp_ms", *[c for c in events.columns
+                              if c not in ("queue", "bookmark", "timestamp_ms")]]
 
 
 def entry_events(events: DataFrame) -> DataFrame:
@@ -144,9 +155,7 @@ def entry_events(events: DataFrame) -> DataFrame:
     enqueued = entries.where(_is(EventType.ENQUEUED))
     first = (
         enqueued.groupBy("queue", "bookmark")
-        .agg(F.min(F.struct("timestamp_ms", *[c for c in events.columns
-                                                if c not in ("queue", "bookmark",
-                                                             "timestamp_ms")])).alias("e"))
+        .agg(F.min(F.struct(*_first_enqueued_order(events))).alias("e"))
         .select("queue", "bookmark", "e.*")
         .select(*events.columns)
     )
@@ -154,16 +163,24 @@ def entry_events(events: DataFrame) -> DataFrame:
 
 
 def _per_entry(events: DataFrame) -> DataFrame:
-    """One row per (queue, bookmark) with the raw aggregates both jobs build on."""
+    """One row per (queue, bookmark) with the raw aggregates every job builds on.
+
+    One aggregation over the events as read: the ENQUEUED deduplication of `entry_events`
+    is folded in (the first ENQUEUED is an aggregate too, and the aggregates that look at
+    ENQUEUED take only it), rather than a second aggregation and a union before this one.
+    """
     delivery = _is(EventType.LEASED) | _is(EventType.DELIVERED_AT_MOST_ONCE)
     outcome = F.col("type").isin(*OUTCOME_TYPES)
-    return entry_events(events).groupBy("queue", "bookmark").agg(
+    enqueued = _is(EventType.ENQUEUED)
+    later = ~enqueued  # every event but the ENQUEUEDs, which count once (the first)
+    first = F.col("first_enqueued")
+    entries = events.where(F.col("queue").isNotNull() & F.col("bookmark").isNotNull())
+    per = entries.groupBy("queue", "bookmark").agg(
         F.first("topic", ignorenulls=True).alias("topic"),
         F.first("partition", ignorenulls=True).alias("partition"),
         F.first("offset", ignorenulls=True).alias("offset"),
-        F.min(F.when(_is(EventType.ENQUEUED), F.col("timestamp_ms"))).alias("enqueued_ms"),
-        F.min(F.when(_is(EventType.ENQUEUED), F.col("record_timestamp_ms")))
-        .alias("record_timestamp_ms"),
+        F.min(F.when(enqueued, F.struct(*_first_enqueued_order(events))))
+        .alias("first_enqueued"),
         # sort_array orders structs by their first field: deliveries and outcomes in time order.
         F.sort_array(F.collect_list(F.when(delivery, F.struct(
             F.col("timestamp_ms"), F.col("delivery_count"), F.col("consumer_id"),
@@ -174,9 +191,29 @@ def _per_entry(events: DataFrame) -> DataFrame:
             F.col("delivery_count"),
         )))).alias("outcomes"),
         F.max(F.when(_is(EventType.DEAD_LETTERED), F.lit(True))).alias("dead_lettered"),
-        F.max(F.struct(F.col("timestamp_ms"), F.col("type"))).getField("type")
-        .alias("last_type"),
-        _last_lease_event().alias("lease_state"),
+        F.max(F.when(later, F.struct(F.col("timestamp_ms"), F.col("type"))))
+        .alias("last_later"),
+        F.max(F.when(later & F.col("type").isin(*_LEASE_STEP), F.struct(
+            F.col("timestamp_ms"), F.coalesce(F.col("delivery_count"), F.lit(0)).alias("count"),
+            _lease_step(F.col("type")).alias("step"), F.col("type").alias("type"))))
+        .alias("lease_later"),
+    )
+    enqueued_type = F.lit(EventType.ENQUEUED.value)
+    # greatest() skips nulls: the later events' maximum, or the first ENQUEUED, whichever is
+    # later (the same maximum as over `entry_events`).
+    last_type = F.greatest(F.col("last_later"), F.when(first.isNotNull(), F.struct(
+        first.getField("timestamp_ms").alias("timestamp_ms"), enqueued_type.alias("type"))))
+    lease_state = F.greatest(F.col("lease_later"), F.when(first.isNotNull(), F.struct(
+        first.getField("timestamp_ms").alias("timestamp_ms"),
+        F.coalesce(first.getField("delivery_count"), F.lit(0)).alias("count"),
+        _lease_step(enqueued_type).alias("step"), enqueued_type.alias("type"))))
+    return per.select(
+        "queue", "bookmark", "topic", "partition", "offset",
+        first.getField("timestamp_ms").alias("enqueued_ms"),
+        first.getField("record_timestamp_ms").alias("record_timestamp_ms"),
+        "deliveries", "outcomes", "dead_lettered",
+        last_type.getField("type").alias("last_type"),
+        lease_state.getField("type").alias("lease_state"),
     )
 
 
@@ -189,12 +226,17 @@ def lifecycle(events: DataFrame) -> DataFrame:
     outcome_ms, outcome_consumer_id, outcome_count, time_in_queue_ms (enqueued to outcome),
     processing_time_ms (last delivery before the outcome to the outcome; null without one).
     """
+    return _lifecycle_rows(_per_entry(events))
+
+
+def _lifecycle_rows(per: DataFrame, *keep: str) -> DataFrame:
+    """`lifecycle` from `_per_entry`'s rows, with the ``keep`` columns of those too."""
     # get / try_element_at: out of range is null, not an error, under ANSI mode (Spark 4).
     first = F.get(F.col("outcomes"), 0)
     outcome_ms = first.getField("timestamp_ms")
     kind = first.getField("type")
     before_outcome = F.filter("deliveries", lambda d: d.getField("timestamp_ms") <= outcome_ms)
-    return _per_entry(events).select(
+    return per.select(
         "queue", "bookmark", "topic", "partition", "offset", "record_timestamp_ms",
         "enqueued_ms",
         F.transform("deliveries", lambda d: d.dropFields("type")).alias("deliveries"),
@@ -213,6 +255,7 @@ def lifecycle(events: DataFrame) -> DataFrame:
         (outcome_ms - F.col("enqueued_ms")).alias("time_in_queue_ms"),
         (outcome_ms - F.try_element_at(before_outcome, F.lit(-1)).getField("timestamp_ms"))
         .alias("processing_time_ms"),
+        *keep,
     )
 
 
@@ -290,15 +333,23 @@ def reconcile(events: DataFrame, journal: DataFrame, queue: str,
     entries = (_per_entry(events.where(F.col("queue") == F.lit(queue)))
                .withColumn("in_events", F.lit(True)))
     joined = entries.join(records, keys, "full_outer")
-    # Per partition: the span of the journal read, and of the records the queue admitted.
-    spans = joined.groupBy("topic", "partition").agg(
-        F.min(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_lo"),
-        F.max(F.when(F.col("in_journal"), F.col("offset"))).alias("journal_hi"),
-        F.min(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
-        .alias("admitted_lo"),
-        F.max(F.when(F.col("in_journal") & F.col("in_events"), F.col("offset")))
-        .alias("admitted_hi"))
-    joined = joined.join(spans, ["topic", "partition"], "left")
+    # Per partition: the span of the journal read, and of the records the queue admitted. A
+    # window over the joined rows, not an aggregation joined back: that read the events, and
+    # decoded and aggregated them, a second time (docs/pipeline.md "Speed"). A row without a
+    # topic or partition has no span (it matched no partition's row in that join).
+    partition = Window.partitionBy("topic", "partition")
+    placed = F.col("topic").isNotNull() & F.col("partition").isNotNull()
+
+    def span(value: Column, name: str) -> Column:
+        return F.when(placed, value.over(partition)).alias(name)
+
+    admitted = F.col("in_journal") & F.col("in_events")
+    joined = joined.select(
+        "*",
+        span(F.min(F.when(F.col("in_journal"), F.col("offset"))), "journal_lo"),
+        span(F.max(F.when(F.col("in_journal"), F.col("offset"))), "journal_hi"),
+        span(F.min(F.when(admitted, F.col("offset"))), "admitted_lo"),
+        span(F.max(F.when(admitted, F.col("offset"))), "admitted_hi"))
     if store is not None:
         points = store.where(F.col("recovery_point").isNotNull()).select(
             "topic", "partition", "recovery_point")
@@ -509,42 +560,48 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
     processing (the acked delivery to its ack, window of the ack). ``consumers``: each
     consumer's acks and share of the window's acks, most first.
     """
-    e = entry_events(events)
-    table = lifecycle(events)
+    # One per-entry aggregation gives every sample: the first ENQUEUED, each delivery, each
+    # outcome (classified with the entry's DEAD_LETTERED), and the latencies of its lifecycle.
+    table = _lifecycle_rows(_per_entry(events), "outcomes", "dead_lettered")
     first_delivery = F.get(F.col("deliveries"), 0).getField("timestamp_ms")
     acked = F.col("outcome") == F.lit(Outcome.ACKED)
 
-    def sample(at: Column, measure: str | Column, value: Column | None,
-               consumer: Column | None = None) -> list[Column]:
+    def sample(at: Column, measure: str | Column, value: Column | None = None,
+               consumer: Column | None = None) -> Column:
         kind = F.lit(measure) if isinstance(measure, str) else measure
-        return [F.col("queue"), at.alias("at_ms"), kind.alias("measure"),
-                (value if value is not None else F.lit(None)).cast("double").alias("value"),
-                (consumer if consumer is not None else F.lit(None)).cast("string")
-                .alias("consumer_id")]
+        return F.struct(
+            at.cast("long").alias("at_ms"), kind.alias("measure"),
+            (value if value is not None else F.lit(None)).cast("double").alias("value"),
+            (consumer if consumer is not None else F.lit(None)).cast("string")
+            .alias("consumer_id"))
 
-    dead = (e.where(_is(EventType.DEAD_LETTERED)).select("queue", "bookmark").distinct()
-            .withColumn("dead", F.lit(True)))
-    # ACKED outcomes are the "acked" samples; the others are classified here.
-    outcome_events = e.where(F.col("type").isin(*OUTCOME_TYPES) & ~_is(EventType.ACKED)).join(
-        dead, ["queue", "bookmark"], "left")
+    def outcome_sample(o: Column) -> Column:
+        kind = o.getField("type")
+        expired = kind == F.lit(EventType.EXPIRED.value)
+        is_ack = kind == F.lit(EventType.ACKED.value)
+        measure = (F.when(is_ack, F.lit("acked"))
+                   .when(expired & F.col("dead_lettered").isNotNull(), F.lit("dead_lettered"))
+                   .when(expired, F.lit("expired")).otherwise(F.lit("outcome")))
+        return sample(o.getField("timestamp_ms"), measure, None,
+                      F.when(is_ack, o.getField("consumer_id")))
+
+    once = F.filter(F.array(
+        F.when(F.col("enqueued_ms").isNotNull(), sample(F.col("enqueued_ms"), "enqueued")),
+        F.when(first_delivery.isNotNull(),
+               sample(first_delivery, "wait", first_delivery - F.col("enqueued_ms"))),
+        F.when(F.col("time_in_queue_ms").isNotNull(),
+               sample(F.col("outcome_ms"), "time_in_queue", F.col("time_in_queue_ms"))),
+        F.when(acked & F.col("processing_time_ms").isNotNull(),
+               sample(F.col("outcome_ms"), "processing", F.col("processing_time_ms"))),
+    ), lambda x: x.isNotNull())
+    every = F.concat(
+        once,
+        F.transform("deliveries", lambda d: sample(d.getField("timestamp_ms"), "delivered",
+                                                   d.getField("delivery_count"))),
+        F.transform("outcomes", outcome_sample),
+    )
     samples = (
-        e.where(_is(EventType.ENQUEUED)).select(*sample(F.col("timestamp_ms"), "enqueued", None))
-        .unionByName(e.where(_is(EventType.LEASED) | _is(EventType.DELIVERED_AT_MOST_ONCE))
-                     .select(*sample(F.col("timestamp_ms"), "delivered",
-                                     F.col("delivery_count"))))
-        .unionByName(e.where(_is(EventType.ACKED))
-                     .select(*sample(F.col("timestamp_ms"), "acked", None,
-                                     F.col("consumer_id"))))
-        .unionByName(outcome_events.select(*sample(
-            F.col("timestamp_ms"),
-            F.when(_is(EventType.EXPIRED) & F.col("dead").isNotNull(), "dead_lettered")
-            .when(_is(EventType.EXPIRED), "expired").otherwise("outcome"), None)))
-        .unionByName(table.where(first_delivery.isNotNull()).select(*sample(
-            first_delivery, "wait", first_delivery - F.col("enqueued_ms"))))
-        .unionByName(table.where(F.col("time_in_queue_ms").isNotNull()).select(*sample(
-            F.col("outcome_ms"), "time_in_queue", F.col("time_in_queue_ms"))))
-        .unionByName(table.where(acked & F.col("processing_time_ms").isNotNull()).select(
-            *sample(F.col("outcome_ms"), "processing", F.col("processing_time_ms"))))
+        table.select("queue", F.explode(every).alias("s")).select("queue", "s.*")
         .withColumn("window", F.window(F.timestamp_millis(F.col("at_ms")), window))
     )
 
@@ -561,7 +618,17 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
         return [values[i].alias(f"{measure}_ms_{suffix}")
                 for i, (_, suffix) in enumerate(PERCENTILES)]
 
-    totals = samples.groupBy("queue", "window").agg(
+    # One pass over the samples: grouped by window and, for an "acked" sample, its consumer
+    # (the other samples, whose percentiles need them all together, in one group of their
+    # own), then the few groups of a window summed. A second aggregation of the samples for
+    # the consumers' shares would compute the samples (read, decode, aggregate) twice.
+    is_ack = (F.col("measure") == F.lit("acked")).alias("is_ack")
+    counted = ("enqueued", "delivered", "redelivered", "acked", "dead_lettered", "expired",
+               "other")
+    latencies = [f"{m}_ms_{suffix}" for m in ("wait", "time_in_queue", "processing")
+                 for _, suffix in PERCENTILES]
+    by_group = samples.groupBy("queue", "window", is_ack,
+                               F.when(is_ack, F.col("consumer_id")).alias("consumer_id")).agg(
         count("enqueued").alias("enqueued"),
         count("delivered").alias("delivered"),
         count("delivered", F.col("value") > 1).alias("redelivered"),
@@ -571,18 +638,17 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
         count("outcome").alias("other"),
         *latency("wait"), *latency("time_in_queue"), *latency("processing"),
     )
-    outcomes = F.col("acked") + F.col("dead_lettered") + F.col("expired") + F.col("other")
-    per_consumer = (
-        samples.where(F.col("measure") == F.lit("acked"))
-        .groupBy("queue", "window", "consumer_id").agg(F.count(F.lit(1)).alias("acks"))
-        .groupBy("queue", "window")
-        .agg(F.sort_array(F.collect_list(F.struct(F.col("acks"), F.col("consumer_id"))),
-                          asc=False).alias("by_consumer"))
+    totals = by_group.groupBy("queue", "window").agg(
+        *[F.sum(c).alias(c) for c in counted],
+        *[F.max(F.when(~F.col("is_ack"), F.col(c))).alias(c) for c in latencies],
+        F.sort_array(F.collect_list(F.when(F.col("is_ack"), F.struct(
+            F.col("acked").alias("acks"), F.col("consumer_id")))), asc=False)
+        .alias("by_consumer"),
     )
+    outcomes = F.col("acked") + F.col("dead_lettered") + F.col("expired") + F.col("other")
     seconds = (F.unix_micros(F.col("window.end")) - F.unix_micros(F.col("window.start"))) / 1e6
     return (
-        totals.join(per_consumer, ["queue", "window"], "left")
-        .select(
+        totals.select(
             "queue",
             F.col("window.start").alias("window_start"),
             F.col("window.end").alias("window_end"),
@@ -592,9 +658,8 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
             F.when(F.col("delivered") > 0, F.col("redelivered") / F.col("delivered"))
             .alias("redelivery_rate"),
             F.when(outcomes > 0, F.col("dead_lettered") / outcomes).alias("dead_letter_rate"),
-            *[f"{m}_ms_{suffix}" for m in ("wait", "time_in_queue", "processing")
-              for _, suffix in PERCENTILES],
-            F.transform(F.coalesce(F.col("by_consumer"), F.array()), lambda c: F.struct(
+            *latencies,
+            F.transform(F.col("by_consumer"), lambda c: F.struct(
                 c.getField("consumer_id").alias("consumer_id"),
                 c.getField("acks").alias("acks"),
                 (c.getField("acks") / F.col("acked")).alias("share"),

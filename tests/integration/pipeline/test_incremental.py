@@ -14,7 +14,7 @@ import sqlalchemy
 from pyspark.sql import SparkSession
 
 from layer.pipeline import transforms
-from layer.pipeline.io import latest_rows, read_events
+from layer.pipeline.io import SOURCE_READS, latest_rows, read_events
 from layer.pipeline.jobs import EventSource, LifecycleJob, StreamOptions, run_job
 from layer.pipeline.synthetic import workload
 from layer.protocol import Codec, EventType, TopicNames
@@ -54,8 +54,8 @@ def test_each_micro_batch_costs_its_new_events_and_finished_entries_are_evicted(
 
     # Each run reads its round's 100 event records only, and updates the state of its 20
     # entries only, however many came before. (Spark counts the records once per read of
-    # the source in the plan: decoding reads it for single events, batch items and runs.)
-    assert [sum(p.input_rows for p in run) for run in runs] == [3 * 100] * 3, runs
+    # the source in the plan: decoding reads it for single events and for batches.)
+    assert [sum(p.input_rows for p in run) for run in runs] == [SOURCE_READS * 100] * 3, runs
     # Spark's applyInPandasWithState store holds a fixed number of rows per entry (two in
     # Spark 4.2): the first batch, 20 new entries, tells how many.
     per_entry = runs[0][0].state_rows_total // ROUND

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pyspark.sql import SparkSession
 
-from layer.pipeline.io import decode_events
+from layer.pipeline.io import decode_events, raw_batch_id
 from layer.protocol import Bookmark, Codec, Event, EventRun, EventType
 
 CODEC = Codec()
@@ -76,3 +76,29 @@ def test_a_stream_keeps_where_each_event_came_from(spark: SparkSession) -> None:
     # Both copies are there (a stream drops them across micro-batches), told apart by place.
     assert sorted((r["batch_id"], r["event_index"], r["run_index"], r["offset"])
                   for r in rows) == [(9, 0, 0, 4), (9, 0, 0, 4), (9, 0, 1, 5), (9, 0, 1, 5)]
+
+
+def test_the_batch_id_is_read_from_the_raw_record_as_the_codec_wrote_it(
+    spark: SparkSession,
+) -> None:
+    # Copies of a batch are dropped on this id before decoding: every varint length and sign.
+    ids = [0, 1, -1, 63, -64, 64, 300, 2**31, -(2**31), 2**62, 2**63 - 1, -(2**63)]
+    array = CODEC.event_array([CODEC.event_item(CODEC.encode_event(
+        _event(type=EventType.OWNERSHIP_LOST, queue="Jobs")))])
+    raw = spark.createDataFrame([(CODEC.encode_event_batch(i, 3, array),) for i in ids],
+                                "value binary")
+    assert [r[0] for r in raw.select(raw_batch_id()).collect()] == ids
+
+
+def test_only_the_first_copy_of_a_batch_is_decoded(spark: SparkSession) -> None:
+    runs = [_run(type=EventType.ACKED, partition=0, offsets=(4, 5), consumer_id="w",
+                 reason="consumer")]
+    first = CODEC.encode_event_batch(9, 1, CODEC.event_array(list(map(CODEC.run_item, runs))))
+    other = CODEC.encode_event_batch(10, 1, CODEC.event_array(list(map(CODEC.run_item, runs))))
+    # As the Kafka source reads them: the batch 9 at offsets 2 and 7 of partition 0.
+    raw = spark.createDataFrame([(0, 7, first), (0, 2, first), (1, 3, other)],
+                                "partition int, offset long, value binary")
+    rows = decode_events(raw).collect()
+    assert sorted((r["offset"], r["type"]) for r in rows) == [
+        (4, "ACKED"), (4, "ACKED"), (5, "ACKED"), (5, "ACKED")]  # one copy of each batch
+    assert len(rows) == 4

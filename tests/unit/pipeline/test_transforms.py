@@ -223,3 +223,16 @@ def test_counters_recomputed_from_events(spark: SparkSession) -> None:
     assert totals == {"queue": "Q", "enqueued": 5, "delivered": 5, "redelivered": 1,
                       "acked": 2, "released": 0, "lease_expired": 1, "rejected": 1,
                       "expired": 1, "dead_lettered": 1}
+
+
+def test_a_repeated_enqueued_after_a_lease_leaves_the_entry_leased(spark: SparkSession) -> None:
+    # A restarted coordinator announced 3 again at 3000, after its lease at 40: only the first
+    # ENQUEUED counts, so the entry is still leased, as PostgreSQL says (no lease_differs),
+    # and pending, its last event the lease (the per-entry aggregation's deduplication).
+    events = [*healthy(), ev("ENQUEUED", 3000, 3, coordinator_epoch=2)]
+    reconciled = reconcile(frame(spark, events), journal(spark, range(5)), "Q",
+                           store=store_state(store(spark, *CONSISTENT)))
+    assert found(reconciled) == []
+    assert by_bookmark(reconciled)[3]["status"] == "pending"
+    entries = by_bookmark(lifecycle(frame(spark, events)))
+    assert (entries[3]["enqueued_ms"], entries[3]["outcome"]) == (T0, "pending")
