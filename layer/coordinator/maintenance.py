@@ -314,7 +314,13 @@ class PartitionCheck:
         the shard is not rebuilt (issue 15, 2b). A position below the log start is
         retention's, reported as before (the shard's rebuild expires those entries)."""
         core, admin = self.core, self.loader.admin
-        ends = admin.end_offsets(sorted(tp for tp in out_of_range
+        # Every listed partition a queue reads, not only those the reader found outside their
+        # log: a journal deleted and made again (auto-created, empty) while its partition was
+        # read to its end was found by neither (the reader met no offset out of range; the
+        # soak's deleted journal, found after the fix for a takeover). A log's end never moves
+        # back, so one below what was read or admitted of it means a new log.
+        watched = {tp for engine in core.engines.values() for tp in engine.recovery_points()}
+        ends = admin.end_offsets(sorted(tp for tp in watched | out_of_range
                                         if tp[1] < listed.get(tp[0], 0)))
         remade: set[tuple[str, int]] = set()
         reader = self.loader.reader
