@@ -186,8 +186,9 @@ class KafkaAdmin:
             return {}
         out: dict[tuple[str, int], int] = {}
         # A partition whose leader is being elected (a topic made a moment ago, a broker just
-        # back) answers NOT_LEADER / LEADER_NOT_AVAILABLE for a few hundred ms: asked again
-        # within the timeout rather than failing a shard's start-up over it.
+        # back) answers NOT_LEADER / LEADER_NOT_AVAILABLE / UNKNOWN_LEADER_EPOCH for a few
+        # hundred ms: asked again within the timeout rather than failing a shard's start-up
+        # over it.
         deadline = time.monotonic() + timeout
         while request:
             again: dict[Any, Any] = {}
@@ -252,7 +253,17 @@ class KafkaAdmin:
 
 
 #: Errors of a partition whose leadership is moving: they pass once its election is over.
-_LEADER_MOVING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
+#: UNKNOWN_LEADER_EPOCH / FENCED_LEADER_EPOCH come when librdkafka's metadata and the broker's
+#: disagree about the leader's epoch for a moment (a topic made a moment ago: CI once failed
+#: on "Leader epoch is newer than broker epoch"); OFFSET_NOT_AVAILABLE while a new leader
+#: catches up its high watermark.
+_LEADER_MOVING = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_LEADER_EPOCH,
+    KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.OFFSET_NOT_AVAILABLE,
+})
 
 
 def _code(exc: BaseException) -> int | None:
