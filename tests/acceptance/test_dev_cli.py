@@ -19,9 +19,11 @@ from layer.localstack.process import pid_alive
 
 pytestmark = pytest.mark.acceptance
 
-# Overridable, for a run beside another suite's (the ports are this module's alone).
-KAFKA_PORT = int(os.environ.get("QLAYER_TEST_DEV_KAFKA_PORT", "49092"))
-POSTGRES_PORT = int(os.environ.get("QLAYER_TEST_DEV_POSTGRES_PORT", "45432"))
+# Overridable, for a run beside another suite's (the ports are this module's alone). Below
+# Linux's ephemeral range (32768-60999), so no client connection's local end can hold one when
+# the stack starts again (the outage test's broker once failed to bind 43092 for that).
+KAFKA_PORT = int(os.environ.get("QLAYER_TEST_DEV_KAFKA_PORT", "28092"))
+POSTGRES_PORT = int(os.environ.get("QLAYER_TEST_DEV_POSTGRES_PORT", "28432"))
 
 
 def qlayer(*args: str, state: Path) -> subprocess.CompletedProcess[str]:

@@ -32,12 +32,12 @@ from layer.kafka import OutgoingRecord, RecordWriter
 from layer.kafka.errors import DeliveryFailed
 from layer.localstack import StackConfig
 from layer.localstack.kafka import KafkaNode
-from layer.localstack.process import port_open
 from layer.protocol import AckType
 from layer.settings import Settings
 from layer.store.store import Store
 from tests.support.coordinator import Delivered, RawConsumer, TopicReader, counters, put_queues
 from tests.support.kafka import create_topic
+from tests.support.ports import free_ports
 from tests.support.processes import CoordinatorSubprocess, audit, produce_numbers, read_events
 
 pytestmark = pytest.mark.integration
@@ -60,20 +60,15 @@ BOUNCE_MS = 3000
 LONG_BOUNCE_MS = 8000
 
 
-def _free_port_pair(first: int, last: int) -> int:
-    """A port p with p and p + 1 free (broker and controller), away from the ports the
-    development and test stacks use by default."""
-    for port in range(first, last, 2):
-        if not port_open("127.0.0.1", port) and not port_open("127.0.0.1", port + 1):
-            return port
-    raise RuntimeError(f"no two free ports in {first}..{last} for the outage test's broker")
-
-
 @pytest.fixture(scope="module")
 def outage_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaNode]:
     """A broker of this module alone, stopped (by its PID) when the module ends."""
     wanted = os.environ.get("QLAYER_TEST_OUTAGE_KAFKA_PORT")
-    port = int(wanted) if wanted else _free_port_pair(43_092, 43_292)
+    # Below Linux's ephemeral range (32768-60999): while the broker is dead, its clients
+    # reconnect to its port again and again, and on loopback a connect whose ephemeral local
+    # port happens to be the port itself connects to itself (TCP simultaneous open) and holds
+    # it, so the restarted broker failed with "Address already in use" (CI, port 43092).
+    port = int(wanted) if wanted else free_ports(27_092, 2)
     config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("outage-stack"),
                                   kafka_port=port, controller_port=port + 1)
     node = KafkaNode(config.kafka())
