@@ -1,8 +1,11 @@
-"""One PostgreSQL round trip for a transaction's statements (psycopg's pipeline mode).
+"""One PostgreSQL round trip for a transaction (psycopg's pipeline mode).
 
 A coordinator iteration writes its batch in a dozen statements; sent one by one, each waits for
 the server's answer before the next goes (a round trip each, and on a loaded machine a thread
-switch each). In pipeline mode they are all sent, then the answers read at once. The statements
+switch each). In pipeline mode they are all sent, then the answers read at once; with the
+implicit BEGIN, the guard (`statements.HOLD_SHARD`, which raises rather than returning nothing)
+and the COMMIT (`Pipeline.commit`) in the same pipeline, the whole transaction is one round
+trip. The statements
 are the same SQLAlchemy constructs, compiled once for the connection's dialect, with their bind
 processors applied as SQLAlchemy would; a statement's result is read after the pipeline has
 synced (`Pending`). Drivers without pipeline mode run the statements one by one (`Direct`).
@@ -36,6 +39,8 @@ class Executor(Protocol):
     def execute(self, statement: Executable, params: Mapping[str, Any] | None = None
                 ) -> Result: ...
 
+    def commit(self) -> None: ...
+
 
 class Direct:
     """Statements run one by one through SQLAlchemy (their results are available at once)."""
@@ -46,6 +51,9 @@ class Direct:
     def execute(self, statement: Executable, params: Mapping[str, Any] | None = None) -> Result:
         result: Result = self._conn.execute(statement, params)
         return result
+
+    def commit(self) -> None:
+        """Nothing to send early: the transaction commits when SQLAlchemy's block ends."""
 
     def __enter__(self) -> Direct:
         return self
@@ -123,6 +131,16 @@ class Pipeline:
     def _errors(self) -> type[Exception]:
         errors: type[Exception] = self._dialect.dbapi.Error  # type: ignore[union-attr]
         return errors
+
+    def commit(self) -> None:
+        """Queue the COMMIT behind the statements and sync: the whole transaction in one round
+        trip. An error of any statement (the first one) is raised here, after which the server
+        has skipped the rest and the transaction is rolled back when SQLAlchemy's block ends.
+        SQLAlchemy's own commit at the end of its block then finds nothing to do."""
+        try:
+            self._pg.commit()
+        except self._errors as error:
+            raise _translated(error, self._errors, None, None) from error
 
     def __enter__(self) -> Pipeline:
         self._pipeline = self._pg.pipeline()

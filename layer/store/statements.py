@@ -192,16 +192,16 @@ REPORT_SHARDS: Final = (
             lag=bindparam("the_lag"), counters=bindparam("the_counters"))
 )
 
-# First statement of every guarded transaction. The UPDATE row-locks the ownership row until
-# commit, so a takeover (whose upsert must lock the same row) waits for this transaction and
-# cannot interleave with it; a takeover that committed first bumped the epoch, so this finds no
-# row and the transaction writes nothing.
-GUARD: Final = (
-    update(ownership)
-    .where(_holder)
-    .values(heartbeat_at=bindparam("now"))
-    .returning(ownership.c.epoch)
-)
+# First statement of every guarded transaction: `qlayer_hold_shard` (revision 0012) is the
+# UPDATE of the shard's ownership row under the caller's owner id and epoch, which row-locks it
+# until commit, so a takeover (whose upsert must lock the same row) waits for this transaction
+# and cannot interleave with it. A takeover that committed first bumped the epoch: the function
+# then raises SQLSTATE QLF01 (`FENCED_SQLSTATE`), and PostgreSQL skips every later statement of
+# the pipeline, so the transaction writes nothing although it was sent whole.
+HOLD_SHARD: Final = select(func.qlayer_hold_shard(
+    bindparam("the_shard", type_=Text), bindparam("the_owner_id", type_=Text),
+    bindparam("the_epoch", type_=BigInteger), bindparam("now", type_=_TIMESTAMP)))
+FENCED_SQLSTATE: Final = "QLF01"
 
 SELECT_OWNER: Final = select(ownership).where(
     ownership.c.shard == bindparam("the_shard"), ownership.c.owner_id.is_not(None)

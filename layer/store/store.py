@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Row
 
 from layer.domain.definitions import QueueDefinition
@@ -259,20 +260,16 @@ class Store:
         with (
             translate_errors(f"committing a batch for shard {shard!r}"),
             self._engine.begin() as conn,
+            _fenced_as(shard, owner_id, epoch),
         ):
-            # The guard alone first: it locks the shard's ownership row (a takeover waits for
-            # this transaction), and a fenced coordinator sends nothing else.
-            holder = conn.execute(
-                sql.GUARD,
-                _holder_params(shard, owner_id, epoch, moment),
-            ).scalar_one_or_none()
-            statements += 1
-            if holder is None:
-                # Raising inside `begin()` rolls back; nothing of the batch was sent yet.
-                raise FencedError(shard, owner_id, epoch)
-            # The rest in one round trip (`layer/store/pipeline.py`).
+            # The whole transaction in one round trip (`layer/store/pipeline.py`): the guard
+            # first (it row-locks the shard's ownership row, so a takeover waits for this
+            # transaction; when another owner holds the shard it raises, and the server skips
+            # everything sent after it), then the batch, then the COMMIT.
             outbox: list[Result] = []
             with executor_for(conn, self._compiled) as ex:
+                ex.execute(sql.HOLD_SHARD, _holder_params(shard, owner_id, epoch, moment))
+                statements += 1
                 statements += self._forget(ex, batch.forgotten_queues)
                 statements += _forget_partitions(ex, batch.forgotten_partitions)
                 upserts, deletes = _split_passed_entries(batch)
@@ -298,6 +295,7 @@ class Store:
                     outbox.append(ex.execute(sql.INSERT_OUTBOX, {
                         "the_shard": shard, "events": events, "now": moment}))
                     statements += 1
+                ex.commit()
             pruned = pruned_rows.rowcount if pruned_rows is not None else 0
             outbox_batch_ids = [int(result.scalar_one()) for result in outbox]
         return CommitResult(
@@ -971,6 +969,27 @@ def _placement(name: str, definition: Mapping[str, Any], count: int) -> int:
 def _fence(conn: Connection, shard: int) -> None:
     """Bump the shard's epoch: whoever runs it must take it again before writing."""
     conn.execute(sql.FENCE_SHARD, {"the_shard": shard_key(shard)})
+
+
+@contextmanager
+def _fenced_as(shard: str, owner_id: str, epoch: int) -> Iterator[None]:
+    """The guard's refusal (`statements.HOLD_SHARD`) as `FencedError`; a database without the
+    guard's function (older than revision 0012) as one clear line."""
+    try:
+        yield
+    except sa_exc.DBAPIError as error:
+        sqlstate = getattr(error.orig, "sqlstate", None)
+        if sqlstate == sql.FENCED_SQLSTATE:
+            raise FencedError(shard, owner_id, epoch) from error
+        if sqlstate == _UNDEFINED_FUNCTION and "qlayer_hold_shard" in str(error.orig):
+            raise StoreError("the database's qlayer schema is older than this coordinator "
+                             "(no function qlayer_hold_shard): run `qlayer db upgrade`",
+                             retryable=False) from error
+        raise
+
+
+# SQLSTATE undefined_function.
+_UNDEFINED_FUNCTION = "42883"
 
 
 def _holder_params(shard: str, owner_id: str, epoch: int, now: datetime) -> dict[str, Any]:

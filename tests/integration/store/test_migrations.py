@@ -221,3 +221,31 @@ def test_0011_stores_runs_uncompressed_and_keeps_the_runs_already_written(
             assert (_storage(conn, "offsets"), _storage(conn, "lease_tokens")) == ("x", "x")
     finally:
         engine.dispose()
+
+
+def test_0012_adds_the_guard_function_a_commit_needs_and_an_older_schema_says_upgrade(
+    empty_database_url: str,
+) -> None:
+    from layer.store.batch import WriteBatch
+    from layer.store.errors import FencedError, StoreError
+    from layer.store.store import Store
+
+    migrate.upgrade(empty_database_url, "0011_runs_stored_uncompressed")
+    store = Store(empty_database_url)
+    try:
+        epoch = store.take_shard("0", "a", 1_700_000_000.0)
+        # A coordinator newer than its database: one line that says what to do.
+        with pytest.raises(StoreError, match="qlayer db upgrade") as refused:
+            store.commit(WriteBatch(), "0", "a", epoch, 1_700_000_001.0)
+        assert not isinstance(refused.value, FencedError)
+        assert migrate.upgrade(empty_database_url, "0012_hold_shard_function") == (
+            "0012_hold_shard_function")
+        store.commit(WriteBatch(), "0", "a", epoch, 1_700_000_002.0)
+        with pytest.raises(FencedError):
+            store.commit(WriteBatch(), "0", "a", epoch + 1, 1_700_000_003.0)
+        assert migrate.downgrade(empty_database_url, "0011_runs_stored_uncompressed") == (
+            "0011_runs_stored_uncompressed")
+        with pytest.raises(StoreError, match="qlayer db upgrade"):
+            store.commit(WriteBatch(), "0", "a", epoch, 1_700_000_004.0)
+    finally:
+        store.close()

@@ -137,17 +137,37 @@ def test_shards_are_independent(store: Store, other_store: Store) -> None:
 def test_a_takeover_waits_for_the_owners_transaction_in_flight(
     store: Store, other_store: Store, engine: Engine
 ) -> None:
-    """The guard's row lock orders a takeover after a commit that already passed the guard."""
+    """The guard's row lock orders a takeover after a commit that already passed the guard.
+
+    The commit sends its whole transaction at once (guard, batch, COMMIT in one pipeline), so
+    the pause is taken later in the pipeline, once the server shows the guard's row lock."""
     assert store.take_shard(SHARD, "a", T0) == 1
     guard_passed = threading.Event()
     may_continue = threading.Event()
 
+    def ownership_row_locked() -> bool:
+        with engine.connect() as probe:
+            try:
+                probe.execute(sa.text("SELECT 1 FROM ownership WHERE shard = :s FOR UPDATE "
+                                      "NOWAIT"), {"s": SHARD})
+            except sa.exc.OperationalError as error:  # 55P03 lock_not_available
+                assert getattr(error.orig, "sqlstate", None) == "55P03", error
+                return True
+            finally:
+                probe.rollback()
+        return False
+
     def pause_after_guard(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.startswith("UPDATE ownership SET heartbeat_at") and not guard_passed.is_set():
-            guard_passed.set()
+        if statement.startswith("INSERT INTO recovery_points") and not guard_passed.is_set():
+            for _ in range(200):
+                if ownership_row_locked():
+                    guard_passed.set()
+                    break
+                threading.Event().wait(0.05)
+            assert guard_passed.is_set(), "the guard never took the ownership row's lock"
             assert may_continue.wait(10)
 
-    event.listen(engine, "after_cursor_execute", pause_after_guard)
+    event.listen(engine, "before_cursor_execute", pause_after_guard)
     batch = WriteBatch()
     batch.put_entry(_leased(0, "c1", T0))
     batch.set_recovery_point("Work", "orders", 0, 0)
@@ -156,7 +176,7 @@ def test_a_takeover_waits_for_the_owners_transaction_in_flight(
     )
     commit.start()
     try:
-        assert guard_passed.wait(10)
+        assert guard_passed.wait(15)
         epochs: list[int | None] = []
         takeover = threading.Thread(
             target=lambda: epochs.append(other_store.take_shard(SHARD, "b", T0 + TTL + 1))
@@ -169,7 +189,7 @@ def test_a_takeover_waits_for_the_owners_transaction_in_flight(
         commit.join(10)
     finally:
         may_continue.set()
-        event.remove(engine, "after_cursor_execute", pause_after_guard)
+        event.remove(engine, "before_cursor_execute", pause_after_guard)
     assert epochs == [2]
     # A's batch committed before the takeover, so B finds it on recovery.
     assert other_store.load_entries("Work") == [_leased(0, "c1", T0)]
