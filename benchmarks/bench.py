@@ -24,7 +24,8 @@ Throughput cell: the consumers (and relay/coordinator) start, a warm-up batch go
 then each repetition produces N records as fast as possible and the figure is N / (first
 produce -> every record acknowledged). For qlayer "acknowledged" means the queue's recovery
 points, in PostgreSQL, reach the journal's end. Medians over the repetitions. Latency cell:
-records carrying their send time at a fixed rate; consumers record receive time minus send time.
+records carrying their send time at a fixed rate, in as many runs as the plan's repetitions;
+consumers record receive time minus send time; each quantile is the median of the runs' own.
 Results: benchmarks/results/bench.json; `benchmarks/report.py` writes docs/benchmarks.md.
 """
 
@@ -114,7 +115,16 @@ def _stamp_of(value: bytes | None) -> float:
     return float(STAMP.unpack_from(value)[0])
 
 
-def _finish(samples: list[float], latencies: Any) -> None:
+#: A latency sample: (send time, receive time - send time), seconds. The send time tells which
+#: of a latency cell's repetitions the record belongs to.
+Sample = tuple[float, float]
+
+
+def _samples(now: float, values: Any) -> list[Sample]:
+    return [(s, now - s) for s in map(_stamp_of, values) if s > 0]
+
+
+def _finish(samples: list[Sample], latencies: Any) -> None:
     latencies.put(samples)
 
 
@@ -152,14 +162,13 @@ def kafka_worker(bootstrap: str, topic: str, group: str, done: Any, ready: Any, 
                          "auto.offset.reset": "earliest", "enable.auto.commit": False})
     consumer.subscribe([topic])
     ready.release()
-    samples: list[float] = []
+    samples: list[Sample] = []
     while not stop.is_set():
         records = consumer.consume(500, timeout=0.005)
         good = [r for r in records if r.error() is None]
         if not good:
             continue
-        now = time.time()
-        samples.extend(now - s for s in map(_stamp_of, (r.value() for r in good)) if s > 0)
+        samples.extend(_samples(time.time(), (r.value() for r in good)))
         consumer.commit(asynchronous=False)
         with done.get_lock():
             done.value += len(good)
@@ -176,7 +185,7 @@ def share_worker(bootstrap: str, topic: str, group: str, done: Any, ready: Any, 
                               "share.acknowledgement.mode": "explicit"})
     consumer.subscribe([topic])
     ready.release()
-    samples: list[float] = []
+    samples: list[Sample] = []
     while not stop.is_set():
         records = consumer.poll(timeout=0.1) or []
         good = [r for r in records if r.error() is None]
@@ -185,8 +194,7 @@ def share_worker(bootstrap: str, topic: str, group: str, done: Any, ready: Any, 
                 consumer.acknowledge(r)
         if not good:
             continue
-        now = time.time()
-        samples.extend(now - s for s in map(_stamp_of, (r.value() for r in good)) if s > 0)
+        samples.extend(_samples(time.time(), (r.value() for r in good)))
         consumer.commit_sync()
         with done.get_lock():
             done.value += len(good)
@@ -204,7 +212,7 @@ def qlayer_worker(bootstrap: str, prefix: str, queue: str, done: Any, ready: Any
                              ack_batch_size=500, ack_interval=0.005,
                              on_ack_error=errors.append)
     ready.release()
-    samples: list[float] = []
+    samples: list[Sample] = []
     counted = 0  # acked, not yet added to `done` (a lock per message cost a microsecond)
 
     def count() -> None:
@@ -225,7 +233,7 @@ def qlayer_worker(bootstrap: str, prefix: str, queue: str, done: Any, ready: Any
                 continue
         stamp = _stamp_of(msg.value)
         if stamp > 0:
-            samples.append(time.time() - stamp)
+            samples.append((stamp, time.time() - stamp))
         msg.ack()
         counted += 1
         if counted >= 500:
@@ -436,6 +444,7 @@ class Harness:
         counters_before = self._counters(pipe)
         rows_before = database_rows(database) if store is not None else None
         count = 0
+        windows: list[tuple[float, float]] = []  # each latency repetition's sends
         if cell.rate is None:
             rates = []
             for _ in range(self.plan.repetitions):
@@ -450,10 +459,19 @@ class Harness:
             result["acked_per_second"] = round(statistics.median(rates))
             result["repetitions"] = [round(r) for r in rates]
         else:
-            count = int(cell.rate * self.plan.latency_seconds)
-            workload.send(count, rate=cell.rate)
-            if not wait_for(through(workload.sent), 120):
-                result["incomplete"] = True
+            # Repetitions as in the throughput cells: one run's p99 rests on its worst 1 % (50
+            # records at 5 s), which one pause of the machine decides; the median of several
+            # runs is the figure.
+            per_run = int(cell.rate * self.plan.latency_seconds)
+            for _ in range(self.plan.repetitions):
+                started = time.time()
+                workload.send(per_run, rate=cell.rate)
+                windows.append((started, time.time()))
+                if not wait_for(through(workload.sent), 120):
+                    result["incomplete"] = True
+                    break
+                count += per_run
+                time.sleep(1.0)
             result["rate"] = cell.rate
         time.sleep(1.5)  # broker segments and pg_stat_database catch up
         messages = max(count, 1)
@@ -482,7 +500,7 @@ class Harness:
             result["journal_bytes_per_message"] = round(
                 ((journal_after or 0) - (journal_before or 0)) / messages)
         stop.set()
-        samples: list[float] = []
+        samples: list[Sample] = []
         reporters = len(procs) - (1 if cell.system == "relay" else 0)
         for _ in range(reporters):
             with contextlib.suppress(Exception):
@@ -495,10 +513,16 @@ class Harness:
             pipe.send("stop")
             pipe.recv()
         if cell.rate is not None:
-            samples.sort()
-            result["latency_samples"] = len(samples)
-            result["latency_ms"] = {q: round(1000 * percentile(samples, v), 2) for q, v in
-                                    (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))}
+            runs = [sorted(latency for stamp, latency in samples if first <= stamp <= last)
+                    for first, last in windows]
+            runs = [run for run in runs if run]
+            quantiles = (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))
+            each = [{q: round(1000 * percentile(run, v), 2) for q, v in quantiles}
+                    for run in runs]
+            result["latency_samples"] = sum(len(run) for run in runs)
+            result["latency_repetitions"] = each
+            result["latency_ms"] = {q: round(statistics.median(e[q] for e in each), 2)
+                                    for q, _ in quantiles} if each else {}
         if store is not None:
             store.close()
         delete_cell_topics(self.bootstrap, topics, prefixes)
