@@ -133,14 +133,17 @@ class Pipeline:
         return errors
 
     def commit(self) -> None:
-        """Queue the COMMIT behind the statements and sync: the whole transaction in one round
-        trip. An error of any statement (the first one) is raised here, after which the server
-        has skipped the rest and the transaction is rolled back when SQLAlchemy's block ends.
-        SQLAlchemy's own commit at the end of its block then finds nothing to do."""
+        """Queue the COMMIT behind the statements; `__exit__` syncs, so the whole transaction
+        is one round trip. (psycopg's own `commit()` in a pipeline syncs at once, and leaving
+        the pipeline then syncs again: two round trips.) After an error the server skips every
+        statement up to the sync, this COMMIT included, and the transaction is rolled back when
+        SQLAlchemy's block ends; without one, SQLAlchemy's own commit at the end of its block
+        finds the transaction over and sends nothing."""
+        cursor = self._pg.cursor()
         try:
-            self._pg.commit()
+            cursor.execute("COMMIT")
         except self._errors as error:
-            raise _translated(error, self._errors, None, None) from error
+            raise _translated(error, self._errors, "COMMIT", None) from error
 
     def __enter__(self) -> Pipeline:
         self._pipeline = self._pg.pipeline()
