@@ -1039,6 +1039,10 @@ class QueueConsumer:
                     log.exception("on_ack_error callback failed")
 
     def _raise_failures(self) -> None:
+        # Looked at without the lock first: receive() calls this for every message, and the
+        # lock was 4 % of a consumer's CPU. A failure appended meanwhile is raised next time.
+        if not self._failures:
+            return
         with self._cond:
             failures, self._failures = self._failures, []
         if failures:
