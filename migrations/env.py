@@ -9,19 +9,22 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import URL, create_engine, pool
 
 from layer.store.tables import metadata
+from layer.store.url import parse_database_url
 
 config = context.config
 target_metadata = metadata
 
 
-def _url() -> str:
+def _url() -> URL:
     url = config.get_main_option("sqlalchemy.url") or os.environ.get("QLAYER_DATABASE_URL")
     if not url:
         raise RuntimeError("no database URL: set QLAYER_DATABASE_URL or pass --database-url")
-    return url
+    # As `qlayer db upgrade` reads it: `postgres://` and `postgresql://` mean psycopg 3 (plain
+    # `alembic` with such a URL would otherwise look for psycopg2).
+    return parse_database_url(url)
 
 
 def run_migrations_offline() -> None:
