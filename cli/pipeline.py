@@ -61,7 +61,7 @@ Stream = Annotated[bool, typer.Option(
     "--stream", help="Structured streaming: keep the output up to date from new events.")]
 Checkpoint = Annotated[str | None, typer.Option(
     "--checkpoint", help="With --stream: the directory keeping the stream's Kafka offsets "
-    "and landed events; a second run goes on where the first stopped.")]
+    "and state; a second run goes on where the first stopped.")]
 AvailableNow = Annotated[bool, typer.Option(
     "--available-now", help="With --stream: process the events there are, then stop.")]
 Trigger = Annotated[str, typer.Option(
@@ -212,16 +212,14 @@ def _show(result: JobResult, json_out: bool, title: str) -> None:
     if json_out:
         document: dict[str, Any] = {"job": result.job, "output": result.output}
         if stream is not None:
-            document["stream"] = {"micro_batches": stream.batches, "new_events": stream.events,
-                                  "events": stream.landed}
+            document["stream"] = {"micro_batches": stream.batches, "new_events": stream.events}
         else:
             document["rows"] = _json_value(result.rows)
         emit_json(document)
         return
     if stream is not None:
-        in_all = "" if stream.landed is None else f", {stream.landed} in all"
         typer.echo(f"{result.job}: {stream.batches} micro-batch(es), {stream.events} new "
-                   f"event record(s){in_all}; output {result.output}")
+                   f"event record(s); output {result.output}")
         return
     if result.rows and result.job == "metrics":
         show(_metrics_table(result.rows))

@@ -48,13 +48,15 @@ def plain_rows(records: Iterable[dict[str, Any]], integral: Sequence[str]
 
 @dataclass(frozen=True)
 class Step:
-    """What one call does for one entry: the events to emit (all of the entry's, for the
-    lifecycle to be recomputed downstream), the state to keep (None: remove it) and the
-    event-time timeout to set (None: none)."""
+    """What one call does for one entry: the events to emit (all of the entry's, for its rows
+    to be recomputed downstream), the state to keep (None: remove it), the event-time timeout
+    to set (None: none) and how many of the emitted events were kept from earlier micro-batches
+    (the first ``kept``: the metrics and views streams compare the entry before and after)."""
 
     emit: list[dict[str, Any]]
     state: str | None
     timeout_ms: int | None
+    kept: int = 0
 
 
 def entry_step(kept: str | None, new: Iterator[dict[str, Any]], timed_out: bool) -> Step:
@@ -68,6 +70,7 @@ def entry_step(kept: str | None, new: Iterator[dict[str, Any]], timed_out: bool)
     if timed_out:
         return Step([], None, None)
     events: list[dict[str, Any]] = json.loads(kept) if kept else []
+    before = len(events)
     seen = {tuple(e.get(k) for k in _COPY_KEY) for e in events if e.get("batch_id") is not None}
     added = False
     for event in new:
@@ -81,4 +84,4 @@ def entry_step(kept: str | None, new: Iterator[dict[str, Any]], timed_out: bool)
     finished = any(e.get("type") in _OUTCOMES for e in events)
     timeout = max(int(e["timestamp_ms"]) for e in events) if finished and events else None
     state = json.dumps(events, separators=(",", ":")) if events else None
-    return Step(events if added else [], state, timeout)
+    return Step(events if added else [], state, timeout, before if added else 0)

@@ -41,12 +41,12 @@ from layer.store.reports import (
 
 __all__ = [
     "BATCH_ID_COLUMNS",
+    "DELETED",
     "SOURCE_READS",
     "OutputError",
     "Sink",
     "StoreRead",
     "decode_events",
-    "drop_batch_copies",
     "event_header_hex",
     "java_kafka_settings",
     "jdbc_ready",
@@ -58,6 +58,7 @@ __all__ = [
     "raw_batch_id",
     "read_events",
     "read_journal",
+    "read_journal_offsets",
     "read_store",
     "store_url",
     "stream_events",
@@ -308,7 +309,7 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     here. A batch published twice (a crash between publishing and forgetting it) counts once:
     copies are dropped by ``batch_id``, read from the raw records before they are decoded. A
     stream cannot drop them within one micro-batch's rows only, so it keeps
-    `BATCH_ID_COLUMNS` for `drop_batch_copies`.
+    `BATCH_ID_COLUMNS` (the per-entry step drops a copy by its place in its batch).
     """
     header = F.substring("value", 1, HEADER_LENGTH)
     body = F.expr(f"substring(value, {HEADER_LENGTH + 1})")
@@ -345,21 +346,44 @@ def decode_events(raw: DataFrame, keep_batch_ids: bool = False) -> DataFrame:
     return events.drop(*BATCH_ID_COLUMNS)
 
 
-def drop_batch_copies(events: DataFrame) -> DataFrame:
-    """Events of `decode_events(keep_batch_ids=True)` without the copies of a batch published
-    twice, and without the batch columns."""
-    batched = events.where(F.col("batch_id").isNotNull()).dropDuplicates(
-        list(BATCH_ID_COLUMNS))
-    return (events.where(F.col("batch_id").isNull()).unionByName(batched)
-            .drop(*BATCH_ID_COLUMNS))
-
-
 def read_journal(spark: SparkSession, topic: str, options: Mapping[str, str],
                  start_ms: int | None = None, end_ms: int | None = None) -> DataFrame:
     """A journal's records (topic, partition, offset, timestamp, key, value) in a time range;
     ``topic`` may be a queue's regular expression."""
     return _read_topic(spark, topic, options, start_ms, end_ms).select(
         "topic", "partition", "offset", "timestamp", "key", "value")
+
+
+def read_journal_offsets(spark: SparkSession, options: Mapping[str, str],
+                         rounds: Sequence[Mapping[tuple[str, int], tuple[int, int]]]
+                         ) -> DataFrame:
+    """The journal records in the given offset ranges (each round: ``{(topic, partition):
+    (start, end)}``, end exclusive; `layer.pipeline.changes.offset_rounds`), one Kafka read
+    per round: the records of the entries a views micro-batch touches, not the journal.
+    Columns as `read_journal`. Records deleted by retention are skipped."""
+    reads = []
+    for ranges in rounds:
+        topics: dict[str, list[int]] = {}
+        starts: dict[str, dict[str, int]] = {}
+        ends: dict[str, dict[str, int]] = {}
+        for (topic, partition), (start, end) in sorted(ranges.items()):
+            topics.setdefault(topic, []).append(partition)
+            starts.setdefault(topic, {})[str(partition)] = start
+            ends.setdefault(topic, {})[str(partition)] = end
+        reads.append(spark.read.format("kafka").options(**options)
+                     .option("assign", json.dumps(topics))
+                     .option("startingOffsets", json.dumps(starts))
+                     .option("endingOffsets", json.dumps(ends))
+                     .option("failOnDataLoss", "false").load()
+                     .select("topic", "partition", "offset", "timestamp", "key", "value"))
+    if not reads:
+        return spark.createDataFrame(
+            [], "topic string, partition int, offset long, timestamp timestamp, key binary, "
+            "value binary")
+    found = reads[0]
+    for more in reads[1:]:
+        found = found.unionByName(more)
+    return found
 
 
 def _jdbc_reader(spark: SparkSession, target: Sink, query: str) -> DataFrame:
@@ -530,9 +554,16 @@ def write_table(frame: DataFrame, sink: Sink, mode: str = "overwrite") -> None:
         engine.dispose()
 
 
-def merge_rows(frame: DataFrame, sink: Sink, keys: Sequence[str], batch_id: int) -> None:
+#: The column a change log's row carries when its key left the table (a metrics window or a
+#: view group with nothing left in it): `merge_rows` deletes the key, `latest_rows` drops it.
+DELETED = "_deleted"
+
+
+def merge_rows(frame: DataFrame, sink: Sink, keys: Sequence[str], batch_id: int, *,
+               deletes: bool = False, null_safe: bool = False) -> None:
     """Write the rows one micro-batch changed, keyed by ``keys``, so the sink's work is that
-    batch's rows only.
+    batch's rows only. With ``deletes``, ``frame`` has a `DELETED` column: its true rows are
+    keys to remove. ``null_safe``: a null key matches a null key (a view's group).
 
     Postgres: the rows replace the table's rows with the same keys, in one transaction
     (`layer.store.reports.merge_table`). Parquet: a directory cannot replace rows in
@@ -552,7 +583,8 @@ def merge_rows(frame: DataFrame, sink: Sink, keys: Sequence[str], batch_id: int)
         try:
             _jdbc_writer(flat, sink, staging, "overwrite").save()
             with engine.begin() as conn:
-                merge_table(conn, table, staging, flat.columns, keys)
+                merge_table(conn, table, staging, flat.columns, keys,
+                            deleted=DELETED if deletes else None, null_safe=null_safe)
         except BaseException:
             with engine.begin() as conn:
                 drop_staging(conn, staging)
@@ -562,7 +594,12 @@ def merge_rows(frame: DataFrame, sink: Sink, keys: Sequence[str], batch_id: int)
 
 
 def latest_rows(change_log: DataFrame, keys: Sequence[str]) -> DataFrame:
-    """The table a `merge_rows` Parquet change log stands for: per ``keys``, the row of the
-    highest ``batch``, without the ``batch`` column."""
-    latest = change_log.groupBy(*keys).agg(F.max("batch").alias("batch"))
-    return change_log.join(latest, [*keys, "batch"], "left_semi").drop("batch")
+    """The table a `merge_rows` Parquet change log stands for: per ``keys`` (null-safe), the
+    row of the highest ``batch``, unless it says the key was deleted; without the ``batch``
+    and `DELETED` columns."""
+    latest = Window.partitionBy(*keys).orderBy(F.col("batch").desc())
+    rows = (change_log.withColumn("_latest", F.row_number().over(latest))
+            .where(F.col("_latest") == F.lit(1)).drop("_latest", "batch"))
+    if DELETED in rows.columns:
+        rows = rows.where(~F.col(DELETED)).drop(DELETED)
+    return rows

@@ -10,6 +10,7 @@ violation.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -19,23 +20,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from layer.domain.errors import QlayerError
 from layer.pipeline import transforms
 from layer.pipeline.io import (
-    BATCH_ID_COLUMNS,
     SOURCE_READS,
     Sink,
-    drop_batch_copies,
     kafka_options,
     local_session,
     merge_rows,
     parse_sink,
     read_events,
     read_journal,
+    read_journal_offsets,
     read_store,
     stream_events,
     write_table,
@@ -51,6 +50,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "EXIT_VIOLATIONS",
+    "BatchChanges",
     "BatchProgress",
     "EventSource",
     "Job",
@@ -73,8 +73,10 @@ __all__ = [
     "run_lifecycle",
     "run_lifecycle_stream",
     "run_metrics",
+    "run_metrics_stream",
     "run_reconcile",
     "run_views",
+    "run_views_stream",
 ]
 
 #: Exit statuses of both front ends (the CLI's own: 0 ok, 1 error, 2 usage).
@@ -270,13 +272,14 @@ def _metrics(queue: str | None, window: str) -> Callable[[DataFrame], DataFrame]
 
 
 # ------------------------------------------------------------------------------------------
-# Streaming: the events are landed exactly once, the table is derived from what was landed.
+# Streaming: per-entry state in Spark's state store; a micro-batch recomputes only the rows
+# its new events change (docs/pipeline.md, "Streaming with checkpoints").
 # ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """Structured streaming: ``checkpoint`` keeps the Kafka offsets and the landed events;
+    """Structured streaming: ``checkpoint`` keeps the Kafka offsets and the stream's state;
     ``available_now`` processes what is there and stops, otherwise a micro-batch runs every
     ``trigger`` until the process is stopped."""
 
@@ -285,32 +288,48 @@ class StreamOptions:
     trigger: str = "1 minute"
     max_offsets_per_trigger: int | None = None
     #: How late an event may come (by its own time, after the latest one seen) and still be
-    #: counted, in the incremental lifecycle; also how long a finished entry's state is kept.
+    #: counted; also how long a finished entry's state is kept, and how long a metrics window
+    #: stays open to changes after its end.
     watermark: str = "1 hour"
 
 
 @dataclass(frozen=True)
 class BatchProgress:
-    """One micro-batch, from Spark's `StreamingQueryProgress`: the rows it read and, for
-    its stateful operator, the state rows in all, updated and removed."""
+    """One micro-batch, from Spark's `StreamingQueryProgress`: the rows it read, for its
+    stateful operator the state rows in all, updated and removed, and how long it took."""
 
     batch_id: int
     input_rows: int
     state_rows_total: int = 0
     state_rows_updated: int = 0
     state_rows_removed: int = 0
+    duration_ms: int = 0
+
+
+@dataclass(frozen=True)
+class BatchChanges:
+    """What one micro-batch of the metrics or views stream did after Spark's state step: the
+    entries it recomputed, the parts it rewrote (metrics windows, views buckets), the rows it
+    read from those parts, the output rows it wrote (removed keys included) and the closed
+    windows it dropped."""
+
+    batch_id: int
+    entries: int
+    parts: int
+    part_rows_read: int
+    rows_written: int
+    parts_dropped: int = 0
 
 
 @dataclass(frozen=True)
 class StreamSummary:
-    """A streaming run: its micro-batches, the event records it read and, for the streams that
-    land their events (metrics, views), the events landed in all (None for the incremental
-    lifecycle, which lands nothing)."""
+    """A streaming run: its micro-batches, the event records it read, Spark's progress of each
+    micro-batch and, for metrics and views, what each one changed."""
 
     batches: int
     events: int
-    landed: int | None
     progress: tuple[BatchProgress, ...] = ()
+    changes: tuple[BatchChanges, ...] = ()
 
 
 def _progress(query: Any) -> tuple[BatchProgress, ...]:
@@ -321,25 +340,50 @@ def _progress(query: Any) -> tuple[BatchProgress, ...]:
             int(p.batchId), int(p.numInputRows),
             sum(int(s.numRowsTotal) for s in states),
             sum(int(s.numRowsUpdated) for s in states),
-            sum(int(s.numRowsRemoved) for s in states)))
+            sum(int(s.numRowsRemoved) for s in states),
+            int(p.batchDuration)))
     return tuple(found)
 
 
-def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
-                         stream: StreamOptions, queue: str | None = None) -> StreamSummary:
-    """The lifecycle table kept up to date incrementally: a micro-batch costs its new events.
+#: The stream's definition, kept in its checkpoint: the state there is only good for it.
+_SPEC_FILE = "qlayer-stream.json"
 
-    Each open entry's events are kept in Spark's state store (`applyInPandasWithState`,
-    keyed by queue and bookmark, `layer.pipeline.entrystate`); a micro-batch hands over only
-    the entries it has events for, gets back all the events of those entries, recomputes
-    their rows with the batch job's own `transforms.lifecycle` and merges just those rows
-    into the output (`io.merge_rows`). An entry's state is removed once it has an outcome and
+
+def _check_checkpoint(spark: SparkSession, checkpoint: str, spec: dict[str, Any]) -> None:
+    """Refuse a checkpoint written for another definition (a metrics window of another
+    length, another view) or by the landing streams of earlier versions; remember this one."""
+    from layer.pipeline.checkpoint import exists, read_text, write_text
+
+    root = checkpoint.rstrip("/")
+    if exists(spark, f"{root}/events") or exists(spark, f"{root}/offsets"):
+        raise PipelineUsageError(
+            f"checkpoint {checkpoint}: written by an earlier qlayer, which landed the events "
+            "there (events/, offsets/); give a new --checkpoint and a new --output")
+    text = json.dumps(spec, sort_keys=True)
+    kept = read_text(spark, f"{root}/{_SPEC_FILE}")
+    if kept is not None and kept != text:
+        raise PipelineUsageError(
+            f"checkpoint {checkpoint} keeps the state of another stream ({kept}); this one is "
+            f"{text}: give a new --checkpoint (and --output)")
+    if kept is None:
+        write_text(spark, f"{root}/{_SPEC_FILE}", text)
+
+
+def _touched_entries(spark: SparkSession, source: EventSource, stream: StreamOptions,
+                     queue: str | None, until_ms: int | None = None) -> DataFrame:
+    """The events stream through the per-entry state step (`applyInPandasWithState`, keyed
+    by queue and bookmark, `layer.pipeline.entrystate`): per micro-batch, every event of each
+    entry it has new events for, with `changes.STEP_COLUMNS` (``fresh``: new in this
+    micro-batch; ``watermark_ms``). An entry's state is removed once it has an outcome and
     the watermark (the latest event time seen less ``stream.watermark``) has passed its last
-    event. Events later than the watermark are dropped by Spark (counted in the progress as
-    ``numRowsDroppedByWatermark``). Why a Python function per entry: docs/pipeline.md.
+    event; events later than the watermark are dropped by Spark (``numRowsDroppedByWatermark``
+    in the progress). ``until_ms``: events after it are not read into the state. Why a
+    Python function per entry: docs/pipeline.md.
     """
     from pyspark.sql.streaming.state import GroupStateTimeout
+    from pyspark.sql.types import BooleanType, LongType, StructField, StructType
 
+    from layer.pipeline.changes import STEP_COLUMNS
     from layer.pipeline.entrystate import entry_step, plain_rows
 
     events = stream_events(spark, source.events_topic, source.options(),
@@ -347,10 +391,14 @@ def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
     events = events.where(F.col("queue").isNotNull() & F.col("bookmark").isNotNull())
     if queue is not None:
         events = events.where(F.col("queue") == F.lit(queue))
-    schema = events.schema
+    if until_ms is not None:
+        events = events.where(F.col("timestamp_ms") <= F.lit(until_ms))
     columns = list(events.columns)
-    integral = [f.name for f in schema.fields
+    integral = [f.name for f in events.schema.fields
                 if f.dataType.typeName() in ("integer", "long")]
+    fresh, watermark = STEP_COLUMNS
+    schema = StructType([*events.schema.fields, StructField(fresh, BooleanType()),
+                         StructField(watermark, LongType())])
 
     def step(key: Any, frames: Any, state: Any) -> Any:
         import pandas as pd  # type: ignore[import-untyped]
@@ -369,23 +417,20 @@ def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
                 state.setTimeoutTimestamp(max(done.timeout_ms,
                                               state.getCurrentWatermarkMs() + 1))
         if done.emit:
-            yield pd.DataFrame(done.emit, columns=columns, dtype=object)
+            at = state.getCurrentWatermarkMs()
+            yield pd.DataFrame([[event.get(c) for c in columns] + [i >= done.kept, at]
+                                for i, event in enumerate(done.emit)],
+                               columns=[*columns, fresh, watermark], dtype=object)
 
-    touched = (events.withColumn("event_time", F.timestamp_millis(F.col("timestamp_ms")))
-               .withWatermark("event_time", stream.watermark)
-               .groupBy("queue", "bookmark")
-               .applyInPandasWithState(step, schema, "events string", "update",
-                                       GroupStateTimeout.EventTimeTimeout))
-    counted = {"batches": 0, "events": 0}
+    return (events.withColumn("event_time", F.timestamp_millis(F.col("timestamp_ms")))
+            .withWatermark("event_time", stream.watermark)
+            .groupBy("queue", "bookmark")
+            .applyInPandasWithState(step, schema, "events string", "update",
+                                    GroupStateTimeout.EventTimeTimeout))
 
-    def each_batch(batch: DataFrame, batch_id: int) -> None:
-        rows = transforms.lifecycle(batch.drop(*BATCH_ID_COLUMNS)).cache()
-        try:
-            merge_rows(rows, sink, ["queue", "bookmark"], batch_id)
-            counted["batches"] += 1
-        finally:
-            rows.unpersist()
 
+def _run_stream(touched: DataFrame, stream: StreamOptions,
+                each_batch: Callable[[DataFrame, int], None]) -> tuple[BatchProgress, ...]:
     writer = (touched.writeStream.outputMode("update").foreachBatch(each_batch)
               .option("checkpointLocation", stream.checkpoint.rstrip("/") + "/state"))
     if stream.available_now:
@@ -397,52 +442,224 @@ def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
         query.awaitTermination()
     finally:
         query.stop()
-    progress = _progress(query)
+    return _progress(query)
+
+
+def _summary(progress: tuple[BatchProgress, ...], batches: int,
+             changes: Sequence[BatchChanges] = ()) -> StreamSummary:
     records = sum(p.input_rows for p in progress) // SOURCE_READS
-    return StreamSummary(counted["batches"], records, None, progress)
+    return StreamSummary(batches, records, progress, tuple(changes))
 
 
-def run_stream(spark: SparkSession, source: EventSource, build: Callable[[DataFrame], DataFrame],
-               sink: Sink, stream: StreamOptions) -> StreamSummary:
-    """Run ``build`` as a structured stream over the events topic.
+def run_lifecycle_stream(spark: SparkSession, source: EventSource, sink: Sink,
+                         stream: StreamOptions, queue: str | None = None) -> StreamSummary:
+    """The lifecycle table kept up to date incrementally: a micro-batch costs its new events.
 
-    Each micro-batch appends its decoded events under ``<checkpoint>/events/batch=<id>``
-    (overwriting that one directory, so a batch Spark replays after a crash lands once), then
-    rebuilds the table from every landed event and replaces the output with it. The Kafka
-    offsets live in the checkpoint: a second run continues where the first stopped, and no
-    event is counted twice. ``build`` is the same pure transform the batch job uses, so both
-    modes give the same table for the same events.
+    Each open entry's events are kept in Spark's state store (`_touched_entries`); a
+    micro-batch gets all the events of the entries it has new events for, recomputes their
+    rows with the batch job's own `transforms.lifecycle` and merges just those rows into the
+    output (`io.merge_rows`).
     """
-    landed_dir = stream.checkpoint.rstrip("/") + "/events"
-    counted = {"batches": 0, "events": 0}
+    from layer.pipeline.changes import entry_events
+
+    _check_checkpoint(spark, stream.checkpoint, {"job": "lifecycle", "queue": queue})
+    counted = {"batches": 0}
 
     def each_batch(batch: DataFrame, batch_id: int) -> None:
-        batch.write.mode("overwrite").parquet(f"{landed_dir}/batch={batch_id}")
-        counted["batches"] += 1
-        counted["events"] += batch.sparkSession.read.parquet(
-            f"{landed_dir}/batch={batch_id}").count()
-        landed = drop_batch_copies(batch.sparkSession.read.parquet(landed_dir).drop("batch"))
-        write_table(build(landed), sink)
+        rows = transforms.lifecycle(entry_events(batch)).cache()
+        try:
+            merge_rows(rows, sink, ["queue", "bookmark"], batch_id)
+            counted["batches"] += 1
+        finally:
+            rows.unpersist()
 
-    writer = (stream_events(spark, source.events_topic, source.options(),
-                            stream.max_offsets_per_trigger)
-              .writeStream.foreachBatch(each_batch)
-              .option("checkpointLocation", stream.checkpoint.rstrip("/") + "/offsets"))
-    if stream.available_now:
-        writer = writer.trigger(availableNow=True)
-    else:
-        writer = writer.trigger(processingTime=stream.trigger)
-    query = writer.start()
-    try:
-        query.awaitTermination()
-    finally:
-        query.stop()
-    total = 0
-    try:
-        total = spark.read.parquet(landed_dir).count()
-    except AnalysisException:  # nothing landed yet: no events directory
-        total = 0
-    return StreamSummary(counted["batches"], counted["events"], total)
+    progress = _run_stream(_touched_entries(spark, source, stream, queue), stream, each_batch)
+    return _summary(progress, counted["batches"])
+
+
+def run_metrics_stream(spark: SparkSession, source: EventSource, sink: Sink,
+                       stream: StreamOptions, queue: str | None = None,
+                       window: str = "1 minute") -> StreamSummary:
+    """The metrics table kept up to date incrementally (docs/pipeline.md).
+
+    A micro-batch gets every event of the entries it has new events for (`_touched_entries`)
+    and computes their samples with the batch job's `transforms.metric_samples`, as they were
+    before it and as they are now: the windows where they differ are the ones it changes.
+    Each window's samples are kept whole under the checkpoint (``windows/``, one part per
+    window start), so the micro-batch reads those windows only, replaces the touched entries'
+    samples there, recomputes their figures with the batch job's `transforms.window_metrics`
+    (percentiles over every sample of the window, as the batch job has them) and merges those
+    rows into the output. A window the watermark has passed is final: its samples are
+    removed, and a change to it (an event of one of its entries that moves an older sample)
+    is not applied.
+    """
+    from layer.pipeline.changes import (
+        changed_windows,
+        entry_events,
+        replace_entries,
+        window_ms,
+        window_samples,
+        with_tombstones,
+    )
+    from layer.pipeline.checkpoint import PART, PartStore
+
+    _check_checkpoint(spark, stream.checkpoint, {"job": "metrics", "queue": queue,
+                                                 "window": window})
+    length = window_ms(window)
+    store = PartStore(spark, stream.checkpoint.rstrip("/") + "/windows")
+    keys = ["queue", "window_start"]
+    done: list[BatchChanges] = []
+
+    def each_batch(batch: DataFrame, batch_id: int) -> None:
+        batch = batch.persist()
+        try:
+            entries = batch.select("queue", "bookmark").distinct().count()
+            if entries == 0:
+                done.append(BatchChanges(batch_id, 0, 0, 0, 0))
+                return
+            watermark = int(batch.agg(F.max("watermark_ms")).collect()[0][0])
+            after = window_samples(entry_events(batch), window)
+            before = window_samples(entry_events(batch, before=True), window)
+            # A closed window (its end at or before the watermark) is final.
+            changed = [(str(r["queue"]), int(r[PART]))
+                       for r in changed_windows(after, before).collect()
+                       if int(r[PART]) + length > watermark]
+            parts = sorted({part for _, part in changed})
+            read = written = 0
+            if parts:
+                stored = store.read(parts, batch_id, after.schema)
+                merged = replace_entries(stored, batch,
+                                         after.where(F.col(PART).isin(parts))).persist()
+                try:
+                    read = stored.count()
+                    store.write(merged, parts, batch_id)
+                    windows = spark.createDataFrame(changed, f"queue string, {PART} long")
+                    rows = transforms.window_metrics(
+                        merged.join(windows, ["queue", PART], "left_semi"))
+                    out = with_tombstones(rows, windows.select(
+                        "queue", F.timestamp_millis(F.col(PART)).alias("window_start")),
+                        keys).persist()
+                    written = out.count()
+                    merge_rows(out, sink, keys, batch_id, deletes=True)
+                    out.unpersist()
+                finally:
+                    merged.unpersist()
+            closed = [part for part in store.parts() if part + length <= watermark]
+            store.drop(closed)
+            done.append(BatchChanges(batch_id, entries, len(parts), read, written, len(closed)))
+        finally:
+            batch.unpersist()
+
+    progress = _run_stream(_touched_entries(spark, source, stream, queue), stream, each_batch)
+    return _summary(progress, len(done), done)
+
+
+def run_views_stream(spark: SparkSession, source: EventSource, sink: Sink,
+                     stream: StreamOptions, job: ViewsJob,
+                     definition: ViewDefinition) -> StreamSummary:
+    """The view kept up to date incrementally (docs/pipeline.md).
+
+    A micro-batch gets every event of the entries it has new events for (`_touched_entries`).
+    Those pending before it or now have their journal records read by offset (their payload
+    says which group they belong to); the view's members (pending entries whose payload
+    matches the filter, with the payload) are kept under the checkpoint in buckets of groups
+    (``members/``, a hash of the group), so the micro-batch reads the buckets of those
+    entries' groups only, replaces those entries there, recomputes the buckets' groups with
+    the batch job's `transforms.view` and merges those rows into the output, keyed by the
+    queue and the projected grouping fields. A view whose grouping fields are not all
+    projected has no such key: it is recomputed from every member and replaced whole. As of
+    ``job.as_of_ms`` (events after it are not read) or, without it, of each micro-batch's
+    start; a delayed member whose time has come is counted at the next micro-batch.
+    """
+    from layer.pipeline.changes import (
+        DELAY_SCHEMA,
+        candidate_parts,
+        delayed,
+        entry_events,
+        member_keys,
+        offset_rounds,
+        pending_keys,
+        replace_entries,
+        view_key_columns,
+        view_members,
+        view_of_members,
+        with_tombstones,
+    )
+    from layer.pipeline.checkpoint import PART, PartStore
+
+    _check_checkpoint(spark, stream.checkpoint, {
+        "job": "views", "queue": job.queue, "journal": job.journal, "fields": job.fields,
+        "group_by": job.group_by, "where": job.where, "include_leased": job.include_leased,
+        "as_of_ms": job.as_of_ms})
+    root = stream.checkpoint.rstrip("/")
+    members, delays = PartStore(spark, f"{root}/members"), PartStore(spark, f"{root}/delays")
+    keys = view_key_columns(definition)
+    done: list[BatchChanges] = []
+
+    def each_batch(batch: DataFrame, batch_id: int) -> None:
+        as_of = job.as_of_ms if job.as_of_ms is not None else int(time.time() * 1000)
+        batch = batch.persist()
+        cached: list[DataFrame] = [batch]
+        try:
+            entries = batch.select("queue", "bookmark").distinct().count()
+            after, before = entry_events(batch), entry_events(batch, before=True)
+            candidates = pending_keys(after, before, as_of).persist()
+            cached.append(candidates)
+            offsets = [(str(r["topic"]), int(r["partition"]), int(r["offset"]))
+                       for r in candidates.select("topic", "partition", "offset").collect()]
+            records = read_journal_offsets(spark, source.options(), offset_rounds(offsets))
+            payloads = (records.join(candidates.select("topic", "partition", "offset"),
+                                     ["topic", "partition", "offset"], "left_semi")
+                        .select("topic", "partition", "offset",
+                                F.col("value").cast("string").alias("payload"))
+                        .dropDuplicates(["topic", "partition", "offset"]).persist())
+            cached.append(payloads)
+            parts = {int(r[PART]) for r in
+                     candidate_parts(candidates, payloads, definition).collect()}
+            index = None
+            if not job.include_leased:
+                index = delays.read([0], batch_id, DELAY_SCHEMA)
+                parts |= {int(r["bucket"]) for r in index.where(
+                    F.col("available_at_ms") <= F.lit(as_of)).select("bucket").collect()}
+            if keys is None and parts:
+                parts |= set(members.parts())  # no key to merge by: the whole view
+            elif payloads.count() < len(offsets):
+                # A record retention deleted: the entry's group is unknown, and it may be a
+                # member since before. Every bucket is read, so it leaves whichever it is in.
+                parts |= set(members.parts())
+            read = written = 0
+            if parts:
+                ordered = sorted(parts)
+                fresh = view_members(after, payloads, definition, as_of, job.include_leased)
+                stored = members.read(ordered, batch_id, fresh.schema)
+                merged = replace_entries(stored, batch, fresh).persist()
+                cached.append(merged)
+                read = stored.count()
+                members.write(merged, ordered, batch_id)
+                rows = view_of_members(merged, definition, as_of, job.include_leased)
+                if keys is None:
+                    rows = rows.persist()
+                    cached.append(rows)
+                    written = rows.count()
+                    write_table(rows, sink)
+                else:
+                    groups = member_keys(stored, definition).unionByName(
+                        member_keys(merged, definition))
+                    out = with_tombstones(rows, groups, keys).persist()
+                    cached.append(out)
+                    written = out.count()
+                    merge_rows(out, sink, keys, batch_id, deletes=True, null_safe=True)
+                if index is not None:
+                    kept = index.where(~F.col("bucket").isin(ordered))
+                    delays.write(kept.unionByName(delayed(merged, as_of)), [0], batch_id)
+            done.append(BatchChanges(batch_id, entries, len(parts), read, written))
+        finally:
+            for frame in cached:
+                frame.unpersist()
+
+    touched = _touched_entries(spark, source, stream, job.queue, job.as_of_ms)
+    progress = _run_stream(touched, stream, each_batch)
+    return _summary(progress, len(done), done)
 
 
 # ------------------------------------------------------------------------------------------
@@ -589,18 +806,14 @@ def _run(job: Job, definition: ViewDefinition | None, spark: SparkSession,
     name = _NAMES[type(job)]
     where = sink.describe() if sink is not None else None
     if stream is not None and sink is not None:
-        build: Callable[[DataFrame], DataFrame]
+        summary: StreamSummary
         if isinstance(job, LifecycleJob):
-            return JobResult(name, [], where,
-                             stream=run_lifecycle_stream(spark, source, sink, stream,
-                                                         job.queue))
-        if isinstance(job, MetricsJob):
-            build = _metrics(job.queue, job.window)
+            summary = run_lifecycle_stream(spark, source, sink, stream, job.queue)
+        elif isinstance(job, MetricsJob):
+            summary = run_metrics_stream(spark, source, sink, stream, job.queue, job.window)
         else:
             assert isinstance(job, ViewsJob) and definition is not None
-            build = _views(spark, source, job.queue, job.journal, definition, job.as_of_ms,
-                           job.include_leased)
-        summary = run_stream(spark, source, build, sink, stream)
+            summary = run_views_stream(spark, source, sink, stream, job, definition)
         return JobResult(name, [], where, stream=summary)
     if isinstance(job, LifecycleJob):
         life = run_lifecycle(spark, source, queue=job.queue, start_ms=start_ms, end_ms=end_ms,
@@ -722,8 +935,7 @@ def print_result(result: JobResult) -> None:
     """The plain-text report both front ends print (tab-separated, for scripts)."""
     if result.stream is not None:
         s = result.stream
-        in_all = "" if s.landed is None else f", {s.landed} events in all"
-        print(f"{result.job}: {s.batches} micro-batches, {s.events} new event records{in_all}")
+        print(f"{result.job}: {s.batches} micro-batches, {s.events} new event records")
     elif result.report is not None:
         report = result.report
         print(f"{report.queue}: {report.done} done, {report.pending} pending, "

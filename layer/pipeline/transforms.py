@@ -34,11 +34,13 @@ __all__ = [
     "entry_events",
     "event_schema",
     "lifecycle",
+    "metric_samples",
     "metrics",
     "reconcile",
     "store_state",
     "view",
     "violations",
+    "window_metrics",
 ]
 
 #: The events that end an entry (docs/protocol.md §11): exactly one per entry.
@@ -560,6 +562,17 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
     processing (the acked delivery to its ack, window of the ack). ``consumers``: each
     consumer's acks and share of the window's acks, most first.
     """
+    return window_metrics(metric_samples(events, window))
+
+
+def metric_samples(events: DataFrame, window: str = "1 minute") -> DataFrame:
+    """The samples `metrics` aggregates, one row per sample: queue, bookmark (the entry it
+    comes from), window (the tumbling ``window`` it falls in), at_ms, measure (``enqueued``,
+    ``wait``, ``time_in_queue``, ``processing``, ``delivered``, ``acked``, ``dead_lettered``,
+    ``expired``, ``outcome``), value (the latency in ms; a delivery's count) and consumer_id (an
+    ack's consumer). Every sample is a function of one entry's events, so the incremental
+    stream recomputes only the entries a micro-batch touches (docs/pipeline.md).
+    """
     # One per-entry aggregation gives every sample: the first ENQUEUED, each delivery, each
     # outcome (classified with the entry's DEAD_LETTERED), and the latencies of its lifecycle.
     table = _lifecycle_rows(_per_entry(events), "outcomes", "dead_lettered")
@@ -600,10 +613,15 @@ def metrics(events: DataFrame, window: str = "1 minute") -> DataFrame:
                                                    d.getField("delivery_count"))),
         F.transform("outcomes", outcome_sample),
     )
-    samples = (
-        table.select("queue", F.explode(every).alias("s")).select("queue", "s.*")
+    return (
+        table.select("queue", "bookmark", F.explode(every).alias("s"))
+        .select("queue", "bookmark", "s.*")
         .withColumn("window", F.window(F.timestamp_millis(F.col("at_ms")), window))
     )
+
+
+def window_metrics(samples: DataFrame) -> DataFrame:
+    """`metrics` from its samples (`metric_samples`): one row per queue and window."""
 
     def count(measure: str, extra: Column | None = None) -> Column:
         condition = F.col("measure") == F.lit(measure)

@@ -25,6 +25,7 @@ __all__ = [
     "check_table_name",
     "drop_staging",
     "final_state_query",
+    "merge_table",
     "queue_definition_query",
     "replace_table",
 ]
@@ -78,23 +79,36 @@ def replace_table(conn: Connection, table: str, staging: str, columns: Sequence[
 
 
 def merge_table(conn: Connection, table: str, staging: str, columns: Sequence[str],
-                keys: Sequence[str]) -> None:
+                keys: Sequence[str], *, deleted: str | None = None,
+                null_safe: bool = False) -> None:
     """Make ``table``'s rows whose ``keys`` are in ``staging`` the rows of ``staging`` (the
     others stay), then drop ``staging``; in one transaction (the caller's). What an
     incremental stream writes: only the rows its micro-batch changed. A table that does not
-    exist yet is the staging table renamed."""
+    exist yet is the staging table renamed.
+
+    ``deleted`` names a boolean column of ``staging`` (not of ``table``): its true rows only
+    delete their keys (a metrics window or a view group that has nothing left). With
+    ``null_safe`` a null key matches a null key (a view's group of payloads without the field);
+    it is off for keys that are never null, whose equality the planner can hash.
+    """
     check_table_name(table)
     check_table_name(staging)
+    kept = [c for c in columns if c != deleted]
+    names = ", ".join(_quoted(c) for c in kept)
     exists = conn.execute(text("SELECT to_regclass(:name) IS NOT NULL"),
                           {"name": table}).scalar_one()
     if not exists:
         conn.execute(text(f"ALTER TABLE {staging} RENAME TO {table.rsplit('.', 1)[-1]}"))
+        if deleted is not None:
+            conn.execute(text(f"DELETE FROM {table} WHERE {_quoted(deleted)}"))
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {_quoted(deleted)}"))
         return
-    names = ", ".join(_quoted(c) for c in columns)
-    match = " AND ".join(f"t.{_quoted(k)} = s.{_quoted(k)}" for k in keys)
+    equal = "IS NOT DISTINCT FROM" if null_safe else "="
+    match = " AND ".join(f"t.{_quoted(k)} {equal} s.{_quoted(k)}" for k in keys)
+    only_rows = "" if deleted is None else f" WHERE NOT {_quoted(deleted)}"
     conn.execute(text(f"LOCK TABLE {table} IN EXCLUSIVE MODE"))
     conn.execute(text(f"DELETE FROM {table} AS t USING {staging} AS s WHERE {match}"))
-    conn.execute(text(f"INSERT INTO {table} ({names}) SELECT {names} FROM {staging}"))
+    conn.execute(text(f"INSERT INTO {table} ({names}) SELECT {names} FROM {staging}{only_rows}"))
     conn.execute(text(f"DROP TABLE {staging}"))
 
 

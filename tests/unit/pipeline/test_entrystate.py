@@ -49,3 +49,17 @@ def test_pandas_values_become_plain_ones() -> None:
                         "partition": np.int32(1)}], ["offset", "delivery_count", "partition"])
     assert rows == [{"offset": 3, "delivery_count": None, "type": "LEASED", "partition": 1}]
     assert type(rows[0]["partition"]) is int
+
+
+def test_the_step_says_which_emitted_events_were_kept_from_before() -> None:
+    first = entry_step(None, iter([event("ENQUEUED", 1, 7, 0)]), timed_out=False)
+    assert first.kept == 0  # a new entry: every event is new
+    second = entry_step(first.state, iter([event("LEASED", 2, 8, 0), event("ACKED", 3, 8, 1)]),
+                        timed_out=False)
+    # The metrics and views streams compare the entry as it was (the first `kept` events)
+    # with what it is now (all of them).
+    assert second.kept == 1
+    assert [e["type"] for e in second.emit[:second.kept]] == ["ENQUEUED"]
+    assert [e["type"] for e in second.emit[second.kept:]] == ["LEASED", "ACKED"]
+    copies = entry_step(second.state, iter([event("LEASED", 2, 8, 0)]), timed_out=False)
+    assert (copies.emit, copies.kept) == ([], 0)
