@@ -3,9 +3,10 @@
 A coordinator iteration writes its batch in a dozen statements; sent one by one, each waits for
 the server's answer before the next goes (a round trip each, and on a loaded machine a thread
 switch each). In pipeline mode they are all sent, then the answers read at once; with the
-implicit BEGIN, the guard (`statements.HOLD_SHARD`, which raises rather than returning nothing)
-and the COMMIT (`Pipeline.commit`) in the same pipeline, the whole transaction is one round
-trip. The statements
+BEGIN, the guard (`statements.HOLD_SHARD`, which raises rather than returning nothing) and the
+COMMIT (`Pipeline.commit`) sent as statements of the same pipeline, the whole transaction is one
+round trip. (The connection is in autocommit mode for it: psycopg's own BEGIN in a pipeline is
+synced at once, a round trip of its own.) The statements
 are the same SQLAlchemy constructs, compiled once for the connection's dialect, with their bind
 processors applied as SQLAlchemy would; a statement's result is read after the pipeline has
 synced (`Pending`). Drivers without pipeline mode run the statements one by one (`Direct`).
@@ -43,7 +44,9 @@ class Executor(Protocol):
 
 
 class Direct:
-    """Statements run one by one through SQLAlchemy (their results are available at once)."""
+    """A transaction's statements run one by one through SQLAlchemy (their results are
+    available at once), between an explicit BEGIN and COMMIT (the connection is in autocommit
+    mode, as for `Pipeline`)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -53,13 +56,16 @@ class Direct:
         return result
 
     def commit(self) -> None:
-        """Nothing to send early: the transaction commits when SQLAlchemy's block ends."""
+        self._conn.exec_driver_sql("COMMIT")
 
     def __enter__(self) -> Direct:
+        self._conn.exec_driver_sql("BEGIN")
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if kind is not None:
+            _roll_back(self._conn.connection.driver_connection)
 
 
 class Pending:
@@ -134,24 +140,44 @@ class Pipeline:
 
     def commit(self) -> None:
         """Queue the COMMIT behind the statements; `__exit__` syncs, so the whole transaction
-        is one round trip. (psycopg's own `commit()` in a pipeline syncs at once, and leaving
-        the pipeline then syncs again: two round trips.) After an error the server skips every
-        statement up to the sync, this COMMIT included, and the transaction is rolled back when
-        SQLAlchemy's block ends; without one, SQLAlchemy's own commit at the end of its block
-        finds the transaction over and sends nothing."""
+        is one round trip. After an error the server skips every statement up to the sync, this
+        COMMIT included, and `__exit__` rolls the transaction back."""
+        self._send("COMMIT")
+
+    def _send(self, command: str) -> None:
         cursor = self._pg.cursor()
         try:
-            cursor.execute("COMMIT")
+            cursor.execute(command)
         except self._errors as error:
-            raise _translated(error, self._errors, "COMMIT", None) from error
+            raise _translated(error, self._errors, command, None) from error
 
     def __enter__(self) -> Pipeline:
+        # The connection is in autocommit mode and the transaction is begun by a statement of
+        # the pipeline: psycopg begins its own transactions with a BEGIN that it syncs at once
+        # (so that it knows the transaction started), a round trip of its own.
+        if not self._pg.autocommit:
+            raise ValueError("a Pipeline needs a connection in autocommit mode")
         self._pipeline = self._pg.pipeline()
         self._pipeline.__enter__()
+        try:
+            self._send("BEGIN")
+        except BaseException:
+            self._leave(None)
+            raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        try:
+            self._leave(kind, value, traceback)
+        except BaseException:
+            _roll_back(self._pg)
+            raise
+        if kind is not None:
+            _roll_back(self._pg)
+
+    def _leave(self, kind: type[BaseException] | None, value: BaseException | None = None,
+               traceback: TracebackType | None = None) -> None:
         pipeline, self._pipeline = self._pipeline, None
         try:
             pipeline.__exit__(kind, value, traceback)
@@ -161,6 +187,16 @@ class Pipeline:
             raise _translated(error, self._errors, None, None) from error
 
 
+def _roll_back(driver: Any) -> None:
+    """End the transaction a failed pipeline left open (or failed) on the server. Best effort:
+    a connection that broke is discarded by the pool anyway."""
+    try:
+        if driver.info.transaction_status != 0:  # not IDLE
+            driver.execute("ROLLBACK")
+    except Exception:  # the first error is the one to raise
+        pass
+
+
 def _translated(error: Exception, base: type[Exception], statement: str | None,
                 params: Any) -> sa_exc.StatementError:
     """A driver error as the SQLAlchemy error class SQLAlchemy would raise for it."""
@@ -168,7 +204,9 @@ def _translated(error: Exception, base: type[Exception], statement: str | None,
 
 
 def executor_for(conn: Connection, cache: CompiledCache) -> Pipeline | Direct:
-    """A pipeline on psycopg connections (pipeline mode needs libpq 14+), else one by one."""
+    """One transaction, begun on entering and committed by `commit()`, on a connection in
+    autocommit mode: a pipeline on psycopg connections (pipeline mode needs libpq 14+), else
+    the statements one by one."""
     driver = conn.connection.driver_connection
     supported = getattr(type(driver), "pipeline", None) is not None
     if supported:

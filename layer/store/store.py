@@ -259,13 +259,15 @@ class Store:
         statements = 0
         with (
             translate_errors(f"committing a batch for shard {shard!r}"),
-            self._engine.begin() as conn,
+            self._engine.connect() as plain,
             _fenced_as(shard, owner_id, epoch),
         ):
-            # The whole transaction in one round trip (`layer/store/pipeline.py`): the guard
-            # first (it row-locks the shard's ownership row, so a takeover waits for this
+            # The whole transaction in one round trip (`layer/store/pipeline.py`): BEGIN, the
+            # guard (it row-locks the shard's ownership row, so a takeover waits for this
             # transaction; when another owner holds the shard it raises, and the server skips
-            # everything sent after it), then the batch, then the COMMIT.
+            # everything sent after it), the batch, COMMIT. The executor begins and commits
+            # the transaction itself, so the connection is in autocommit mode for it.
+            conn = plain.execution_options(isolation_level="AUTOCOMMIT")
             outbox: list[Result] = []
             with executor_for(conn, self._compiled) as ex:
                 ex.execute(sql.HOLD_SHARD, _holder_params(shard, owner_id, epoch, moment))
