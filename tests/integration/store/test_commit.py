@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 
 from layer.store.batch import WriteBatch
+from layer.store.errors import FencedError
 from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey
 from layer.store.store import Store, recording_statements
 from layer.store.tables import entries, entry_runs
@@ -349,3 +350,30 @@ def test_any_text_survives_the_array_literal_a_batch_is_sent_as(
     batch.put_entry(expired)
     store.commit(batch, SHARD, OWNER, epoch, T0)
     assert store.load_entries("Work") == [leased, expired]
+
+
+def test_the_commit_leaves_its_connection_transactional_and_idle(database_url: str) -> None:
+    """The commit runs on a connection in autocommit mode (its pipeline sends BEGIN and
+    COMMIT itself); the pool must get it back as every other caller expects it: not in
+    autocommit mode and outside any transaction, after a commit and after a refused one."""
+    engine = sa.create_engine(database_url, pool_size=1, max_overflow=0)
+    store = Store(engine)
+    try:
+        epoch = store.take_shard(SHARD, "a", T0)
+        batch = WriteBatch()
+        batch.put_entry(_leased(0, 1))
+        store.commit(batch, SHARD, "a", epoch, T0 + 1)
+        with pytest.raises(FencedError):
+            store.commit(WriteBatch(), SHARD, "a", epoch + 1, T0 + 2)
+        with engine.connect() as conn:  # the one pooled connection, used by both commits
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            assert driver.autocommit is False
+            assert driver.info.transaction_status == 0  # IDLE
+        # And a transaction of another caller still rolls back as a whole.
+        with pytest.raises(RuntimeError), engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM entries"))
+            raise RuntimeError("give up")
+        assert [row.offset for row in store.load_entries("Work")] == [1]
+    finally:
+        engine.dispose()
