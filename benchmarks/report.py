@@ -379,7 +379,8 @@ acks are stored as runs (*PG rows / msg* fell from about 2.1 to 0.06), a consume
 delivery record per iteration carrying many messages (`delivery batches`), ACCEPTs come back
 many per record (`AcceptRecord`), and an iteration's events are one EventBatch record through a
 PostgreSQL outbox, with the events of many entries as one `EventRun` item. The loop no longer
-waits on Kafka, and a transaction's statements after its guard go in one round trip. Then the
+waits on Kafka, and an iteration's transaction (BEGIN, the guard, the statements, COMMIT) goes
+to PostgreSQL in one round trip (revision 0012; `benchmarks/commit_bench.py`). Then the
 per-message work moved to a native core (`native/`, Rust; [native-core.md](native-core.md)):
 the coordinator's CPU per message fell from 58–74 µs before part 2 to 17–22 µs with the Python
 core and 8–11 µs with the native one (the tables above, `qlayer-alo-python` beside
@@ -393,12 +394,27 @@ an ack (batched) and its events through the broker, which makes the broker the l
 the two cores; four Python consumers that each build a message and ack it are the next; the
 coordinator and PostgreSQL follow. The relay's consumers only read and commit batches, and a
 share group's work is all inside the broker. The loop's own phases (the table above) show the
-PostgreSQL commit as its largest wait: writing the leases (their tokens are half the bytes) and
-deleting them again once acked.
+PostgreSQL commit as its largest wait: writing the leases and deleting them again once acked.
+
+**Latency.** At 1,000 msg/s an iteration carries a handful of messages, and its PostgreSQL
+transaction is most of its wall time: py-spy on a latency cell put 90 % of the shard loop in
+`Store.commit`, and per-call timers put 4–5 ms in it per iteration, against 1.6 ms for the same
+transaction on an idle machine (`benchmarks/commit_bench.py`). The difference is the client's
+work per statement (SQLAlchemy's parameters, psycopg's pipeline sending each statement as it
+comes) multiplied by the CPU the broker, the consumers and the harness take from the same two
+cores. The p50 gap to the relay (a few ms) is that transaction; the p99 gap is the same
+transaction at its slowest rather than a periodic stall: in one traced cell, each of the 459
+records slower than 25 ms overlapped a commit of more than 4 ms, 51 of them also a catalog
+reload and 45 a long step.
 
 **What would move it**, each measured or estimated on this machine:
+- fewer, cheaper statements per transaction: the prunes folded into the recovery points'
+  statement, the outbox's delete and insert into one, and the statements sent without
+  psycopg's per-statement communication (libpq's pipeline directly): psycopg's per-statement
+  cost was about 45 µs on an idle machine and 225 µs in a latency cell;
 - lease tokens derived from one random base per lease batch (stored once per run instead of 33
-  bytes per message): a third of the commit's time in a micro-benchmark;
+  bytes per message): 10–25 % of a 1,000-message commit (`commit_bench.py` with random tokens
+  against a constant one, three runs each), about 0.5–1 µs per message;
 - the journal's records handed to the native core without a Python tuple each (the polling
   phase), and a native decoder for delivery batches in the SDK (optional, as the SDK needs
   nothing but Kafka);
