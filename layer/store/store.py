@@ -31,7 +31,14 @@ from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
-from layer.store.pipeline import CompiledCache, Executor, Result, executor_for
+from layer.store.pipeline import (
+    CompiledCache,
+    Executor,
+    Result,
+    StatementsLost,
+    executor_for,
+    no_automatic_preparing,
+)
 from layer.store.rows import (
     ConsumerRow,
     EntryKey,
@@ -75,6 +82,18 @@ class CommitResult:
     outbox_batch_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """What `Store._write` sent; its results are read once the transaction has synced."""
+
+    statements: int
+    entries_written: int
+    entries_deleted: int
+    rows_written: int
+    pruned: Result | None
+    outbox: list[Result]
+
+
 def _to_datetime(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
 
@@ -112,8 +131,11 @@ class Store:
             # SQLAlchemy then drops the stale pool, so the next call reconnects.
             self._engine = create_engine(parse_database_url(engine_or_url))
             self._owns_engine = True
-        # The commit path's statements, compiled once (`layer/store/pipeline.py`).
-        self._compiled: CompiledCache = {}
+        # The commit path's statements, compiled once and prepared once per connection
+        # (`layer/store/pipeline.py`); psycopg's own preparing would deallocate them.
+        self._compiled = CompiledCache()
+        if not event.contains(self._engine, "connect", no_automatic_preparing):
+            event.listen(self._engine, "connect", no_automatic_preparing)
 
     @property
     def engine(self) -> Engine:
@@ -256,7 +278,6 @@ class Store:
         entries the new recovery points pass are pruned (DESIGN §3).
         """
         moment = _to_datetime(now)
-        statements = 0
         with (
             translate_errors(f"committing a batch for shard {shard!r}"),
             self._engine.connect() as plain,
@@ -268,46 +289,66 @@ class Store:
             # everything sent after it), the batch, COMMIT. The executor begins and commits
             # the transaction itself, so the connection is in autocommit mode for it.
             conn = plain.execution_options(isolation_level="AUTOCOMMIT")
-            outbox: list[Result] = []
-            with executor_for(conn, self._compiled) as ex:
-                ex.execute(sql.HOLD_SHARD, _holder_params(shard, owner_id, epoch, moment))
-                statements += 1
-                statements += self._forget(ex, batch.forgotten_queues)
-                statements += _forget_partitions(ex, batch.forgotten_partitions)
-                upserts, deletes = _split_passed_entries(batch)
-                statements += _delete_entries(ex, deletes)
-                runs, singles = runs_of(upserts.values())
-                runs.extend(batch.runs)
-                statements += _insert_runs(ex, runs, moment)
-                statements += _upsert_entries(ex, singles, moment)
-                statements += _upsert_recovery_points(ex, batch.recovery_points, batch.admitted,
-                                                      moment)
-                pruned_rows = _prune_below(ex, batch.recovery_points)
-                statements += 2 if batch.recovery_points else 0  # the prunes
-                statements += _write_consumers(ex, batch)
-                statements += _increment_counters(ex, batch.counters, moment)
-                statements += _mark_purged(ex, batch.purges_done, batch.purges_acked)
-                statements += _mark_reset(ex, batch.resets_done)
-                statements += _upsert_input_positions(ex, shard, batch.input_positions, moment)
-                if batch.outbox_published is not None:
-                    ex.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
-                                                      "published": batch.outbox_published})
-                    statements += 1
-                for events in batch.outbox:  # one, but for iterations with very many events
-                    outbox.append(ex.execute(sql.INSERT_OUTBOX, {
-                        "the_shard": shard, "events": events, "now": moment}))
-                    statements += 1
-                ex.commit()
-            pruned = pruned_rows.rowcount if pruned_rows is not None else 0
-            outbox_batch_ids = [int(result.scalar_one()) for result in outbox]
+            try:
+                with executor_for(conn, self._compiled) as ex:
+                    written = self._write(ex, batch, shard, owner_id, epoch, moment)
+            except StatementsLost:
+                # Nothing was written and the pipeline forgot the lost statements: once more,
+                # preparing them again.
+                with executor_for(conn, self._compiled) as ex:
+                    written = self._write(ex, batch, shard, owner_id, epoch, moment)
+            pruned = written.pruned.rowcount if written.pruned is not None else 0
+            outbox_batch_ids = [int(result.scalar_one()) for result in written.outbox]
         return CommitResult(
             epoch=epoch,
+            statements=written.statements,
+            entries_written=written.entries_written,
+            entries_deleted=written.entries_deleted,
+            entries_pruned=pruned,
+            rows_written=written.rows_written,
+            outbox_batch_ids=tuple(outbox_batch_ids),
+        )
+
+    def _write(self, ex: Executor, batch: WriteBatch, shard: str, owner_id: str, epoch: int,
+               moment: datetime) -> _Written:
+        """Send the batch's statements (`commit`'s transaction, less its BEGIN)."""
+        statements = 0
+        outbox: list[Result] = []
+        ex.execute(sql.HOLD_SHARD, _holder_params(shard, owner_id, epoch, moment))
+        ex.flush()  # the server takes the row lock while the batch is composed
+        statements += 1
+        statements += self._forget(ex, batch.forgotten_queues)
+        statements += _forget_partitions(ex, batch.forgotten_partitions)
+        upserts, deletes = _split_passed_entries(batch)
+        statements += _delete_entries(ex, deletes)
+        runs, singles = runs_of(upserts.values())
+        runs.extend(batch.runs)
+        statements += _insert_runs(ex, runs, moment)
+        statements += _upsert_entries(ex, singles, moment)
+        statements += _upsert_recovery_points(ex, batch.recovery_points, batch.admitted, moment)
+        pruned_rows = _prune_below(ex, batch.recovery_points)
+        statements += 2 if batch.recovery_points else 0  # the prunes
+        statements += _write_consumers(ex, batch)
+        statements += _increment_counters(ex, batch.counters, moment)
+        statements += _mark_purged(ex, batch.purges_done, batch.purges_acked)
+        statements += _mark_reset(ex, batch.resets_done)
+        statements += _upsert_input_positions(ex, shard, batch.input_positions, moment)
+        if batch.outbox_published is not None:
+            ex.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
+                                              "published": batch.outbox_published})
+            statements += 1
+        for events in batch.outbox:  # one, but for iterations with very many events
+            outbox.append(ex.execute(sql.INSERT_OUTBOX, {
+                "the_shard": shard, "events": events, "now": moment}))
+            statements += 1
+        ex.commit()
+        return _Written(
             statements=statements,
             entries_written=len(upserts) + sum(len(run.offsets) for run in batch.runs),
             entries_deleted=len(deletes),
-            entries_pruned=pruned,
             rows_written=len(runs) + len(singles),
-            outbox_batch_ids=tuple(outbox_batch_ids),
+            pruned=pruned_rows,
+            outbox=outbox,
         )
 
     def load_outbox(self, shard: str) -> list[tuple[int, bytes]]:
@@ -325,7 +366,7 @@ class Store:
             conn.execute(sql.DELETE_PUBLISHED, {"the_shard": shard, "published": published})
 
     @staticmethod
-    def _forget(conn: Executor, queue_names: set[str]) -> int:
+    def _forget(conn: Executor | Connection, queue_names: set[str]) -> int:
         if not queue_names:
             return 0
         names = sorted(queue_names)
