@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/commit_bench.py \\
         --database-url postgresql+psycopg://postgres@127.0.0.1:15432/postgres \\
-        [--before REV] [--repetitions 3] [--commits 300]
+        [--before REV] [--repetitions 3] [--commits 300] [--burners 2]
 
 Each commit carries the shape of an at-least-once iteration: ``--messages`` new leases (one
 consumer, one partition, random 32-hex tokens), the acks of the previous iteration's leases,
@@ -10,6 +10,10 @@ the recovery point moved past them, the queue's counters, the ack topic's input 
 one event batch into the outbox. ``small`` (7 messages) is an iteration at 1,000 msg/s, where
 the fixed cost of a transaction (its round trips) is what the delivery waits for; ``large``
 (270) is one of a throughput cell.
+
+With ``--burners N``, N processes beside it each burn a CPU 2 ms out of every 3 (as the
+broker, the consumers and the producers of a cell keep waking up): on this two-core machine the
+commit then pays for every wake-up of the server's backend, as it does in a benchmark cell.
 
 With ``--before REV`` the same measurement also runs on the tree of that commit (a temporary
 git worktree, imported through PYTHONPATH) against the same server, the two trees interleaved
@@ -32,6 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"small": 7, "large": 270}
+BURNER = """
+import time
+while True:
+    end = time.perf_counter() + 0.002
+    while time.perf_counter() < end:
+        pass
+    time.sleep(0.001)
+"""
 
 
 def measure(database_url: str, commits: int) -> dict[str, dict[str, float]]:
@@ -122,6 +134,8 @@ def main() -> None:
     parser.add_argument("--before", help="also measure the tree of this commit, interleaved")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--commits", type=int, default=300)
+    parser.add_argument("--burners", type=int, default=0,
+                        help="duty-cycled CPU burners to run beside the measurement")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -135,11 +149,15 @@ def main() -> None:
                        cwd=ROOT, check=True, capture_output=True)
         trees = {f"before ({args.before})": worktree, "now": ROOT}
     runs: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in trees}
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(args.burners)]
     try:
         for _ in range(args.repetitions):
             for name, tree in trees.items():
                 runs[name].append(run_tree(tree, args.database_url, args.commits))
     finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
                            check=False, capture_output=True)

@@ -309,9 +309,12 @@ class Pipeline:
             results = self._wait(self._synced())
         finally:
             if self._pgconn.pipeline_status:
-                # A broken connection may refuse; the pool discards it anyway.
                 with contextlib.suppress(Exception):
                     self._pgconn.exit_pipeline_mode()
+                if self._pgconn.pipeline_status:
+                    # Answers are still owed (the wait was interrupted): the session's state
+                    # is unknown, so it is closed, and the pool discards it.
+                    self._pg.close()
         self._results = results
         status = self._pq.ExecStatus
         for key, (name, index) in self._preparing.items():
