@@ -399,19 +399,20 @@ PostgreSQL commit as its largest wait: writing the leases and deleting them agai
 **Latency.** At 1,000 msg/s an iteration carries a handful of messages, and its PostgreSQL
 transaction is most of its wall time: py-spy on a latency cell put 90 % of the shard loop in
 `Store.commit`, and per-call timers put 4–5 ms in it per iteration, against 1.6 ms for the same
-transaction on an idle machine (`benchmarks/commit_bench.py`). The difference is the client's
-work per statement (SQLAlchemy's parameters, psycopg's pipeline sending each statement as it
-comes) multiplied by the CPU the broker, the consumers and the harness take from the same two
+transaction on an idle machine (`benchmarks/commit_bench.py`). The difference is the CPU the
+broker, the consumers and the harness take from the same two
 cores. The p50 gap to the relay (a few ms) is that transaction; the p99 gap is the same
 transaction at its slowest rather than a periodic stall: in one traced cell, each of the 459
 records slower than 25 ms overlapped a commit of more than 4 ms, 51 of them also a catalog
 reload and 45 a long step.
 
 **What would move it**, each measured or estimated on this machine:
-- fewer, cheaper statements per transaction: the prunes folded into the recovery points'
-  statement, the outbox's delete and insert into one, and the statements sent without
-  psycopg's per-statement communication (libpq's pipeline directly): psycopg's per-statement
-  cost was about 45 µs on an idle machine and 225 µs in a latency cell;
+- fewer statements per transaction: the prunes folded into the recovery points' statement,
+  the outbox's delete and insert into one. The statements already go to libpq's pipeline
+  directly, prepared once per connection and flushed once (`layer/store/pipeline.py`): that
+  halved the client's CPU for a small commit (1.12 → 0.57 ms; 1.60 → 1.18 ms for 270
+  messages, `commit_bench.py --before c8546cb`), but beside CPU burners its wall time did not
+  move, so what is left is the server's own work and its wake-ups on the shared cores;
 - lease tokens derived from one random base per lease batch (stored once per run instead of 33
   bytes per message): 10–25 % of a 1,000-message commit (`commit_bench.py` with random tokens
   against a constant one, three runs each), about 0.5–1 µs per message;
