@@ -30,6 +30,14 @@ def one_connection(database_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
+def _owner(engine: Engine) -> tuple[Store, int]:
+    """A store on the one-connection engine that holds the shard, and its epoch."""
+    store = Store(engine)
+    epoch = store.take_shard(SHARD, "a", T0)
+    assert epoch is not None
+    return store, epoch
+
+
 def _leased(offset: int) -> EntryRow:
     return EntryRow(queue="Work", topic="orders", partition=0, offset=offset, state="LEASED",
                     delivery_count=1, lease_consumer="c1", lease_token=f"t{offset}",
@@ -57,9 +65,7 @@ def _offsets(store: Store) -> list[int]:
 
 
 def test_statements_are_prepared_once_per_connection(one_connection: Engine) -> None:
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     store.commit(_batch(1), SHARD, "a", epoch, T0 + 1)
     first = _prepared(one_connection)
     assert first and all(name.startswith("qlayer_") for name in first)
@@ -72,9 +78,7 @@ def test_statements_are_prepared_once_per_connection(one_connection: Engine) -> 
 def test_statements_a_fenced_pipeline_skipped_are_prepared_by_the_next(
     one_connection: Engine,
 ) -> None:
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     # The guard refuses first, so the server skips every PREPARE queued behind it ...
     with pytest.raises(FencedError):
         store.commit(_batch(1), SHARD, "a", epoch + 1, T0 + 1)
@@ -86,9 +90,7 @@ def test_statements_a_fenced_pipeline_skipped_are_prepared_by_the_next(
 def test_a_statement_the_server_refuses_fails_the_commit_and_writes_nothing(
     one_connection: Engine,
 ) -> None:
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     batch = _batch(1)
     batch.put_consumer(ConsumerRow(
         consumer_id="c1", session_id="s1", queue="Work", is_regex=False,
@@ -107,9 +109,7 @@ def test_a_statement_the_server_refuses_fails_the_commit_and_writes_nothing(
 def test_a_killed_connection_fails_one_commit_then_the_store_reconnects(
     one_connection: Engine, database_url: str,
 ) -> None:
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     store.commit(_batch(1), SHARD, "a", epoch, T0 + 1)  # the session has prepared statements
     admin = sa.create_engine(database_url)
     try:
@@ -133,9 +133,7 @@ def test_a_rollback_on_the_session_keeps_the_commit_s_statements(
 ) -> None:
     """psycopg deallocates every statement of a session after a rollback once it has prepared
     some of its own; the store turns its preparing off, so the commit's statements stay."""
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     store.commit(_batch(1), SHARD, "a", epoch, T0 + 1)
     prepared = _prepared(one_connection)
     with one_connection.connect() as conn:  # a caller repeating a query in one checkout
@@ -151,9 +149,7 @@ def test_a_rollback_on_the_session_keeps_the_commit_s_statements(
 def test_statements_deallocated_behind_the_store_s_back_are_prepared_again(
     one_connection: Engine,
 ) -> None:
-    store = Store(one_connection)
-    epoch = store.take_shard(SHARD, "a", T0)
-    assert epoch is not None
+    store, epoch = _owner(one_connection)
     store.commit(_batch(1), SHARD, "a", epoch, T0 + 1)
     with one_connection.connect() as conn:
         conn.exec_driver_sql("DEALLOCATE ALL")
