@@ -28,11 +28,12 @@ from layer.coordinator.logformat import fields
 from layer.coordinator.options import CoordinatorOptions, LoopStats
 from layer.coordinator.payloads import RECORD_OVERHEAD, MemoryPool, PayloadCache, record_size
 from layer.coordinator.ports import TopicAdmin
+from layer.coordinator.refused import Refused
 from layer.coordinator.sessions import Session
 from layer.coordinator.translate import add_outbox, event_fields, lost_to_retention
 from layer.domain import events as ev
-from layer.domain.definitions import QueueDefinition
-from layer.domain.engine import RecordsWanted
+from layer.domain.definitions import QueueDefinition, Semantics
+from layer.domain.engine import EntryAck, RecordsWanted
 from layer.domain.entries import DELETE, OfferedRecord
 from layer.domain.errors import ExpressionError
 from layer.domain.expressions import RawDocument, is_json_null, parse_document, project
@@ -165,8 +166,9 @@ class ShardCore:
         self.input_faults: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._unparseable_logged: dict[str, float] = {}
         #: The largest key + value + headers of a journal record the shard can deliver
-        #: (`record_limit`; lowered when a delivery topic refuses a smaller record). A larger
-        #: one is never handed to the producer: its entries expire as ``too-large``.
+        #: (`record_limit`, from the producer's ``message.max.bytes``). A larger one is never
+        #: handed to the producer: its entries expire as ``too-large``. A delivery topic with
+        #: a lower ``max.message.bytes`` refuses records after the fact (`too_large`).
         self.record_limit = DEFAULT_RECORD_LIMIT - DELIVERY_OVERHEAD
         #: Queues whose journal partitions were deleted while read: which, and when (for the
         #: shard's report and `qlayer stats`); kept across rebuilds of the shard.
@@ -209,9 +211,9 @@ class ShardCore:
         self._input_offsets: dict[tuple[str, int], int] = {}
         # Positions read past acks that wait for the replay, stored once they are applied.
         self._held_positions: dict[tuple[str, int], int] = {}
-        # Entries found too large to deliver outside a step (a delivery topic refused their
-        # record): expired by the next step, before it dispatches anything.
-        self._too_large: list[Bookmark] = []
+        # Deliveries found too large outside a step (a delivery topic refused their record):
+        # dead-lettered from their queues by the next step, before it dispatches anything.
+        self._too_large: list[Refused] = []
         # ACK_REFUSED / SUBSCRIBE_REFUSED events of this step (the engines never see what was
         # refused, so these do not come from their outboxes).
         self.pending_events: list[Event] = []
@@ -345,6 +347,8 @@ class ShardCore:
                     done.append(e.bookmark)  # type: ignore[union-attr]
                     if e.dead_letter:  # type: ignore[union-attr]
                         expired.append(e)  # type: ignore[arg-type]
+                elif kind is ev.DeliveryRefused:
+                    expired.append(e)  # type: ignore[arg-type]
                 elif kind is ev.ConsumerLeft:
                     self.control.on_consumer_left(e, batch, plan.replies, now)  # type: ignore[arg-type]
 
@@ -458,22 +462,48 @@ class ShardCore:
                           "queue(s), reason too_large", r.topic, r.partition, r.offset,
                           detail, expired)
 
-    def too_large(self, bookmarks: list[Bookmark]) -> None:
-        """Entries whose delivery a topic refused as too large (a topic's
-        ``max.message.bytes`` under the producer's): the next step expires them."""
-        self._too_large.extend(bookmarks)
+    def too_large(self, deliveries: list[Refused]) -> None:
+        """Deliveries a topic refused as too large (a topic's ``max.message.bytes`` under the
+        producer's), each still refused alone: the next step dead-letters them."""
+        self._too_large.extend(deliveries)
 
     def _expire_refused(self, now: float) -> None:
+        """The refused deliveries leave the queue that made them (reason ``too-large``,
+        dead-lettered); another queue over the same journal keeps its own entry. A leased
+        entry (at-least-once) is expired by its engine. An at-most-once entry left the queue
+        when it was delivered: `ev.DeliveryRefused` dead-letters its record and says so in
+        the events, so the message is neither delivered nor lost. A barrier reached the
+        other consumers, and is only logged."""
         if not self._too_large:
             return
         found, self._too_large = self._too_large, []
         detail = "a delivery topic refused the record as too large"
-        for engine in self.engines.values():
-            n = engine.expire_entries(found, ExpiryReason.TOO_LARGE, now, detail)
+        expired: Counter[str] = Counter()
+        for queue, bookmark, lease, delivery_count, barrier in found:
+            engine = self.engines.get(queue)
+            if engine is None:
+                continue  # the queue was removed since: nothing of it is left to settle
+            if barrier:
+                self.counters["barrier_refused"] += 1
+                log.error("queue %s: a delivery topic refused barrier %s as too large; the "
+                          "other consumers have it", queue, bookmark,
+                          extra=fields(queue=queue, reason="too_large"))
+            elif engine.definition.semantics is Semantics.AT_MOST_ONCE:
+                # The consumer never got it, so it cannot ack it: its backlog slot is freed
+                # with the delivery's own token (else it stays taken for a lease period).
+                engine.ack([EntryAck(bookmark, lease)], now)
+                self._lost.setdefault(queue, []).append(ev.DeliveryRefused(
+                    queue, bookmark, ExpiryReason.TOO_LARGE, True, delivery_count, 0, None,
+                    detail, now))
+                expired[queue] += 1
+            else:
+                expired[queue] += engine.expire_entries([bookmark], ExpiryReason.TOO_LARGE,
+                                                        now, detail)
+        for queue, n in expired.items():
             if n:
                 self.counters["too_large"] += n
                 log.error("queue %s: %d entries dead-lettered, reason too_large (%s)",
-                          engine.name, n, detail)
+                          queue, n, detail, extra=fields(queue=queue, reason="too_large"))
 
     def project_value(self, topic: str, value: bytes, fields: frozenset[str]) -> object:
         """A record's document past the memory window: the fields the queues read. A value

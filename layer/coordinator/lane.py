@@ -137,11 +137,17 @@ class NativeLane:
                       if k.queue == name}
             lost = core._lost.pop(name, None)
             if lost:
-                # Entries retention took before the queue was rebuilt: their events first.
+                # Entries retention took before the queue was rebuilt, and at-most-once
+                # deliveries refused as too large: their events first.
                 lane.push_items([event_item(encode(core.owner_id, core.epoch, *f))
                                  for f in event_fields(lost)])
-                batch.count(name, "expired", len(lost))
-                plan.done.extend(e.bookmark for e in lost if isinstance(e, ev.EntryExpired))
+                refused = [e for e in lost if type(e) is ev.DeliveryRefused]
+                if refused:
+                    batch.count(name, "dead_lettered", len(refused))
+                    plan.expired.extend(refused)
+                if len(refused) < len(lost):
+                    batch.count(name, "expired", len(lost) - len(refused))
+                plan.done.extend(e.bookmark for e in lost if type(e) is ev.EntryExpired)
             counts, specials = engine_core.absorb_into(lane, counted_from or None, passed or None,
                                                       sessions)
             for counter, n in counts:

@@ -6,10 +6,11 @@ record locally and learns of the refusal (MSG_SIZE_TOO_LARGE) in a delivery repo
 iteration later. The broker refuses the whole produce batch librdkafka sent to the partition,
 so the refused records include ones that would fit alone (replies among them), and a delivery
 batch record (protocol 3) carries many messages. Which message is too large is known only by
-sending each alone: `alone` gives one record per message, with the bookmark of the entry it
-delivers (None for anything else: a reply, a dead letter, an event batch), and the shard loop
-writes them one at a time (`ShardLoop._resend_refused`). A message still refused alone is
-dead-lettered with reason ``too_large`` (`ShardCore.too_large`); the others are delivered. The
+sending each alone: `alone` gives one record per message, with the `Refused` delivery it
+carries (the queue and entry; None for anything else: a reply, a dead letter, an event batch),
+and the shard loop writes them one at a time (`ShardLoop._resend_refused`). A message still
+refused alone is dead-lettered from its queue with reason ``too_large``
+(`ShardCore.too_large`); the others are delivered. The
 refusals are rare (a misconfigured topic), so this path may take a round trip per message;
 the loop's ordinary path is unchanged.
 
@@ -22,6 +23,7 @@ refused records, then each of their messages alone in a transaction of its own
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from layer.domain.states import Bookmark
 from layer.kafka import DeliveryFailed, OutgoingRecord
@@ -29,7 +31,20 @@ from layer.protocol import BATCH, ProtocolError
 from layer.protocol.batch import decode_delivery_batch, encode_delivery_batch, encode_entry
 from layer.protocol.headers import DLQ_REASON, LEASE, header_value, parse_delivery_headers
 
-__all__ = ["alone", "refused_among"]
+__all__ = ["Refused", "alone", "refused_among"]
+
+
+class Refused(NamedTuple):
+    """One message of a refused delivery record: which queue's entry it delivered."""
+
+    queue: str
+    bookmark: Bookmark
+    #: The lease token it carried: an at-most-once delivery's backlog slot is freed with it.
+    lease: str
+    delivery_count: int
+    #: A barrier goes to every matching consumer at once and is done when sent: one topic
+    #: refusing it is logged, not dead-lettered (the others have it).
+    barrier: bool
 
 
 def refused_among(reported: list[OutgoingRecord],
@@ -54,9 +69,9 @@ def refused_among(reported: list[OutgoingRecord],
     return refused
 
 
-def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Bookmark | None]]:
-    """Each refused record's messages as records of their own, each with the bookmark of the
-    entry it delivers (None: not a delivery)."""
+def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Refused | None]]:
+    """Each refused record's messages as records of their own, each with the delivery it
+    carries (None: not a delivery)."""
     for record in records:
         headers = record.headers or []
         if header_value(headers, BATCH) is not None and record.value is not None:
@@ -71,14 +86,17 @@ def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Bookm
                     e.lease_expires_ms, e.delivery_count, e.barrier, e.timestamp_ms, e.key,
                     e.value, e.headers)])
                 yield (record._replace(value=value),
-                       Bookmark(e.topic, e.partition, e.offset))
+                       Refused(e.queue, Bookmark(e.topic, e.partition, e.offset), e.lease,
+                               e.delivery_count, e.barrier))
         elif header_value(headers, LEASE) is not None and header_value(
                 headers, DLQ_REASON) is None:
             try:
-                b = parse_delivery_headers(headers).bookmark
+                info = parse_delivery_headers(headers)
             except ProtocolError:
                 yield record, None
                 continue
-            yield record, Bookmark(b.topic, b.partition, b.offset)
+            b = info.bookmark
+            yield record, Refused(info.queue, Bookmark(b.topic, b.partition, b.offset),
+                                  info.lease, info.delivery_count, info.barrier)
         else:
             yield record, None

@@ -47,7 +47,7 @@ from layer.coordinator.output import Output
 from layer.coordinator.payloads import MemoryPool, RangeReader
 from layer.coordinator.phases import PhaseTimes
 from layer.coordinator.ports import StateStore
-from layer.coordinator.refused import alone, refused_among
+from layer.coordinator.refused import Refused, alone, refused_among
 from layer.coordinator.topicsweep import DeliveryTopicSweep
 from layer.coordinator.translate import ms
 from layer.domain.errors import QlayerError
@@ -79,6 +79,7 @@ __all__ = ["FAULT_COUNTERS", "CoordinatorOptions", "LeaseTokens", "LoopStats", "
 FAULT_COUNTERS = ("malformed_ack_records", "malformed_control_records",
                   "forward_hops_exceeded", "unknown_session_heartbeats",
                   "unknown_session_unsubscribes", "unanswerable_replies", "too_large",
+                  "barrier_refused",
                   "journal_deleted", "journals_deleted", "retention_expired",
                   "delivery_without_payload", "dead_letter_without_payload",
                   "invalid_queue_definitions", "malformed_deliver_at_headers",
@@ -608,17 +609,17 @@ class ShardLoop:
         if not reported:
             return False
         refused = refused_among(reported, self._unconfirmed)
-        too_large: list[Bookmark] = []
+        too_large: list[Refused] = []
         sent = 0
-        for record, bookmark in alone(refused):
+        for record, delivery in alone(refused):
             if writer.send_alone(record):
                 sent += 1
-            elif bookmark is None:
+            elif delivery is None:
                 raise DeliveryFailed(f"{record.topic}: the broker refused a record of "
                                      f"{len(record.value or b'')} bytes as larger than the "
                                      "topic's max.message.bytes")
             else:
-                too_large.append(bookmark)
+                too_large.append(delivery)
         self.counters["refused_sent_alone"] += sent
         log.warning("shard %d: the broker refused %d records as too large for their topic; "
                     "%d messages sent again alone, %d still refused alone (dead-lettered, "
@@ -652,8 +653,8 @@ class ShardLoop:
         failure (the shard is rebuilt). Refusals are rare (a misconfigured topic): each costs
         an abort and a new producer, where a rebuild cost as much and came back for ever."""
         batch = records
-        singles: list[tuple[OutgoingRecord, Bookmark | None]] = []
-        too_large: list[Bookmark] = []
+        singles: list[tuple[OutgoingRecord, Refused | None]] = []
+        too_large: list[Refused] = []
         started = time.perf_counter()
         attempts = 0
         while True:
@@ -667,12 +668,12 @@ class ShardLoop:
                 batch = [r for r in batch if id(r) not in out]
                 singles.extend(alone(records_refused))
                 continue
-            record, bookmark = singles.pop(at)
-            if bookmark is None:
+            record, delivery = singles.pop(at)
+            if delivery is None:
                 raise DeliveryFailed(f"{record.topic}: the broker refused a record of "
                                      f"{len(record.value or b'')} bytes as larger than the "
                                      "topic's max.message.bytes")
-            too_large.append(bookmark)
+            too_large.append(delivery)
         if not attempts:
             return
         self.counters["refused_sent_alone"] += len(singles)

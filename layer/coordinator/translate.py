@@ -178,6 +178,8 @@ def add_outbox(batch: WriteBatch, queue: str, outbox: ev.Outbox,
         elif kind is ev.LeaseExpired or kind is ev.LeaseBroken:
             # Both end a lease without a settlement: one LEASE_EXPIRED event each.
             ended += 1
+        elif kind is ev.DeliveryRefused:
+            dead += 1  # already counted delivered and acked; only the dead letter is new
         elif kind is ev.EntryExpired:
             # A consumer's rejection is counted apart: `expired` is every other way out.
             if e.reason is ExpiryReason.REJECTED:  # type: ignore[union-attr]
@@ -278,6 +280,13 @@ def event_fields(events: Iterable[ev.Event], *,
         elif isinstance(e, ev.LeaseBroken):
             yield F(EventType.LEASE_EXPIRED, at, queue, e.bookmark, e.consumer_id,
                     reason=_LEASE_END[e.reason].value)
+        elif kind is ev.DeliveryRefused:
+            # The entry's outcome (DELIVERED_AT_MOST_ONCE) is already written: only where the
+            # record went.
+            refused = cast(ev.DeliveryRefused, e)
+            yield F(EventType.DEAD_LETTERED, at, queue, refused.bookmark, refused.consumer_id,
+                    delivery_count=refused.delivery_count,
+                    reason=wire_reason(str(refused.reason)))
         elif isinstance(e, ev.EntryExpired):
             reason = wire_reason(str(e.reason))
             if e.reason is ExpiryReason.REJECTED:

@@ -152,6 +152,15 @@ class EntryExpired(NamedTuple):
     at: float
 
 
+class DeliveryRefused(EntryExpired):
+    """An at-most-once delivery the broker refused as too large for its delivery topic (a
+    topic's ``max.message.bytes`` under the producer's), learned an iteration after the entry
+    left the queue as delivered. The entry stays done (its one outcome was
+    DELIVERED_AT_MOST_ONCE); the coordinator dead-letters the record (reason ``too-large``),
+    announced by one DEAD_LETTERED event, so it is not lost without a trace. Built by the shard
+    core, not the engine, whose part in the entry ended at the delivery."""
+
+
 class Recipient(NamedTuple):
     consumer_id: str
     delivery_topic: str

@@ -96,7 +96,7 @@ class ExpiryReason(StrEnum):
     EXPIRATION = "expiration"
     RETENTION = "retention"  # the journal record was deleted by Kafka retention
     #: The record is larger than the coordinator may write to a delivery topic (the producer's
-    #: ``message.max.bytes``, or a topic's lower ``max.message.bytes`` learned from a refusal).
+    #: ``message.max.bytes``, or a topic's lower ``max.message.bytes``, which refused it).
     TOO_LARGE = "too-large"
     #: The journal topic was deleted while the queue read it: nothing is left to deliver.
     JOURNAL_DELETED = "journal-deleted"

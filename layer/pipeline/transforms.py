@@ -192,7 +192,9 @@ def _per_entry(events: DataFrame) -> DataFrame:
             F.col("timestamp_ms"), F.col("type"), F.col("reason"), F.col("consumer_id"),
             F.col("delivery_count"),
         )))).alias("outcomes"),
-        F.max(F.when(_is(EventType.DEAD_LETTERED), F.lit(True))).alias("dead_lettered"),
+        # The DEAD_LETTERED event's reason ("" without one); null when not dead-lettered.
+        F.max(F.when(_is(EventType.DEAD_LETTERED), F.coalesce(F.col("reason"), F.lit(""))))
+        .alias("dead_lettered"),
         F.max(F.when(later, F.struct(F.col("timestamp_ms"), F.col("type"))))
         .alias("last_later"),
         F.max(F.when(later & F.col("type").isin(*_LEASE_STEP), F.struct(
@@ -238,19 +240,24 @@ def _lifecycle_rows(per: DataFrame, *keep: str) -> DataFrame:
     outcome_ms = first.getField("timestamp_ms")
     kind = first.getField("type")
     before_outcome = F.filter("deliveries", lambda d: d.getField("timestamp_ms") <= outcome_ms)
+    # An at-most-once delivery the broker refused as too large (a later DEAD_LETTERED, no
+    # second outcome, docs/protocol.md §11) was dead-lettered, not delivered.
+    refused = ((kind == EventType.DELIVERED_AT_MOST_ONCE.value)
+               & F.col("dead_lettered").isNotNull())
     return per.select(
         "queue", "bookmark", "topic", "partition", "offset", "record_timestamp_ms",
         "enqueued_ms",
         F.transform("deliveries", lambda d: d.dropFields("type")).alias("deliveries"),
         F.size("deliveries").alias("delivery_count"),
         F.when(F.size("outcomes") == 0, F.lit(Outcome.PENDING))
-        .when((kind == EventType.EXPIRED.value) & F.col("dead_lettered").isNotNull(),
-              F.lit(Outcome.DEAD_LETTERED))
+        .when(((kind == EventType.EXPIRED.value) & F.col("dead_lettered").isNotNull())
+              | refused, F.lit(Outcome.DEAD_LETTERED))
         .when(kind == EventType.EXPIRED.value, F.lit(Outcome.EXPIRED))
         .when(kind == EventType.ACKED.value, F.lit(Outcome.ACKED))
         .when(kind == EventType.DELIVERED_AT_MOST_ONCE.value, F.lit(Outcome.AT_MOST_ONCE))
         .otherwise(F.lit(Outcome.BARRIER)).alias("outcome"),
-        first.getField("reason").alias("outcome_reason"),
+        F.when(refused, F.col("dead_lettered")).otherwise(first.getField("reason"))
+        .alias("outcome_reason"),
         outcome_ms.alias("outcome_ms"),
         first.getField("consumer_id").alias("outcome_consumer_id"),
         F.size("outcomes").alias("outcome_count"),
@@ -449,7 +456,8 @@ def counters(events: DataFrame) -> DataFrame:
     Same names and meaning as the coordinator's counters: enqueued (entries, ENQUEUED
     deduplicated), delivered (LEASED), redelivered (LEASED with delivery_count > 1), acked,
     released, lease_expired, rejected (EXPIRED after REJECTED), expired (every other EXPIRED,
-    dead letters included), dead_lettered (EXPIRED after DEAD_LETTERED).
+    dead letters included), dead_lettered (DEAD_LETTERED: with an EXPIRED, or alone after an
+    at-most-once delivery the broker refused as too large).
     """
     e = entry_events(events)
 
@@ -462,8 +470,7 @@ def counters(events: DataFrame) -> DataFrame:
 
     expired = _is(EventType.EXPIRED)
     return (
-        e.join(marked(EventType.DEAD_LETTERED, "dead"), ["queue", "bookmark"], "left")
-        .join(marked(EventType.REJECTED, "rejected_by"), ["queue", "bookmark"], "left")
+        e.join(marked(EventType.REJECTED, "rejected_by"), ["queue", "bookmark"], "left")
         .groupBy("queue")
         .agg(
             count(_is(EventType.ENQUEUED)).alias("enqueued"),
@@ -474,7 +481,9 @@ def counters(events: DataFrame) -> DataFrame:
             count(_is(EventType.LEASE_EXPIRED)).alias("lease_expired"),
             count(expired & F.col("rejected_by").isNotNull()).alias("rejected"),
             count(expired & F.col("rejected_by").isNull()).alias("expired"),
-            count(expired & F.col("dead").isNotNull()).alias("dead_lettered"),
+            # One DEAD_LETTERED per dead-lettered entry: with its EXPIRED, or alone after an
+            # at-most-once delivery the broker refused.
+            count(_is(EventType.DEAD_LETTERED)).alias("dead_lettered"),
         )
     )
 
@@ -592,8 +601,11 @@ def metric_samples(events: DataFrame, window: str = "1 minute") -> DataFrame:
         kind = o.getField("type")
         expired = kind == F.lit(EventType.EXPIRED.value)
         is_ack = kind == F.lit(EventType.ACKED.value)
+        # An at-most-once delivery refused as too large is dead-lettered after its outcome.
+        dead = ((expired | (kind == F.lit(EventType.DELIVERED_AT_MOST_ONCE.value)))
+                & F.col("dead_lettered").isNotNull())
         measure = (F.when(is_ack, F.lit("acked"))
-                   .when(expired & F.col("dead_lettered").isNotNull(), F.lit("dead_lettered"))
+                   .when(dead, F.lit("dead_lettered"))
                    .when(expired, F.lit("expired")).otherwise(F.lit("outcome")))
         return sample(o.getField("timestamp_ms"), measure, None,
                       F.when(is_ack, o.getField("consumer_id")))

@@ -147,3 +147,58 @@ def test_records_refused_as_too_large_are_sent_again_alone_and_the_big_one_dead_
             assert worker.ack_results() == [], "no ack refused"
         _dead_lettered_alone(settings, "Plain")
         assert _epochs(settings) == before, "no shard was rebuilt"
+
+
+def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_from_its_queue_only(
+    core: str, settings: Settings, unique_name: Callable[[str], str]
+) -> None:
+    """At-most-once: the entry left Fast when the coordinator sent it, before the broker
+    refused it. The message is dead-lettered anyway (reason too_large), with one DEAD_LETTERED
+    after its DELIVERED_AT_MOST_ONCE and no EXPIRED (one outcome per entry). Slow reads the
+    same journal through a delivery topic that takes it: it gets all eleven messages. Fast's
+    consumer gets its ten small ones with a backlog of ten (the queue's default): the refused
+    delivery's slot is freed, as the consumer could never ack it."""
+    journal = unique_name("Both")
+    small = _journal(settings, journal)
+    put_queues(settings, {"name": "Fast", "underlying_topic": journal,
+                          "semantics": "at-most-once"},
+               {"name": "Slow", "underlying_topic": journal,
+                "max_per_subscription_backlog": 100})
+    consumer_id = unique_name("fast").replace(".", "-")
+    _delivery_topic(settings, consumer_id)
+    with running_coordinator(settings, core=core):
+        before = _epochs(settings)
+        with Consumers(settings) as pool:
+            fast = pool.subscribe("Fast", max_backlog=100, consumer_id=consumer_id)
+            slow = pool.subscribe("Slow", max_backlog=100)
+            got = fast.receive(10, timeout=30)
+            assert sorted(d.value for d in got) == sorted(small)
+            fast.ack(got)
+            everything = slow.receive(11, timeout=30)
+            assert [len(d.value or b"") for d in everything].count(3 * _LIMIT) == 1
+            slow.ack(everything)
+            assert wait_for_counters(settings, "Slow", acked=11)["acked"] == 11
+        counted = wait_for_counters(settings, "Fast", dead_lettered=1)
+        assert (counted["dead_lettered"], counted.get("expired", 0)) == (1, 0)
+        dlq = TopicReader(settings.bootstrap_servers,
+                          TopicNames(settings.topic_prefix).dead_letter("Fast"))
+        try:
+            letters = dlq.read_until(lambda rs: len(rs) >= 1)
+            letters += dlq.read(1.0)
+        finally:
+            dlq.close()
+        assert [dict(letter.headers or [])[DLQ_REASON] for letter in letters] == [b"too_large"]
+        assert dict(letters[0].headers or [])[DLQ_VALUE_OMITTED] == b"%d" % (3 * _LIMIT)
+        events = EventReader(settings)
+        try:
+            seen = events.read_until(lambda es: any(
+                e.type is EventType.DEAD_LETTERED and e.queue == "Fast" for e in es))
+        finally:
+            events.close()
+        assert [e.type for e in seen if e.queue == "Fast" and e.bookmark is not None
+                and e.bookmark.offset == 5] == [
+            EventType.ENQUEUED, EventType.LEASED, EventType.DELIVERED_AT_MOST_ONCE,
+            EventType.DEAD_LETTERED]
+        assert not any(e.queue == "Slow" and e.type in (EventType.DEAD_LETTERED,
+                                                       EventType.EXPIRED) for e in seen)
+        assert _epochs(settings) == before, "no shard was rebuilt"

@@ -23,6 +23,7 @@ from layer.coordinator.core import Plan, QueueState, ShardCore
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.output import Output
 from layer.coordinator.ports import FakeTopicAdmin
+from layer.coordinator.refused import Refused
 from layer.coordinator.translate import wire_events
 from layer.domain import events as ev
 from layer.domain.definitions import QueueDefinition
@@ -340,6 +341,69 @@ def test_a_passed_on_ack_read_twice_before_the_replay_is_not_answered_duplicate(
     statuses = [i.status for r in _replies(h2.step([], 2.1)) if isinstance(r, AckResult)
                 for i in r.items]
     assert statuses == [AckStatus.DUPLICATE]
+
+
+def _refusal_harness() -> tuple[Harness, dict[tuple[str, int], ev.EntryLeased]]:
+    """Work (at-least-once) and Fast (at-most-once) over the same journal, each with a
+    consumer, given three records: Work's takes them all, Fast's (backlog 2) the first two."""
+    fast = _queue("Fast", 0, semantics="at-most-once")
+    h = Harness(fast)
+    h.core.add_queue(QueueState(QueueDefinition.from_mapping(fast.definition), 1, [],
+                                {(JOURNAL, 0): 0}, {}, {}, {(JOURNAL, 0): 0}), [], 0.0)
+    plan = h.step([h.subscribe("w", backlog=5), h.subscribe("f", backlog=2, queue="Fast"),
+                   *h.publish(3)], 1.0)
+    leases = {(d.queue, d.bookmark.offset): d for d in _leases(plan)}
+    assert sorted(leases) == [("Fast", 0), ("Fast", 1), ("Work", 0), ("Work", 1), ("Work", 2)]
+    return h, leases
+
+
+def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_not_lost() -> None:
+    """The entry left Fast when it was delivered (DELIVERED_AT_MOST_ONCE); the broker's refusal
+    comes an iteration later. The record is dead-lettered (reason too-large) with one
+    DEAD_LETTERED event and no second outcome; the consumer's backlog slot is free at once
+    (it never got the message, so it cannot ack it), and Work's entry of the same record is
+    not touched: Work's consumer still holds its lease."""
+    h, leases = _refusal_harness()
+    refused = leases[("Fast", 1)]
+    h.core.too_large([Refused("Fast", refused.bookmark, refused.token, 1, False)])
+    plan = h.step([], 2.0)
+    assert [(e.queue, e.bookmark.offset, type(e)) for e in plan.expired] == [
+        ("Fast", 1, ev.DeliveryRefused)]
+    # The slot is free: the third record goes to Fast's consumer in the same step.
+    assert [(d.queue, d.bookmark.offset) for d in _leases(plan)] == [("Fast", 2)]
+    batched, one_by_one = _batch_events(h, plan)
+    fast_1 = [(e.type, e.reason) for e in batched
+              if e.queue == "Fast" and e.bookmark is not None and e.bookmark.offset == 1]
+    assert fast_1 == [(EventType.DEAD_LETTERED, "too_large")]
+    assert sorted(map(repr, batched)) == sorted(map(repr, one_by_one))
+    assert plan.batch.counters["Fast"]["dead_lettered"] == 1
+    assert h.core.counters["too_large"] == 1
+    # Work's leases of the same records are still good: their ACCEPTs are taken.
+    work = [leases[("Work", o)] for o in range(3)]
+    acked = h.step([h.ack("w", work)], 3.0)
+    assert _replies(acked) == []
+    assert sorted(b.offset for b in acked.done) == [0, 1, 2]
+
+
+def test_an_at_least_once_delivery_refused_as_too_large_leaves_only_its_own_queue() -> None:
+    h, leases = _refusal_harness()
+    token = leases[("Work", 0)].token
+    h.core.too_large([Refused("Work", Bookmark(JOURNAL, 0, 0), token, 1, False),
+                      Refused("Gone", Bookmark(JOURNAL, 0, 0), token, 1, False)])
+    plan = h.step([], 2.0)
+    assert [(e.queue, e.bookmark.offset, e.reason, e.dead_letter, type(e))
+            for e in plan.expired] == [("Work", 0, "too-large", True, ev.EntryExpired)]
+    batched, _ = _batch_events(h, plan)
+    assert [(e.type, e.queue) for e in batched] == [
+        (EventType.DEAD_LETTERED, "Work"), (EventType.EXPIRED, "Work")]
+    assert h.core.counters["too_large"] == 1
+
+
+def test_a_barrier_refused_by_one_topic_is_counted_not_dead_lettered() -> None:
+    h, _ = _refusal_harness()
+    h.core.too_large([Refused("Work", Bookmark(JOURNAL, 0, 0), "t", 1, True)])
+    plan = h.step([], 2.0)
+    assert plan.expired == [] and h.core.counters["barrier_refused"] == 1
 
 
 def _batch_events(h: Harness, plan: Plan) -> tuple[list[Event], list[Event]]:

@@ -26,8 +26,10 @@ from layer.coordinator.core import Plan, QueueState, ShardCore
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.output import Output
 from layer.coordinator.ports import FakeTopicAdmin
+from layer.coordinator.refused import Refused
 from layer.domain.definitions import QueueDefinition
 from layer.domain.native import native_available
+from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord
 from layer.protocol import (
     AcceptGroup,
@@ -224,6 +226,18 @@ class Twins(RuleBasedStateMachine):
                 queue="Work", bookmark=f"{topic}/{partition}/{offset}", lease=token,
                 type=kind, delay_ms=1000 if kind is AckType.RELEASE else None,
                 reason="bad" if kind is AckType.REJECT else None),))), consumer.encode())])
+
+    @precondition(lambda self: bool(self.leases))
+    @rule(data=st.data())
+    def refused_as_too_large(self, data: st.DataObject) -> None:
+        """A delivery topic refused a delivery (learned from a delivery report): the next
+        step dead-letters it, leased (at-least-once) or already done (at-most-once)."""
+        _, topic, partition, offset, token = data.draw(st.sampled_from(self.leases))
+        assert self.cores is not None
+        for core in self.cores:
+            core.too_large([Refused("Work", Bookmark(topic, partition, offset), token, 1,
+                                    False)])
+        self.step([])
 
     @rule(consumer=st.sampled_from(CONSUMERS))
     def unsubscribe(self, consumer: str) -> None:

@@ -53,3 +53,16 @@ def test_counts_rates_latencies_and_consumer_shares_per_window(spark: SparkSessi
     assert second["time_in_queue_ms_p50"] == MINUTE + 3
     assert second["processing_ms_p50"] is None  # nothing acked in this window
     assert second["consumers"] == []
+
+
+def test_an_at_most_once_delivery_refused_as_too_large_counts_as_dead_lettered(
+        spark: SparkSession) -> None:
+    events = [ev("ENQUEUED", 0, 0), ev("DELIVERED_AT_MOST_ONCE", 7, 0, consumer_id="a",
+                                       reason="delivery"),
+              ev("DEAD_LETTERED", 20, 0, delivery_count=1, reason="too_large"),
+              ev("ENQUEUED", 0, 1), ev("DELIVERED_AT_MOST_ONCE", 8, 1, consumer_id="a",
+                                       reason="delivery")]
+    [window] = [r.asDict(recursive=True) for r in
+                metrics(frame(spark, events), "1 minute").collect()]
+    assert (window["outcomes"], window["dead_lettered"], window["expired"]) == (2, 1, 0)
+    assert window["dead_letter_rate"] == 0.5

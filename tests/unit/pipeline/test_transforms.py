@@ -77,6 +77,27 @@ def test_at_most_once_and_barrier_outcomes(spark: SparkSession) -> None:
     assert (rows[1]["outcome"], rows[1]["delivery_count"]) == (Outcome.BARRIER, 0)
 
 
+def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered(
+        spark: SparkSession) -> None:
+    """The broker refused the delivery an iteration after the entry left the queue: one
+    DEAD_LETTERED follows its DELIVERED_AT_MOST_ONCE, and no second outcome. The audit says
+    dead-lettered (why: too_large), with nothing to report against it."""
+    events = [ev("ENQUEUED", 0, 0), ev("DELIVERED_AT_MOST_ONCE", 7, 0, consumer_id="a",
+                                       reason="delivery"),
+              ev("DEAD_LETTERED", 20, 0, delivery_count=1, reason="too_large"),
+              ev("ENQUEUED", 0, 1), ev("DELIVERED_AT_MOST_ONCE", 8, 1, consumer_id="a",
+                                       reason="delivery")]
+    rows = by_bookmark(lifecycle(frame(spark, events)))
+    assert [(rows[o]["outcome"], rows[o]["outcome_reason"], rows[o]["outcome_count"])
+            for o in (0, 1)] == [(Outcome.DEAD_LETTERED, "too_large", 1),
+                                 (Outcome.AT_MOST_ONCE, "delivery", 1)]
+    reconciled = by_bookmark(reconcile(frame(spark, events), journal(spark, range(2)), "Q"))
+    assert [(r["status"], r["violations"]) for r in reconciled.values()] == [
+        ("done", []), ("done", [])]
+    totals = counters(frame(spark, events)).collect()[0].asDict()
+    assert (totals["dead_lettered"], totals["expired"]) == (1, 0)
+
+
 def test_a_repeated_enqueued_after_a_restart_counts_once(spark: SparkSession) -> None:
     events = [*healthy(), ev("ENQUEUED", 3000, 3, coordinator_epoch=2)]
     rows = by_bookmark(lifecycle(frame(spark, events)))
