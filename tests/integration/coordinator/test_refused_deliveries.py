@@ -149,8 +149,9 @@ def test_records_refused_as_too_large_are_sent_again_alone_and_the_big_one_dead_
         assert _epochs(settings) == before, "no shard was rebuilt"
 
 
+@_TRANSACTIONS
 def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_from_its_queue_only(
-    core: str, settings: Settings, unique_name: Callable[[str], str]
+    core: str, transactional: bool, settings: Settings, unique_name: Callable[[str], str]
 ) -> None:
     """At-most-once: the entry left Fast when the coordinator sent it, before the broker
     refused it. The message is dead-lettered anyway (reason too_large), with one DEAD_LETTERED
@@ -166,7 +167,7 @@ def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_from_its
                 "max_per_subscription_backlog": 100})
     consumer_id = unique_name("fast").replace(".", "-")
     _delivery_topic(settings, consumer_id)
-    with running_coordinator(settings, core=core):
+    with running_coordinator(settings, core=core, transactional=transactional):
         before = _epochs(settings)
         with Consumers(settings) as pool:
             fast = pool.subscribe("Fast", max_backlog=100, consumer_id=consumer_id)
