@@ -7,6 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=benchmarks/results/coordinator-profile.txt
+# The commit profiled: report.py quotes the source lines of that version (py-spy's line
+# numbers point into it). "dirty" when the tree had uncommitted changes.
+{ git rev-parse HEAD; git diff --quiet HEAD -- layer || echo dirty; } \
+    > benchmarks/results/coordinator-profile.commit
 $PY benchmarks/bench.py --systems qlayer-alo --sizes 1024 --consumer-counts 4 --messages 20000 \
     --repetitions 30 --no-latency --output benchmarks/results/coordinator-profile.json "$@" &
 BENCH=$!

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -92,24 +93,48 @@ def plot_latency(latency: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
-def _source(frame: str) -> str:
+def _profiled_lines(path: str, commit: str | None) -> list[str]:
+    """A source file as it was at the profiled commit (as it is now without one): the line
+    numbers py-spy recorded point into that version, not into today's."""
+    if commit is not None:
+        shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT,
+                               capture_output=True, text=True, check=False)
+        if shown.returncode == 0:
+            return shown.stdout.splitlines()
+    try:
+        return (ROOT / path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _source(frame: str, commit: str | None = None) -> str:
     """The line of qlayer's own code a frame points at, so the table reads without the source."""
     match = re.search(r"\((layer/[^:]+):(\d+)\)$", frame)
     if match is None:
         return ""
+    lines = _SOURCES.get((match[1], commit))
+    if lines is None:
+        lines = _SOURCES[(match[1], commit)] = _profiled_lines(match[1], commit)
     try:
-        text = (ROOT / match[1]).read_text().splitlines()[int(match[2]) - 1].strip()
-    except (OSError, IndexError):
+        text = lines[int(match[2]) - 1].strip()
+    except IndexError:
         return ""
     return f": `{text[:90]}`".replace("|", "\\|")
+
+
+_SOURCES: dict[tuple[str, str | None], list[str]] = {}
 
 
 def profile_summary(raw: Path, top: int = 12) -> list[str]:
     """The coordinator's busiest functions by inclusive time, from py-spy's raw (collapsed) output.
 
     Each line of the raw file is one distinct stack and how many samples it had; a function's
-    inclusive share is the samples of the stacks it appears in, over all samples.
+    inclusive share is the samples of the stacks it appears in, over all samples. The lines
+    quoted are those of the commit profiled (``<raw>.commit``, written by
+    profile_coordinator.sh), not today's.
     """
+    marker = raw.with_suffix(".commit")
+    commit = marker.read_text().split()[0] if marker.exists() else None
     inclusive: dict[str, int] = {}
     own: dict[str, int] = {}
     total = 0
@@ -129,7 +154,7 @@ def profile_summary(raw: Path, top: int = 12) -> list[str]:
     def table(title: str, rows: list[tuple[int, str]], counts: dict[str, int]) -> list[str]:
         out = ["", title, "", "| share | function (file:line) |", "|---:|---|"]
         for n, frame in sorted(rows, reverse=True)[:top]:
-            out.append(f"| {100 * n / total:.1f} % | `{frame}`{_source(frame)} |")
+            out.append(f"| {100 * n / total:.1f} % | `{frame}`{_source(frame, commit)} |")
         return out
 
     # Steps of one iteration: samples under each line of run_once that the loop was in.
@@ -137,8 +162,9 @@ def profile_summary(raw: Path, top: int = 12) -> list[str]:
     for frame, n in inclusive.items():
         if frame.startswith("ShardLoop.run_once (layer/coordinator/shard.py:"):
             steps[frame] = n
+    at = f", at commit {commit[:7]}" if commit else ""
     lines = [f"{total:,} samples at 100 Hz over 12 s in the coordinator process (threads that "
-             "were not idle)."]
+             f"were not idle){at}."]
     lines += table("By step of `ShardLoop.run_once` (inclusive):",
                    [(n, f) for f, n in steps.items()], inclusive)
     ours = [(n, f) for f, n in inclusive.items()
