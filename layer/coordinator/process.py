@@ -126,6 +126,9 @@ class _Slot:
     #: Until when the shard counts as busy (it had input lately): an idle round waits on
     #: the input of busy shards, so their next records are served the moment they come.
     busy_until: float = 0.0
+    #: When its last iteration ran, and whether it had input (`CoordinatorProcess._due`).
+    ran_at: float = float("-inf")
+    had_input: bool = True
     #: The failures since the shard last ran an iteration (None: it runs).
     trouble: _Trouble | None = None
     #: Why the shard is (to be) taken, for the log line that says so.
@@ -289,11 +292,13 @@ class CoordinatorProcess:
         total = LoopStats()
         for shard in sorted(self._slots):
             slot = self._slots.get(shard)
-            if slot is None:
+            if slot is None or not self._due(slot, now):
                 continue
             stats = self._run_shard(slot, now)
-            if stats is not None and (stats.journal_records or stats.control_records
-                                      or stats.ack_items):
+            slot.ran_at = now
+            slot.had_input = stats is not None and bool(
+                stats.journal_records or stats.control_records or stats.ack_items)
+            if slot.had_input:
                 slot.busy_until = now + BUSY_FOR
             if stats is not None:
                 total.journal_records += stats.journal_records
@@ -312,6 +317,20 @@ class CoordinatorProcess:
             if timeout > 0:
                 self._idle(now, timeout)
         return total
+
+    def _due(self, slot: _Slot, now: float) -> bool:
+        """Whether the shard runs in this round: always after an iteration that had input,
+        and when it is not running yet (taking it); else when its inputs have a record (a
+        look without waiting, kept for the iteration) or ``idle_shard_interval`` has passed,
+        so its timers are at most that late, as in an idle process's rounds."""
+        interval = self.options.idle_shard_interval
+        if slot.had_input or not interval or slot.loop.epoch is None \
+                or now - slot.ran_at >= interval:
+            return True
+        try:
+            return slot.loop.wait(0.0)
+        except QlayerError:
+            return True  # its iteration meets the failure and deals with it
 
     def _idle(self, now: float, timeout: float) -> None:
         """Nothing came in this round: wait up to ``timeout`` for the next input. A process

@@ -18,7 +18,7 @@ from layer.settings import Settings
 from layer.store import migrate
 from layer.store.store import Store
 from tests.conftest import DatabaseFactory
-from tests.support.coordinator import RawConsumer, put_queues, running_coordinator
+from tests.support.coordinator import RawConsumer, produce, put_queues, running_coordinator
 from tests.support.processes import (
     ConsumerWorker,
     CoordinatorSubprocess,
@@ -305,3 +305,37 @@ def test_a_clean_stop_leaves_no_owner_and_no_process_behind(settings: Settings) 
     with Store(settings.database_url) as store:
         assert store.owners() == []
         assert store.processes() == []
+
+
+def test_shards_without_input_run_only_at_the_idle_interval_and_at_once_on_input(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """A process runs every shard it owns; with no input each runs once per idle_shard_interval (its
+    timers), not in every round (every 20 ms when idle, back to back when another shard is
+    busy). A record on an idle shard's input runs it in the next round."""
+    topic = journal("idle")
+    put_queues(settings, {"name": "Idle", "underlying_topic": topic})
+    with running_coordinator(settings, idle_shard_interval=0.25) as coordinator:
+        with Store(settings.database_url) as store:
+            shards = store.shard_count()
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Idle",
+                               max_backlog=5)
+        try:
+            assert consumer.subscribe().status is SubscribeStatus.OK
+            consumer.idle(1.0)
+            before = {s: loop.counters["iterations"] for s, loop in coordinator.loops.items()}
+            started = time.monotonic()
+            consumer.idle(2.0)
+            ran = {s: loop.counters["iterations"] - before[s]
+                   for s, loop in coordinator.loops.items()}
+            elapsed = time.monotonic() - started
+            # Every shard ran for its timers; none beyond its interval, but the queue's, which
+            # has input (the consumer's heartbeats) and runs again right after it had some.
+            assert len(ran) == shards and all(n >= 1 for n in ran.values()), ran
+            idle = sorted(ran.values())[:-1]
+            assert max(idle) <= elapsed / 0.25 + 2, ran
+            produce(settings.bootstrap_servers, topic, [b'{"n": 1}'])
+            [delivered] = consumer.receive(1, timeout=10)
+            assert delivered.value == b'{"n": 1}'
+        finally:
+            consumer.close()
