@@ -479,7 +479,8 @@ class ShardCore:
         found, self._too_large = self._too_large, []
         detail = "a delivery topic refused the record as too large"
         expired: Counter[str] = Counter()
-        for queue, bookmark, lease, delivery_count, barrier in found:
+        consumers = {s.delivery_topic: s.consumer_id for s in self.sessions.values()}
+        for queue, bookmark, lease, delivery_count, barrier, topic in found:
             engine = self.engines.get(queue)
             if engine is None:
                 continue  # the queue was removed since: nothing of it is left to settle
@@ -492,9 +493,10 @@ class ShardCore:
                 # The consumer never got it, so it cannot ack it: its backlog slot is freed
                 # with the delivery's own token (else it stays taken for a lease period).
                 engine.ack([EntryAck(bookmark, lease)], now)
+                # The refusing topic names the consumer (its session may have ended since).
                 self._lost.setdefault(queue, []).append(ev.DeliveryRefused(
-                    queue, bookmark, ExpiryReason.TOO_LARGE, True, delivery_count, 0, None,
-                    detail, now))
+                    queue, bookmark, ExpiryReason.TOO_LARGE, True, delivery_count, 0,
+                    consumers.get(topic) if topic is not None else None, detail, now))
                 expired[queue] += 1
             else:
                 expired[queue] += engine.expire_entries([bookmark], ExpiryReason.TOO_LARGE,

@@ -45,6 +45,9 @@ class Refused(NamedTuple):
     #: A barrier goes to every matching consumer at once and is done when sent: one topic
     #: refusing it is logged, not dead-lettered (the others have it).
     barrier: bool
+    #: The delivery topic that refused it: it names the consumer, the dead letter's
+    #: ``last_consumer`` (None when not known).
+    topic: str | None = None
 
 
 def refused_among(reported: list[OutgoingRecord],
@@ -87,7 +90,7 @@ def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Refus
                     e.value, e.headers)])
                 yield (record._replace(value=value),
                        Refused(e.queue, Bookmark(e.topic, e.partition, e.offset), e.lease,
-                               e.delivery_count, e.barrier))
+                               e.delivery_count, e.barrier, record.topic))
         elif header_value(headers, LEASE) is not None and header_value(
                 headers, DLQ_REASON) is None:
             try:
@@ -97,6 +100,6 @@ def alone(records: list[OutgoingRecord]) -> Iterator[tuple[OutgoingRecord, Refus
                 continue
             b = info.bookmark
             yield record, Refused(info.queue, Bookmark(b.topic, b.partition, b.offset),
-                                  info.lease, info.delivery_count, info.barrier)
+                                  info.lease, info.delivery_count, info.barrier, record.topic)
         else:
             yield record, None

@@ -697,9 +697,11 @@ class QueueEngine:
             if location is not Location.FOUND or table.state_of(seq) >= ACKED:
                 continue
             touched = self._touched.get(seq)
+            holder = None  # a leased entry's holder: its dead letter's last consumer
             if touched is not None and touched.bookmark in self._leased:
+                holder = touched.consumer_id
                 self._drop_lease(touched)
-            self._expire(seq, reason, detail, None, now)
+            self._expire(seq, reason, detail, holder, now)
             count += 1
         return count
 

@@ -742,14 +742,15 @@ impl Engine {
             if self.table.state_of(seq) >= ACKED {
                 continue;
             }
-            let leased = match self.touched.get(&seq) {
-                Some(t) => self.leased.contains_key(&t.bm),
-                None => false,
+            // A leased entry's holder: its dead letter's last consumer.
+            let holder = match self.touched.get(&seq) {
+                Some(t) if self.leased.contains_key(&t.bm) => Some(t.consumer_id.clone()),
+                _ => None,
             };
-            if leased {
+            if holder.is_some() {
                 self.drop_lease(py, seq);
             }
-            self.expire(py, seq, reason, detail.clone(), None, now)?;
+            self.expire(py, seq, reason, detail.clone(), holder, now)?;
             count += 1;
         }
         Ok(count)

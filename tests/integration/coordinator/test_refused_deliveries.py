@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from layer.protocol import EventType, TopicNames
-from layer.protocol.headers import DLQ_REASON, DLQ_VALUE_OMITTED
+from layer.protocol.headers import DLQ_LAST_CONSUMER, DLQ_REASON, DLQ_VALUE_OMITTED
 from layer.sdk import QueueConsumer
 from layer.settings import Settings
 from tests.support.coordinator import (
@@ -68,8 +68,9 @@ def _journal(settings: Settings, name: str) -> list[bytes]:
     return small
 
 
-def _one_letter_without_its_value(settings: Settings, queue: str) -> None:
-    """The queue's dead-letter topic holds one letter, too_large, without the value."""
+def _one_letter_without_its_value(settings: Settings, queue: str, consumer_id: str) -> None:
+    """The queue's dead-letter topic holds one letter, too_large, without the value, naming
+    the consumer whose delivery topic refused it."""
     dlq = TopicReader(settings.bootstrap_servers,
                       TopicNames(settings.topic_prefix).dead_letter(queue))
     try:
@@ -81,11 +82,12 @@ def _one_letter_without_its_value(settings: Settings, queue: str) -> None:
     # As for a journal record over the producer's limit, the letter leaves the value out
     # (docs/protocol.md, ``qlayer.dlq.value-omitted``): it stays in its journal.
     assert dict(letters[0].headers or [])[DLQ_VALUE_OMITTED] == b"%d" % (3 * _LIMIT)
+    assert dict(letters[0].headers or [])[DLQ_LAST_CONSUMER] == consumer_id.encode()
 
 
-def _dead_lettered_alone(settings: Settings, queue: str) -> None:
+def _dead_lettered_alone(settings: Settings, queue: str, consumer_id: str) -> None:
     """The big message, and only it, was dead-lettered as too_large; no shard was rebuilt."""
-    _one_letter_without_its_value(settings, queue)
+    _one_letter_without_its_value(settings, queue, consumer_id)
     events = EventReader(settings)
     try:
         seen = events.read_until(lambda es: any(
@@ -128,7 +130,7 @@ def test_a_batch_refused_as_too_large_is_split_and_only_its_big_message_dead_let
             worker.close()
         assert sorted(got) == sorted(small)
         assert wait_for_counters(settings, "Packed", acked=10)["acked"] == 10
-        _dead_lettered_alone(settings, "Packed")
+        _dead_lettered_alone(settings, "Packed", consumer_id)
         assert _epochs(settings) == before, "no shard was rebuilt"
 
 
@@ -150,7 +152,7 @@ def test_records_refused_as_too_large_are_sent_again_alone_and_the_big_one_dead_
             worker.ack(got)
             assert wait_for_counters(settings, "Plain", acked=10)["acked"] == 10
             assert worker.ack_results() == [], "no ack refused"
-        _dead_lettered_alone(settings, "Plain")
+        _dead_lettered_alone(settings, "Plain", consumer_id)
         assert _epochs(settings) == before, "no shard was rebuilt"
 
 
@@ -186,7 +188,7 @@ def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_from_its
             assert wait_for_counters(settings, "Slow", acked=11)["acked"] == 11
         counted = wait_for_counters(settings, "Fast", dead_lettered=1)
         assert (counted["dead_lettered"], counted.get("expired", 0)) == (1, 0)
-        _one_letter_without_its_value(settings, "Fast")
+        _one_letter_without_its_value(settings, "Fast", consumer_id)
         events = EventReader(settings)
         try:
             seen = events.read_until(lambda es: any(

@@ -365,10 +365,12 @@ def test_an_at_most_once_delivery_refused_as_too_large_is_dead_lettered_not_lost
     not touched: Work's consumer still holds its lease."""
     h, leases = _refusal_harness()
     refused = leases[("Fast", 1)]
-    h.core.too_large([Refused("Fast", refused.bookmark, refused.token, 1, False)])
+    h.core.too_large([Refused("Fast", refused.bookmark, refused.token, 1, False,
+                              refused.delivery_topic)])
     plan = h.step([], 2.0)
-    assert [(e.queue, e.bookmark.offset, type(e)) for e in plan.expired] == [
-        ("Fast", 1, ev.DeliveryRefused)]
+    # The refusing delivery topic names the consumer: the dead letter's last_consumer.
+    assert [(e.queue, e.bookmark.offset, type(e), e.consumer_id) for e in plan.expired] == [
+        ("Fast", 1, ev.DeliveryRefused, "f")]
     # The slot is free: the third record goes to Fast's consumer in the same step.
     assert [(d.queue, d.bookmark.offset) for d in _leases(plan)] == [("Fast", 2)]
     batched, one_by_one = _batch_events(h, plan)

@@ -23,8 +23,10 @@ def test_a_refused_batch_becomes_one_batch_record_per_message_with_its_headers()
     batch = OutgoingRecord("p.delivery.c1", encode_delivery_batch(
         [_entry(3, b"small"), _entry(4, b"x" * 50)]), b"c1", headers)
     split = list(alone([batch]))
-    assert [d for _, d in split] == [Refused("Q", Bookmark("jobs", 0, 3), "tok3", 1, False),
-                                     Refused("Q", Bookmark("jobs", 0, 4), "tok4", 1, False)]
+    # Each names the delivery topic that refused it: the consumer, for the dead letter.
+    assert [d for _, d in split] == [
+        Refused("Q", Bookmark("jobs", 0, 3), "tok3", 1, False, "p.delivery.c1"),
+        Refused("Q", Bookmark("jobs", 0, 4), "tok4", 1, False, "p.delivery.c1")]
     assert all(r.topic == batch.topic and r.key == b"c1" and r.headers == headers
                for r, _ in split)
     [first] = decode_delivery_batch(split[0][0].value or b"")
@@ -43,7 +45,8 @@ def test_a_record_delivery_keeps_its_record_and_a_reply_or_dead_letter_has_no_bo
         reason="too_large", queue="Q", bookmark=WireBookmark("jobs", 1, 9), delivery_count=1,
         dead_lettered_at_ms=1)))
     assert list(alone([delivery, reply, letter])) == [
-        (delivery, Refused("Q", Bookmark("jobs", 1, 9), "t", 1, False)), (reply, None),
+        (delivery, Refused("Q", Bookmark("jobs", 1, 9), "t", 1, False, "p.delivery.c1")),
+        (reply, None),
         (letter, None)]
 
 
