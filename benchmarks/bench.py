@@ -260,11 +260,14 @@ def coordinator_process(settings: dict[str, str], conn: Any, core: str = "auto")
     # The defaults a user runs with, but the core. (A refresh interval of 0.5 s, used here
     # before, re-read the catalog from PostgreSQL four times as often: 2.7 % of the
     # coordinator's time in a throughput cell, py-spy; the queue exists before it starts.)
-    # QLAYER_BENCH_IDLE_SHARD_INTERVAL: a before/after of that option in one session (0
-    # runs every shard every round, as before it existed).
-    interval = os.environ.get("QLAYER_BENCH_IDLE_SHARD_INTERVAL")
-    options = CoordinatorOptions(core=core) if interval is None else CoordinatorOptions(
-        core=core, idle_shard_interval=float(interval))
+    # QLAYER_BENCH_IDLE_SHARD_INTERVAL and QLAYER_BENCH_OFFSET_COMMIT_INTERVAL: a
+    # before/after of those options in one session (0 is the behaviour before each existed:
+    # every shard every round; the inputs' Kafka offsets committed after every iteration).
+    overrides = {name: float(value) for name, variable in (
+        ("idle_shard_interval", "QLAYER_BENCH_IDLE_SHARD_INTERVAL"),
+        ("offset_commit_interval", "QLAYER_BENCH_OFFSET_COMMIT_INTERVAL"))
+        if (value := os.environ.get(variable)) is not None}
+    options = CoordinatorOptions(core=core, **overrides)  # type: ignore[arg-type]
     coordinator = Coordinator(Settings(**settings), options)
     thread = threading.Thread(target=coordinator.run, kwargs={"install_signals": False},
                               daemon=True)

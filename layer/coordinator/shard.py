@@ -150,6 +150,10 @@ class ShardLoop:
         # The newest outbox batch sent but not yet known to be written, and when it was sent.
         self._sent: int | None = None
         self._sent_at = 0.0
+        # Ack and control positions applied but not yet committed to the coordinator's Kafka
+        # group, and when they may be next (`offset_commit_interval`).
+        self._uncommitted: dict[tuple[str, int], int] = {}
+        self._commit_offsets_at = 0.0
         self._reader: JournalReader | None = None
         self._writer: RecordWriter | None = None
         # The writer's transactional id (``--transactions``), None without.
@@ -203,6 +207,7 @@ class ShardLoop:
         again) is restored from what is stored, never from what this process remembers."""
         self.core.reset()
         self._last_iteration = None
+        self._uncommitted, self._commit_offsets_at = {}, 0.0  # a former epoch's positions
         self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
         self.core.epoch = self.epoch
         self._fault_base = self.store.shard_counters(self.key)
@@ -234,6 +239,11 @@ class ShardLoop:
                 self._published, self._sent = self._sent, None
             except QlayerError as exc:
                 log.warning("event batches sent last may not be written: %s", exc)
+        if self._reader is not None and self._uncommitted:
+            try:
+                self._commit_offsets(self._reader, now)
+            except QlayerError as exc:
+                log.warning("could not commit the inputs' Kafka offsets: %s", exc)
         if self.epoch is not None and self._writer is not None and self.core.engines:
             # A clean stop says so on the events topic; a crash cannot. These change nothing
             # stored, so they go as plain Event records, not through the outbox.
@@ -476,9 +486,14 @@ class ShardLoop:
                 self._deferred_reader = DeferredReader(
                     self.settings.kafka_config(), f"{self.topics.prefix}coordinator-reread")
             self.counters["deferred_records_read"] += self._deferred_reader.serve(self.core, now)
-        # Inputs are consumed; a crash before this re-reads them (acks are idempotent).
+        # Inputs are consumed. The positions that count are in PostgreSQL, committed with
+        # their effects; the group's offsets in Kafka are only for a database from before
+        # 0003 and for lag tools, so they go at most once per offset_commit_interval: each
+        # commit costs the broker ~0.5 ms of CPU (benchmarks/offset_commits.py).
         if plan.input_offsets:
-            reader.commit(plan.input_offsets)
+            self._uncommitted.update(plan.input_offsets)
+        if self._uncommitted and now >= self._commit_offsets_at:
+            self._commit_offsets(reader, now)
         self.counters["iterations"] += 1
         self.counters["journal_records"] += stats.journal_records
         self.counters["deliveries"] += stats.deliveries
@@ -499,6 +514,14 @@ class ShardLoop:
         if self._sweep is not None:
             self._sweep.run_once(now)
         return stats
+
+    def _commit_offsets(self, reader: JournalReader, now: float) -> None:
+        """Commit the applied ack and control positions to the Kafka group (asynchronously;
+        a lost commit costs nothing: the positions in PostgreSQL are the ones read on from)."""
+        offsets, self._uncommitted = self._uncommitted, {}
+        self._commit_offsets_at = now + self.options.offset_commit_interval
+        reader.commit(offsets)
+        self.counters["offset_commits"] += 1
 
     def _forgive(self, now: float, gap: float) -> None:
         """The loop did not run for ``gap`` seconds (Kafka or PostgreSQL did not answer, a

@@ -18,7 +18,13 @@ from layer.settings import Settings
 from layer.store import migrate
 from layer.store.store import Store
 from tests.conftest import DatabaseFactory
-from tests.support.coordinator import RawConsumer, produce, put_queues, running_coordinator
+from tests.support.coordinator import (
+    RawConsumer,
+    produce,
+    put_queues,
+    running_coordinator,
+    wait_for_counters,
+)
 from tests.support.processes import (
     ConsumerWorker,
     CoordinatorSubprocess,
@@ -339,3 +345,60 @@ def test_shards_without_input_run_only_at_the_idle_interval_and_at_once_on_input
             assert delivered.value == b'{"n": 1}'
         finally:
             consumer.close()
+
+
+def _ack_topic_positions(settings: Settings) -> tuple[dict[int, int], dict[int, int]]:
+    """The ack topic's end offsets, and the coordinator group's committed offsets of it, by
+    partition (partitions nobody wrote to are left out)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from layer.protocol import TopicNames
+
+    topic = TopicNames(settings.topic_prefix).ack
+    reader = Consumer({"bootstrap.servers": settings.bootstrap_servers,
+                       "group.id": f"{settings.topic_prefix}coordinator",
+                       "enable.auto.commit": False})
+    try:
+        partitions = reader.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {p: reader.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in partitions}
+        ends = {p: end for p, end in ends.items() if end > 0}
+        found = reader.committed([TopicPartition(topic, p) for p in ends], timeout=10)
+        return ends, {tp.partition: tp.offset for tp in found}
+    finally:
+        reader.close()
+
+
+def test_the_inputs_kafka_offsets_are_committed_at_most_once_per_interval_and_at_a_clean_stop(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """The positions restart reads on from are in PostgreSQL; the coordinator group's offsets
+    in Kafka are a fallback and for lag tools, and each commit costs the broker ~0.5 ms of
+    CPU. A busy shard (here: every ack and heartbeat an input) commits them at most once per
+    offset_commit_interval, not after each iteration, and a clean stop commits the last."""
+    topic = journal("offsets")
+    put_queues(settings, {"name": "Committed", "underlying_topic": topic})
+    with running_coordinator(settings, offset_commit_interval=1.0) as coordinator:
+        consumer = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Committed",
+                               max_backlog=1)
+        try:
+            assert consumer.subscribe().status is SubscribeStatus.OK
+            produce(settings.bootstrap_servers, topic, [b'{"n": %d}' % i for i in range(30)])
+            before = {s: (loop.counters["iterations"], loop.counters["offset_commits"])
+                      for s, loop in coordinator.loops.items()}
+            started = time.monotonic()
+            for _ in range(30):  # backlog 1: an ack, then the next delivery, 30 times
+                consumer.ack(consumer.receive(1))
+            assert wait_for_counters(settings, "Committed", acked=30)["acked"] == 30
+            elapsed = time.monotonic() - started
+            ran = {s: (loop.counters["iterations"] - before[s][0],
+                       loop.counters["offset_commits"] - before[s][1])
+                   for s, loop in coordinator.loops.items()}
+        finally:
+            consumer.close()
+        [(iterations, commits)] = [v for v in ran.values() if v[1]]
+        assert iterations >= 30, ran
+        assert commits <= elapsed / 1.0 + 2, (commits, elapsed, ran)
+    # The clean stop committed what the shard had applied: every ack record is behind it.
+    ends, committed = _ack_topic_positions(settings)
+    assert ends and committed == ends
