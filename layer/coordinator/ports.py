@@ -41,11 +41,11 @@ class TopicAdmin(Protocol):
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]: ...
 
-    def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
-                          timeout: float = 10.0) -> dict[tuple[str, int], int]: ...
+    def log_start_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                          known_only: bool = False) -> dict[tuple[str, int], int]: ...
 
-    def end_offsets(self, pairs: Iterable[tuple[str, int]],
-                    timeout: float = 10.0) -> dict[tuple[str, int], int]: ...
+    def end_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                    known_only: bool = False) -> dict[tuple[str, int], int]: ...
 
     def offsets_for_time(self, pairs: Iterable[tuple[str, int]], timestamp_ms: int,
                          timeout: float = 10.0) -> dict[tuple[str, int], int]: ...
@@ -124,6 +124,8 @@ class FakeTopicAdmin:
     group_offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
     #: How many times the topics were listed (each a metadata request on a real broker).
     listings: int = 0
+    #: Topics still listed whose partitions answer UNKNOWN_TOPIC_OR_PART (being deleted).
+    vanishing: set[str] = field(default_factory=set)
 
     def topics(self, timeout: float = 10.0) -> dict[str, int]:
         self.listings += 1
@@ -147,14 +149,26 @@ class FakeTopicAdmin:
                 made.append(spec.name)
         return made
 
-    def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
-                          timeout: float = 10.0) -> dict[tuple[str, int], int]:
-        return {tp: 0 for tp in pairs}
+    def log_start_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                          known_only: bool = False) -> dict[tuple[str, int], int]:
+        return {tp: 0 for tp in self._asked(pairs, known_only)}
 
-    def end_offsets(self, pairs: Iterable[tuple[str, int]],
-                    timeout: float = 10.0) -> dict[tuple[str, int], int]:
+    def end_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                    known_only: bool = False) -> dict[tuple[str, int], int]:
         journal = self.journal
-        return {tp: len(journal.records.get(tp, [])) if journal else 0 for tp in pairs}
+        return {tp: len(journal.records.get(tp, [])) if journal else 0
+                for tp in self._asked(pairs, known_only)}
+
+    def _asked(self, pairs: Iterable[tuple[str, int]], known_only: bool) -> list[tuple[str, int]]:
+        """The partitions answered; one of a vanishing topic fails the question (as a real
+        broker's UNKNOWN_TOPIC_OR_PART does) unless ``known_only`` leaves it out."""
+        pairs = list(pairs)
+        unknown = [tp for tp in pairs if tp[0] in self.vanishing]
+        if unknown and not known_only:
+            raise KafkaAdapterError(f"cannot list offsets of {unknown}: unknown topic or "
+                                    "partition", code="UNKNOWN_TOPIC_OR_PART", retriable=True)
+        return [tp for tp in pairs if tp[0] not in self.vanishing]
+
 
     def offsets_for_time(self, pairs: Iterable[tuple[str, int]], timestamp_ms: int,
                          timeout: float = 10.0) -> dict[tuple[str, int], int]:

@@ -180,7 +180,7 @@ class KafkaAdmin:
                     raise self._error(f"cannot delete topic {name}", exc) from exc
 
     def _offsets(self, pairs: Iterable[tuple[str, int]], spec: OffsetSpec,
-                 timeout: float) -> dict[tuple[str, int], int]:
+                 timeout: float, known_only: bool = False) -> dict[tuple[str, int], int]:
         request = {KTP(t, p): spec for t, p in pairs}
         if not request:
             return {}
@@ -198,6 +198,8 @@ class KafkaAdmin:
                     try:
                         out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
                     except DRIVER_ERRORS as exc:
+                        if known_only and _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                            continue
                         if _code(exc) not in _LEADER_MOVING or time.monotonic() > deadline:
                             raise
                         again[tp] = request[tp]
@@ -206,14 +208,21 @@ class KafkaAdmin:
                 time.sleep(0.2)
         return out
 
-    def log_start_offsets(self, pairs: Iterable[tuple[str, int]],
-                          timeout: float = 10.0) -> dict[tuple[str, int], int]:
-        """The first offset still on the broker (retention may have deleted earlier ones)."""
-        return self._offsets(pairs, OffsetSpec.earliest(), timeout)  # type: ignore[no-untyped-call]
+    def log_start_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                          known_only: bool = False) -> dict[tuple[str, int], int]:
+        """The first offset still on the broker (retention may have deleted earlier ones).
 
-    def end_offsets(self, pairs: Iterable[tuple[str, int]],
-                    timeout: float = 10.0) -> dict[tuple[str, int], int]:
-        return self._offsets(pairs, OffsetSpec.latest(), timeout)  # type: ignore[no-untyped-call]
+        With ``known_only``, a partition the broker answers UNKNOWN_TOPIC_OR_PART for (a topic
+        being deleted, still in a listing made a moment before) is left out of the answer
+        rather than failing the whole question."""
+        return self._offsets(pairs, OffsetSpec.earliest(),  # type: ignore[no-untyped-call]
+                             timeout, known_only)
+
+    def end_offsets(self, pairs: Iterable[tuple[str, int]], timeout: float = 10.0, *,
+                    known_only: bool = False) -> dict[tuple[str, int], int]:
+        """Each partition's log end; ``known_only`` as in `log_start_offsets`."""
+        return self._offsets(pairs, OffsetSpec.latest(),  # type: ignore[no-untyped-call]
+                             timeout, known_only)
 
     def offsets_for_time(self, pairs: Iterable[tuple[str, int]], timestamp_ms: int,
                          timeout: float = 10.0) -> dict[tuple[str, int], int]:
