@@ -16,7 +16,9 @@ stay in memory, and memory freed by acknowledged entries takes new records in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,44 +138,146 @@ class PayloadCache:
         return len(self._records)
 
 
-class RangeReader:
-    """Re-reads journal records in sequential ranges, for entries whose bytes were dropped."""
+#: How far a partition's stream is read on, past records no entry wants, rather than moved:
+#: records already fetched cost a few µs each to pass over, a move costs a new fetch (a round
+#: trip to the broker, and the prefetched records thrown away).
+READ_ON_LIMIT = 2000
+#: Bytes of records read past what a call wanted, kept for the next calls: the entries that
+#: come up for delivery next are mostly the next offsets of the same partitions.
+LOOKAHEAD_BYTES = 8 * 1024 * 1024
+#: A partition no call asked for this long is let go, with what was prefetched of it.
+IDLE_PARTITION_SECONDS = 30.0
+#: What librdkafka prefetches per re-read partition (KiB, records): enough for the next calls,
+#: small beside the payload budget.
+PREFETCH_KBYTES = 2048
+PREFETCH_RECORDS = 2000
 
-    def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
-        self._reader = JournalReader(config, group_id=group_id)
+
+class RangeReader:
+    """Re-reads journal records for entries whose bytes were dropped past the budget.
+
+    The reads stream: a partition stays assigned where the last call stopped, so the next call
+    (deliveries go on in offset order) reads on from records librdkafka has already fetched,
+    and records a call read past its range wait in a bounded look-ahead for the next one. A
+    partition moves (a new fetch) only when a call wants an offset behind its stream, or far
+    ahead of it. Re-assigning every partition on every call cost a fetch round trip per
+    partition per shard iteration: a 200,000-message backlog of 1 KiB records drained at a
+    sixth of the in-memory rate, the shard loop waiting on those fetches 64 % of its time
+    (py-spy; docs/coordinator.md, "Records past the payload budget")."""
+
+    def __init__(self, config: Mapping[str, Any], group_id: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._reader = JournalReader(config, group_id=group_id,
+                                     prefetch_kbytes=PREFETCH_KBYTES,
+                                     prefetch_records=PREFETCH_RECORDS)
+        self._clock = clock
+        # Per assigned partition, the offset the next record of its stream will have.
+        self._positions: dict[tuple[str, int], int] = {}
+        # When a call last wanted each assigned partition.
+        self._asked: dict[tuple[str, int], float] = {}
+        # Records read past what was wanted, by (topic, partition, offset), oldest first: the
+        # oldest go when their bytes pass LOOKAHEAD_BYTES.
+        self._ahead: OrderedDict[tuple[str, int, int], JournalRecord] = OrderedDict()
+        self._ahead_bytes = 0
         self.records_read = 0
+        self.moves = 0
+        self.from_lookahead = 0
 
     def read(self, bookmarks: Iterable[Bookmark],
              timeout: float = 10.0) -> dict[Bookmark, JournalRecord]:
-        """The records at these bookmarks: one sequential range per partition."""
-        import time
-
+        """The records at these bookmarks (those the journal still has within ``timeout``)."""
+        now = self._clock()
         wanted: dict[tuple[str, int], set[int]] = {}
         for b in bookmarks:
             wanted.setdefault((b.topic, b.partition), set()).add(b.offset)
         found: dict[Bookmark, JournalRecord] = {}
-        for (topic, partition), offsets in wanted.items():
+        # Per partition still to read: the offsets wanted and the last of them.
+        pending: dict[tuple[str, int], tuple[set[int], int]] = {}
+        budget = 0
+        for tp, offsets in wanted.items():
+            self._asked[tp] = now
+            if self._ahead:
+                for offset in list(offsets):
+                    record = self._ahead.pop((tp[0], tp[1], offset), None)
+                    if record is not None:
+                        self._ahead_bytes -= record_size(record)
+                        found[Bookmark(tp[0], tp[1], offset)] = record
+                        offsets.discard(offset)
+                        self.from_lookahead += 1
+            if not offsets:
+                continue
             first, last = min(offsets), max(offsets)
-            self._reader.assign({(topic, partition): first})
-            deadline = time.monotonic() + timeout
-            position = first
-            while position <= last and time.monotonic() < deadline:
-                batch = self._reader.poll(min(10_000, last - position + 1), 0.1)
-                if self._reader.out_of_range:
-                    # The range starts below the log's start: retention deleted records
-                    # whose bytes were dropped. The shard's rebuild expires exactly those
-                    # (reason retention); waiting here would stall their deliveries.
-                    gone, self._reader.out_of_range = self._reader.out_of_range, set()
-                    raise RetentionGap(f"{', '.join(f'{t}[{p}]' for t, p in sorted(gone))}: "
-                                       "records to read again were deleted by retention")
-                for r in batch:
-                    self.records_read += 1
-                    position = r.offset + 1
-                    if r.offset in offsets:
-                        found[Bookmark(topic, partition, r.offset)] = r
-                    if r.offset >= last:
-                        break
+            position = self._positions.get(tp)
+            if position is None or first < position or first - position > READ_ON_LIMIT:
+                self._move(tp, first)
+                position = first
+            pending[tp] = (offsets, last)
+            budget += last - position + 1
+        deadline = now + timeout
+        reader = self._reader
+        while pending and self._clock() < deadline:
+            batch = reader.poll(min(max(budget, 1), 10_000), 0.1)
+            if reader.out_of_range:
+                # The range starts below the log's start: retention deleted records whose
+                # bytes were dropped. The shard's rebuild expires exactly those (reason
+                # retention); waiting here would stall their deliveries.
+                gone, reader.out_of_range = reader.out_of_range, set()
+                for tp in gone:
+                    self._forget(tp)
+                raise RetentionGap(f"{', '.join(f'{t}[{p}]' for t, p in sorted(gone))}: "
+                                   "records to read again were deleted by retention")
+            for r in batch:
+                self.records_read += 1
+                tp = (r.topic, r.partition)
+                self._positions[tp] = r.offset + 1
+                want = pending.get(tp)
+                if want is None or r.offset > want[1]:
+                    self._keep_ahead(tp, r)
+                    continue
+                budget -= 1
+                if r.offset in want[0]:
+                    found[Bookmark(tp[0], tp[1], r.offset)] = r
+                if r.offset >= want[1]:
+                    del pending[tp]
+        self._let_go_idle(now)
         return found
+
+    def _move(self, tp: tuple[str, int], offset: int) -> None:
+        """Read the partition from ``offset`` on (assigned anew: a seek right after an assign
+        fails in librdkafka until the first fetch, an unassign and assign never do)."""
+        reader = self._reader
+        if tp in self._positions:
+            reader.remove([tp])
+            self.moves += 1
+        reader.add({tp: offset})
+        self._positions[tp] = offset
+        self._drop_ahead(tp)
+
+    def _keep_ahead(self, tp: tuple[str, int], record: JournalRecord) -> None:
+        ahead = self._ahead
+        key = (tp[0], tp[1], record.offset)
+        if key in ahead:
+            return
+        ahead[key] = record
+        self._ahead_bytes += record_size(record)
+        while self._ahead_bytes > LOOKAHEAD_BYTES and ahead:
+            self._ahead_bytes -= record_size(ahead.popitem(last=False)[1])
+
+    def _drop_ahead(self, tp: tuple[str, int]) -> None:
+        ahead = self._ahead
+        for key in [k for k in ahead if (k[0], k[1]) == tp]:
+            self._ahead_bytes -= record_size(ahead.pop(key))
+
+    def _forget(self, tp: tuple[str, int]) -> None:
+        self._reader.remove([tp])
+        self._positions.pop(tp, None)
+        self._asked.pop(tp, None)
+        self._drop_ahead(tp)
+
+    def _let_go_idle(self, now: float) -> None:
+        idle = [tp for tp, at in self._asked.items() if now - at > IDLE_PARTITION_SECONDS]
+        for tp in idle:
+            self._forget(tp)
 
     def close(self) -> None:
         self._reader.close()

@@ -32,9 +32,11 @@ END = OFFSET_END
 class JournalReader:
     """Batched reads from explicitly assigned partitions, starting at given offsets."""
 
-    def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
+    def __init__(self, config: Mapping[str, Any], group_id: str, *,
+                 prefetch_kbytes: int = 32768, prefetch_records: int = 20000) -> None:
         with translated("cannot create a Kafka consumer"):
-            self._consumer = self._new_consumer(config, group_id)
+            self._consumer = self._new_consumer(config, group_id, prefetch_kbytes,
+                                                prefetch_records)
         self._assigned: dict[tuple[str, int], int] = {}
         # Per partition, the offset its next record will have (`position`).
         self._next: dict[tuple[str, int], int] = {}
@@ -51,7 +53,8 @@ class JournalReader:
         self._last_error: int | None = None
 
     @staticmethod
-    def _new_consumer(config: Mapping[str, Any], group_id: str) -> Consumer:
+    def _new_consumer(config: Mapping[str, Any], group_id: str, prefetch_kbytes: int,
+                      prefetch_records: int) -> Consumer:
         # group.id is required by librdkafka even without subscribe(); nothing is committed.
         return Consumer({
             **config,
@@ -73,8 +76,13 @@ class JournalReader:
             # the journals, behind what is already fetched: a 256 MiB prefetch put acks and
             # heartbeats 100,000s of journal records back during a replay after a restart.
             # 32 MiB still keeps tens of thousands of records ready for the next poll.
-            "queued.max.messages.kbytes": 32768,
-            "queued.min.messages": 20000,
+            "queued.max.messages.kbytes": prefetch_kbytes,
+            "queued.min.messages": prefetch_records,
+            # A partition whose prefetched records reach those bounds is not fetched again for
+            # this long; librdkafka's 1 s default stalled a reader draining a backlog (the
+            # re-reads past the payload budget waited ~1 s per call; docs/coordinator.md,
+            # "Records past the payload budget"). The wait is a local timer, not a request.
+            "fetch.queue.backoff.ms": 20,
         })
 
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
