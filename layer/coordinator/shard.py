@@ -750,10 +750,18 @@ class ShardLoop:
 
     def _read_back(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Journal records read again, one sequential range per partition."""
-        if self._range_reader is None:
-            self._range_reader = RangeReader(self._kafka_config(),
-                                             group_id=f"{self.topics.prefix}coordinator-reread")
-        return self._range_reader.read(bookmarks)
+        reader = self._range_reader
+        if reader is None:
+            reader = self._range_reader = RangeReader(
+                self._kafka_config(), group_id=f"{self.topics.prefix}coordinator-reread")
+        read, moves = reader.records_read, reader.moves
+        try:
+            return reader.read(bookmarks)
+        finally:
+            # How well the re-reads stream: records read (those wanted, and those passed over
+            # or read ahead) and partitions moved (each a new fetch).
+            self.counters["reread_records_read"] += reader.records_read - read
+            self.counters["reread_moves"] += reader.moves - moves
 
     def _reread(self, bookmarks: list[Bookmark]) -> dict[Bookmark, JournalRecord]:
         """Read back the records these entries need whose bytes are not in memory."""
