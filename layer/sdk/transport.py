@@ -155,8 +155,9 @@ class DeliveryReader:
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
             "allow.auto.create.topics": False,
-            # The broker answers a fetch as soon as a record is there; this only bounds how
-            # long an idle fetch is held, i.e. how quickly a new delivery is seen.
+            # The broker answers a fetch as soon as a record is there, so this does not delay
+            # a delivery: it only bounds how long a fetch with nothing to read is held (how
+            # often an idle consumer asks again: ten times a second here).
             "fetch.wait.max.ms": 100,
         }))
         self.errors = 0
