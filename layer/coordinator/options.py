@@ -69,6 +69,11 @@ class CoordinatorOptions:
     #: Allocations between cyclic garbage collections, set for the process by `run()`
     #: (Python's default is 700); 0 leaves the process's setting alone.
     gc_threshold: int = 100_000
+    #: Once started, collect and freeze (`gc.freeze()`) what the start-up left, so later full
+    #: collections do not walk it (a 64 ms pause of the loop, 5 ms after the freeze). Off for
+    #: a coordinator sharing its process with other work that comes and goes (tests): what
+    #: is frozen is never collected.
+    gc_freeze: bool = True
     #: Which shard core decides: ``native`` (the Rust port, `native/`), ``python`` (the
     #: reference) or ``auto`` (native when the extension is installed).
     core: str = "auto"

@@ -55,7 +55,10 @@ def running_coordinator(settings: Settings, *, loop_class: type[ShardLoop] = Sha
     """A coordinator process running its real loop in a background thread until the block
     ends; by default the block starts once it runs every shard (it is alone)."""
     defaults: dict[str, object] = {"transactional": False, "refresh_interval": 0.5,
-                                    "topic_check_interval": 0.5, "group_session_timeout": 6.0}
+                                    "topic_check_interval": 0.5, "group_session_timeout": 6.0,
+                                    # The test process outlives its coordinators: nothing of
+                                    # theirs may be frozen out of the collector's reach.
+                                    "gc_freeze": False}
     defaults.update(options)
     coordinator = CoordinatorProcess(
         settings, CoordinatorOptions(**defaults),  # type: ignore[arg-type]
