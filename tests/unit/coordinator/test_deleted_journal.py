@@ -150,12 +150,9 @@ class _Stored:
         return {KEY: 10}
 
 
-@pytest.mark.parametrize("kind", CORES)
-def test_a_journal_deleted_while_the_replay_is_under_way_expires_what_it_did_not_reach(
-        kind: str) -> None:
-    # The shard taken, its replay has read offsets 0..3 of 10 admitted when the journal is
-    # deleted: the entries 4, 6..9 (queued, never leased: no row) are known only to the
-    # stored admitted offset. They expire too, once each.
+def _loaded_with_old_records(kind: str) -> tuple[ShardCore, QueueLoader, FakeTopicAdmin,
+                                                  FakeJournal]:
+    """The queue loaded from what the previous owner stored, its journal holding 10 records."""
     journal = FakeJournal()
     for i in range(10):
         journal.append(JOURNAL, 0, json.dumps({"old": i}).encode())
@@ -163,6 +160,16 @@ def test_a_journal_deleted_while_the_replay_is_under_way_expires_what_it_did_not
     core = _core(kind, admin)
     loader = QueueLoader(core, _Stored(), admin, journal)  # type: ignore[arg-type]
     assert loader.add(core.catalog().queues["Work"], [], 1.0)
+    return core, loader, admin, journal
+
+
+@pytest.mark.parametrize("kind", CORES)
+def test_a_journal_deleted_while_the_replay_is_under_way_expires_what_it_did_not_reach(
+        kind: str) -> None:
+    # The shard taken, its replay has read offsets 0..3 of 10 admitted when the journal is
+    # deleted: the entries 4, 6..9 (queued, never leased: no row) are known only to the
+    # stored admitted offset. They expire too, once each.
+    core, loader, admin, journal = _loaded_with_old_records(kind)
     replayed = core.step(journal.poll(4, 0.0), 2.0)
     assert [t for t, _, _ in _events(core, replayed) if t is EventType.EXPIRED] == []
     admin.delete_topics([JOURNAL])
@@ -182,13 +189,7 @@ def test_a_journal_still_listed_while_being_deleted_is_judged_at_the_next_look(
     # while its leader answered UNKNOWN_TOPIC_OR_PART to the log-end question; the check
     # failed the shard's iteration and the whole shard was rebuilt. Now the partition waits
     # for the next look, and nothing expires on an answer that says nothing.
-    journal = FakeJournal()
-    for i in range(10):
-        journal.append(JOURNAL, 0, json.dumps({"old": i}).encode())
-    admin = FakeTopicAdmin({JOURNAL: 1}, journal=journal)
-    core = _core(kind, admin)
-    loader = QueueLoader(core, _Stored(), admin, journal)  # type: ignore[arg-type]
-    assert loader.add(core.catalog().queues["Work"], [], 1.0)
+    core, loader, admin, journal = _loaded_with_old_records(kind)
     core.step(journal.poll(10, 0.0), 2.0)
     admin.vanishing.add(JOURNAL)
     check = PartitionCheck(core, loader, 5.0)
