@@ -211,6 +211,13 @@ def qlayer_worker(bootstrap: str, prefix: str, queue: str, done: Any, ready: Any
     consumer = QueueConsumer(queue, bootstrap, topic_prefix=prefix, max_backlog=max_backlog,
                              ack_batch_size=500, ack_interval=0.005,
                              on_ack_error=errors.append)
+    if os.environ.get("QLAYER_BENCH_CONSUMER_GC") == "freeze":
+        # What an application may do once it has set up (docs/sdk.md, "Garbage collection"):
+        # the consumer's later full collections do not walk what the start-up left.
+        import gc
+
+        gc.collect()
+        gc.freeze()
     ready.release()
     samples: list[Sample] = []
     counted = 0  # acked, not yet added to `done` (a lock per message cost a microsecond)

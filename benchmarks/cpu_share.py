@@ -1,6 +1,7 @@
 """Where the machine's CPU goes while qlayer runs at full speed (issue 7's "what limits it").
 
     .venv/bin/python benchmarks/cpu_share.py [--bootstrap-servers ...] [--database-url ...]
+        [--size 1024] [--consumers 4] [--output benchmarks/results/cpu-share.json]
 
 Runs one qlayer at-least-once throughput cell (1 KiB, 4 consumers, 40 × 20,000 messages: each
 repetition fits the coordinator's default payload budget, as in `make bench`) with
@@ -67,7 +68,7 @@ def postgres_ticks() -> dict[int, int]:
     return {int(p): ticks(int(p)) for p in out.split()}
 
 
-def snapshot(bench: int, broker: list[int]) -> dict[str, int]:
+def snapshot(bench: int, broker: list[int], consumers: int) -> dict[str, int]:
     kids = [p for p in children(bench) if "resource_tracker" not in cmdline(p)]
     # The harness spawns the coordinator first, then the consumers.
     kids.sort()
@@ -75,7 +76,7 @@ def snapshot(bench: int, broker: list[int]) -> dict[str, int]:
     return {
         "harness (produces the journal)": ticks(bench),
         "coordinator": ticks(kids[0]) if kids else 0,
-        "SDK consumers (4)": sum(ticks(p) for p in kids[1:]),
+        f"SDK consumers ({consumers})": sum(ticks(p) for p in kids[1:]),
         "Kafka broker": sum(ticks(p) for p in broker),
         "_busy": busy,
         "_idle": idle,
@@ -90,18 +91,22 @@ def main() -> None:
     parser.add_argument("--broker-pattern", default="kafka.Kafka",
                         help="pgrep -f pattern of the broker's process")
     parser.add_argument("--window", type=float, default=8.0, help="seconds between readings")
+    parser.add_argument("--size", type=int, default=1024, help="payload bytes")
+    parser.add_argument("--consumers", type=int, default=4, help="SDK consumer processes")
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     argv = [sys.executable, "benchmarks/bench.py", "--bootstrap-servers", args.bootstrap_servers,
-            "--database-url", args.database_url, "--systems", "qlayer-alo", "--sizes", "1024",
-            "--consumer-counts", "4", "--messages", "20000", "--repetitions", "40",
+            "--database-url", args.database_url, "--systems", "qlayer-alo",
+            "--sizes", str(args.size), "--consumer-counts", str(args.consumers),
+            "--messages", "20000", "--repetitions", "40",
             "--no-latency", "--output", "/tmp/qlayer-cpu-share-cell.json"]
     bench = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True)
     broker = pids_of(args.broker_pattern)
     time.sleep(13)  # coordinator, consumers and warm-up: into the first repetition
-    before, pg_before = snapshot(bench.pid, broker), postgres_ticks()
+    before, pg_before = snapshot(bench.pid, broker, args.consumers), postgres_ticks()
     time.sleep(args.window)
-    after, pg_after = snapshot(bench.pid, broker), postgres_ticks()
+    after, pg_after = snapshot(bench.pid, broker, args.consumers), postgres_ticks()
     # Backends that lived through the window (one that ended is not counted; one that
     # started counts from 0).
     before["PostgreSQL"] = sum(pg_before.get(p, 0) for p in pg_after)
@@ -119,7 +124,7 @@ def main() -> None:
         "window_seconds": args.window, "clock_ticks_per_second": hz,
         "percent_of_machine": shares, "cell": cell,
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(shares))
 
 
