@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_ports
+
 pytestmark = pytest.mark.acceptance
 
 REPO = Path(__file__).resolve().parents[2]
-KAFKA_PORT = 49192
+# The child's broker and its controller take two ports from here on, below Linux's ephemeral
+# range: a fixed 49192 inside it was once held by some client connection's local end, and the
+# child's broker failed to start ("Address already in use").
+KAFKA_PORTS_FROM = 29_492
 
 CHILD_TESTS = '''
 import os
@@ -65,13 +70,13 @@ def state() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def child_session(step: str, state: Path, tests: Path,
-                  database_url: str) -> subprocess.CompletedProcess[str]:
+def child_session(step: str, state: Path, tests: Path, database_url: str,
+                  kafka_port: int) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("QLAYER_TEST_BOOTSTRAP_SERVERS", "QLAYER_TEST_KEEP_STACK")}
     # The child's PostgreSQL is this session's; its Kafka is a local stack of its own.
     env.update(CHILD_STEP=step, QLAYER_TEST_STATE_DIR=str(state),
-               QLAYER_TEST_KAFKA_PORT=str(KAFKA_PORT), QLAYER_TEST_BACKEND="localstack",
+               QLAYER_TEST_KAFKA_PORT=str(kafka_port), QLAYER_TEST_BACKEND="localstack",
                QLAYER_TEST_DATABASE_URL=database_url)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
@@ -84,12 +89,13 @@ def test_a_started_broker_is_empty_and_a_dead_one_ends_the_run(
     tests = tmp_path / "test_child.py"
     tests.write_text(CHILD_TESTS)
 
-    first = child_session("leave", state, tests, admin_database_url)
+    kafka_port = free_ports(KAFKA_PORTS_FROM, 2)
+    first = child_session("leave", state, tests, admin_database_url, kafka_port)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "2 passed" in first.stdout
     assert (state / "kafka" / "data").exists()  # the broker stopped; its topics stayed on disk
 
-    second = child_session("kill", state, tests, admin_database_url)
+    second = child_session("kill", state, tests, admin_database_url, kafka_port)
     out = second.stdout + second.stderr
     # The topic the first session left is gone: the broker started empty.
     assert "TOPICS []" in out, out[-3000:]
