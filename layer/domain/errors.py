@@ -10,9 +10,12 @@ from collections.abc import Iterable
 
 __all__ = [
     "ExpressionError",
+    "GrantConflictError",
+    "PrincipalExistsError",
     "QlayerError",
     "QueueConfigError",
     "UnknownConsumerError",
+    "UnknownPrincipalError",
     "UnknownQueueError",
 ]
 
@@ -96,3 +99,34 @@ class UnknownConsumerError(QlayerError, LookupError):
     def __init__(self, consumer_id: str) -> None:
         super().__init__(f"unknown consumer {consumer_id!r}")
         self.consumer_id = consumer_id
+
+
+class UnknownPrincipalError(QlayerError, LookupError):
+    """A principal name no ``qlayer security principal add`` made (or one since removed)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown principal {name!r}: `qlayer security principal list` "
+                         "shows the principals")
+        self.name = name
+
+
+class PrincipalExistsError(QlayerError, ValueError):
+    """``principal add`` of a name that exists; rotating its credential is a separate act."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"principal {name!r} exists: `qlayer security principal rotate "
+                         f"{name}` issues it a new credential")
+        self.name = name
+
+
+class GrantConflictError(QlayerError, ValueError):
+    """A consumer-id grant that would give one consumer id to two principals."""
+
+    def __init__(self, pattern: str, principal: str, others: Iterable[tuple[str, str]]) -> None:
+        held = ", ".join(f"{p!r} of principal {who!r}" for who, p in others)
+        super().__init__(
+            f"consumer id pattern {pattern!r} for principal {principal!r} overlaps {held}: a "
+            "consumer id belongs to one principal (revoke the other grant first, or choose a "
+            "prefix that does not overlap)")
+        self.pattern = pattern
+        self.principal = principal

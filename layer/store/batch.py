@@ -70,6 +70,9 @@ class WriteBatch:
     outbox: list[bytes] = field(default_factory=list)
     #: Outbox batches up to this id were published: they go in this transaction.
     outbox_published: int | None = None
+    #: Increments of the shard's fault and refusal counters (`ownership.counters`), stored
+    #: with the input positions of the records that caused them (`FaultLedger`).
+    shard_counts: dict[str, int] = field(default_factory=dict)
 
     def put_events(self, arrays: list[bytes]) -> None:
         self.outbox.extend(arrays)
@@ -199,6 +202,7 @@ class WriteBatch:
             + len(self.input_positions)
             + len(self.outbox)
             + (self.outbox_published is not None)
+            + len(self.shard_counts)
         )
 
     def is_empty(self) -> bool:

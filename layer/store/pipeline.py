@@ -47,6 +47,8 @@ class Result(Protocol):
 
     def scalar_one_or_none(self) -> Any: ...
 
+    def scalars(self) -> Any: ...
+
 
 class Executor(Protocol):
     def execute(self, statement: Executable, params: Mapping[str, Any] | None = None
@@ -173,6 +175,10 @@ class Pending:
     def scalar_one_or_none(self) -> Any:
         rows = self._rows()
         return rows[0][0] if rows else None
+
+    def scalars(self) -> list[Any]:
+        """The first column of every row."""
+        return [row[0] for row in self._rows()]
 
 
 class Pipeline:

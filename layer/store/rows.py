@@ -113,6 +113,12 @@ class ConsumerRow:
     #: SHA-256 of the session's secret (protocol 5, docs/security.md "Session identity");
     #: None for a session that gave none (an older client). The secret is never stored.
     secret_hash: bytes | None = None
+    #: The shard holding the session (only it writes the row; None: written before 0013).
+    shard: int | None = None
+    #: The principal the session's credential proved (None: anonymous), and the SHA-256 of
+    #: that credential's secret (a rotation ends the session).
+    principal: str | None = None
+    credential_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

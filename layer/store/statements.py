@@ -27,10 +27,12 @@ from sqlalchemy import (
     cast,
     delete,
     func,
+    literal_column,
     or_,
     select,
     update,
 )
+from sqlalchemy import text as text_clause
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Dialect
@@ -45,9 +47,11 @@ from layer.store.tables import (
     entries,
     entry_runs,
     event_outbox,
+    grants,
     input_positions,
     installation,
     ownership,
+    principals,
     queue_counters,
     queues,
     recovery_points,
@@ -189,7 +193,22 @@ REPORT_SHARDS: Final = (
     update(ownership)
     .where(_holder)
     .values(heartbeat_at=bindparam("now"), reported_at=bindparam("now"),
-            lag=bindparam("the_lag"), counters=bindparam("the_counters"))
+            lag=bindparam("the_lag"))
+)
+
+# A shard's fault and refusal counters grow in the iteration's own transaction, with the input
+# positions of the records that made them (`layer.coordinator.faults`): exact across restarts.
+# The guard (HOLD_SHARD) holds the row's lock already.
+_shard_incs = _unnest("incs", {"counter": Text(), "increment": BigInteger()})
+INCREMENT_SHARD_COUNTERS: Final = (
+    update(ownership)
+    .where(ownership.c.shard == bindparam("the_shard"))
+    .values(counters=ownership.c.counters.op("||", return_type=JSONB)(
+        select(func.jsonb_object_agg(
+            _shard_incs.c.counter,
+            func.coalesce(cast(ownership.c.counters[_shard_incs.c.counter].astext, BigInteger),
+                          0) + _shard_incs.c.increment))
+        .scalar_subquery()))
 )
 
 # First statement of every guarded transaction: `qlayer_hold_shard` (revision 0012) is the
@@ -371,11 +390,20 @@ CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "client_info": _JSON,
     "delivery_format": Text(),
     "secret_sha256": LargeBinary(),
+    "shard": Integer(),
+    "principal": Text(),
+    "credential_sha256": LargeBinary(),
 }
 _consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
 _consumers_insert = pg_insert(consumers).from_select(
     list(CONSUMER_COLUMNS), select(*(_consumer_rows.c[name] for name in CONSUMER_COLUMNS))
 )
+# One registry across shards (0013): a shard writes a consumer's row only when the row is its
+# own, was written before 0013 (no shard), or holds a session that has ended (no heartbeat
+# within its session timeout, by the writer's clock: the row's new last_heartbeat_at is the
+# writer's now). A Subscribe another shard accepted for a live consumer id changes nothing
+# stored; the rows written are returned, and a shard whose row was not written ends the session
+# it accepted (`ShardCore.lost_claims`).
 UPSERT_CONSUMERS: Final = _consumers_insert.on_conflict_do_update(
     index_elements=[consumers.c.consumer_id],
     set_={
@@ -383,7 +411,14 @@ UPSERT_CONSUMERS: Final = _consumers_insert.on_conflict_do_update(
         for name in CONSUMER_COLUMNS
         if name != "consumer_id"
     },
-)
+    where=or_(
+        consumers.c.shard.is_(None),
+        consumers.c.shard == _consumers_insert.excluded.shard,
+        consumers.c.last_heartbeat_at
+        + consumers.c.session_timeout_ms * literal_column("interval '1 millisecond'")
+        < _consumers_insert.excluded.last_heartbeat_at,
+    ),
+).returning(consumers.c.consumer_id)
 
 # Heartbeats are the most frequent consumer write and change one column: UPDATE ... FROM a batch.
 # GREATEST keeps the time monotonic when a late heartbeat arrives after a newer subscribe.
@@ -692,10 +727,61 @@ MOVE_QUEUE: Final = (
             shard=bindparam("the_shard"))
     .returning(queues.c.version)
 )
+# The sessions of a moved queue go with it (0013: only the shard a row names writes it).
+MOVE_QUEUE_CONSUMERS: Final = (
+    update(consumers)
+    .where(consumers.c.queue == bindparam("queue_name"), consumers.c.is_regex.is_(False))
+    .values(shard=bindparam("the_shard"))
+)
 
 # --- installation and coordinator processes ----------------------------------------------------
 
 SELECT_SHARD_COUNT: Final = select(installation.c.shard_count).where(installation.c.id == 1)
+
+# --- authorization (0013) ----------------------------------------------------------------------
+
+SELECT_AUTHORIZATION_MODE: Final = select(installation.c.authorization_mode).where(
+    installation.c.id == 1)
+SET_AUTHORIZATION_MODE: Final = (
+    update(installation).where(installation.c.id == 1)
+    .values(authorization_mode=bindparam("the_mode"))
+    .returning(installation.c.authorization_mode)
+)
+SELECT_PRINCIPALS: Final = select(principals).order_by(principals.c.name)
+SELECT_GRANTS: Final = select(grants).order_by(grants.c.principal, grants.c.kind,
+                                               grants.c.pattern)
+INSERT_PRINCIPAL: Final = (
+    pg_insert(principals)
+    .values(name=bindparam("the_name"), secret_sha256=bindparam("the_hash"),
+            created_at=bindparam("now"), issued_at=bindparam("now"))
+    .on_conflict_do_nothing(index_elements=[principals.c.name])
+    .returning(principals.c.name)
+)
+ROTATE_PRINCIPAL: Final = (
+    update(principals).where(principals.c.name == bindparam("the_name"))
+    .values(secret_sha256=bindparam("the_hash"), issued_at=bindparam("now"))
+    .returning(principals.c.name)
+)
+DELETE_PRINCIPAL: Final = (
+    delete(principals).where(principals.c.name == bindparam("the_name"))
+    .returning(principals.c.name)
+)
+# Grants are checked for overlaps (a consumer id belongs to one principal) and written in one
+# transaction that holds this lock, so two concurrent grants cannot both pass the check.
+LOCK_GRANTS: Final = text_clause("LOCK TABLE grants IN SHARE ROW EXCLUSIVE MODE")
+INSERT_GRANT: Final = (
+    pg_insert(grants)
+    .values(principal=bindparam("the_principal"), kind=bindparam("the_kind"),
+            pattern=bindparam("the_pattern"), created_at=bindparam("now"))
+    .on_conflict_do_nothing()
+    .returning(grants.c.pattern)
+)
+DELETE_GRANT: Final = (
+    delete(grants)
+    .where(grants.c.principal == bindparam("the_principal"),
+           grants.c.kind == bindparam("the_kind"), grants.c.pattern == bindparam("the_pattern"))
+    .returning(grants.c.pattern)
+)
 
 _process_insert = pg_insert(coordinator_processes).values(
     owner_id=bindparam("the_owner_id"),

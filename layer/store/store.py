@@ -80,6 +80,9 @@ class CommitResult:
     rows_written: int = 0
     #: The ids of the outbox batches this commit wrote, in the order of `WriteBatch.outbox`.
     outbox_batch_ids: tuple[int, ...] = ()
+    #: Consumer rows of `WriteBatch.consumers` that were not written: another shard holds a
+    #: live session under that consumer id (`statements.UPSERT_CONSUMERS`).
+    consumers_refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class _Written:
     rows_written: int
     pruned: Result | None
     outbox: list[Result]
+    consumers: Result | None = None
 
 
 def _to_datetime(seconds: float) -> datetime:
@@ -226,8 +230,7 @@ class Store:
 
     def report(self, owner_id: str, host: str, pid: int, started_at: float,
                shards: Iterable[int], lags: Mapping[str, tuple[int, int | None]],
-               now: float, forget_before: float,
-               counters: Mapping[str, Mapping[str, int]] | None = None) -> None:
+               now: float, forget_before: float) -> None:
         """A coordinator process's periodic report, in one transaction: it is alive and was
         assigned ``shards``; the lag of each shard it holds (``lags``: shard -> (epoch, lag);
         a shard another process holds by now is left alone); and the rows of processes silent
@@ -241,8 +244,7 @@ class Store:
                 "the_shards": sorted(shards)})
             if lags:
                 conn.execute(sql.REPORT_SHARDS, [
-                    {**_holder_params(shard, owner_id, epoch, moment), "the_lag": lag,
-                     "the_counters": dict((counters or {}).get(shard, {}))}
+                    {**_holder_params(shard, owner_id, epoch, moment), "the_lag": lag}
                     for shard, (epoch, lag) in sorted(lags.items())])
             conn.execute(sql.FORGET_PROCESSES_SEEN_BEFORE,
                          {"before": _to_datetime(forget_before)})
@@ -299,6 +301,9 @@ class Store:
                     written = self._write(ex, batch, shard, owner_id, epoch, moment)
             pruned = written.pruned.rowcount if written.pruned is not None else 0
             outbox_batch_ids = [int(result.scalar_one()) for result in written.outbox]
+            refused: frozenset[str] = frozenset()
+            if written.consumers is not None:
+                refused = frozenset(batch.consumers) - set(written.consumers.scalars())
         return CommitResult(
             epoch=epoch,
             statements=written.statements,
@@ -307,6 +312,7 @@ class Store:
             entries_pruned=pruned,
             rows_written=written.rows_written,
             outbox_batch_ids=tuple(outbox_batch_ids),
+            consumers_refused=refused,
         )
 
     def _write(self, ex: Executor, batch: WriteBatch, shard: str, owner_id: str, epoch: int,
@@ -328,11 +334,18 @@ class Store:
         statements += _upsert_recovery_points(ex, batch.recovery_points, batch.admitted, moment)
         pruned_rows = _prune_below(ex, batch.recovery_points)
         statements += 2 if batch.recovery_points else 0  # the prunes
-        statements += _write_consumers(ex, batch)
+        consumer_statements, consumers_written = _write_consumers(ex, batch)
+        statements += consumer_statements
         statements += _increment_counters(ex, batch.counters, moment)
         statements += _mark_purged(ex, batch.purges_done, batch.purges_acked)
         statements += _mark_reset(ex, batch.resets_done)
         statements += _upsert_input_positions(ex, shard, batch.input_positions, moment)
+        if batch.shard_counts:
+            ordered = sorted(batch.shard_counts.items())
+            ex.execute(sql.INCREMENT_SHARD_COUNTERS, {
+                "the_shard": shard, "counter": [k for k, _ in ordered],
+                "increment": [n for _, n in ordered]})
+            statements += 1
         if batch.outbox_published is not None:
             ex.execute(sql.DELETE_PUBLISHED, {"the_shard": shard,
                                               "published": batch.outbox_published})
@@ -349,6 +362,7 @@ class Store:
             rows_written=len(runs) + len(singles),
             pruned=pruned_rows,
             outbox=outbox,
+            consumers=consumers_written,
         )
 
     def load_outbox(self, shard: str) -> list[tuple[int, bytes]]:
@@ -477,6 +491,9 @@ class Store:
                     evict_requested_at=_to_seconds_or_none(row.evict_requested_at),
                     delivery_format=row.delivery_format,
                     secret_hash=row.secret_sha256,
+                    shard=row.shard,
+                    principal=row.principal,
+                    credential_hash=row.credential_sha256,
                 )
                 for row in conn.execute(sql.SELECT_CONSUMERS)
             ]
@@ -622,6 +639,7 @@ class Store:
             _fence(conn, old)
             version = conn.execute(sql.MOVE_QUEUE, {"queue_name": name, "the_shard": shard,
                                                     "now": _to_datetime(now)}).scalar_one()
+            conn.execute(sql.MOVE_QUEUE_CONSUMERS, {"queue_name": name, "the_shard": shard})
         return QueueMove(name, old, shard, int(version))
 
     @staticmethod
@@ -888,8 +906,11 @@ def _prune_below(conn: Executor, points: Mapping[PartitionKey, int]) -> Result |
     return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params)
 
 
-def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
+def _write_consumers(conn: Executor, batch: WriteBatch) -> tuple[int, Result | None]:
+    """Send the batch's consumer statements; returns how many, and the upsert's result (the
+    ids of the rows it wrote)."""
     statements = 0
+    written: Result | None = None
     if batch.consumer_deletes:
         conn.execute(sql.DELETE_CONSUMERS, {"consumer_ids": sorted(batch.consumer_deletes)})
         statements += 1
@@ -900,7 +921,7 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
         statements += 1
     if batch.consumers:
         ordered = [batch.consumers[consumer_id] for consumer_id in sorted(batch.consumers)]
-        conn.execute(
+        written = conn.execute(
             sql.UPSERT_CONSUMERS,
             {
                 "consumer_id": [row.consumer_id for row in ordered],
@@ -918,6 +939,9 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
                 ],
                 "delivery_format": [row.delivery_format for row in ordered],
                 "secret_sha256": [row.secret_hash for row in ordered],
+                "shard": [row.shard for row in ordered],
+                "principal": [row.principal for row in ordered],
+                "credential_sha256": [row.credential_hash for row in ordered],
             },
         )
         statements += 1
@@ -931,7 +955,7 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> int:
             },
         )
         statements += 1
-    return statements
+    return statements, written
 
 
 def _increment_counters(

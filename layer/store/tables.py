@@ -19,6 +19,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    ForeignKey,
     Index,
     Integer,
     LargeBinary,
@@ -40,10 +41,12 @@ __all__ = [
     "entry_runs",
     "entry_writes",
     "event_outbox",
+    "grants",
     "input_positions",
     "installation",
     "metadata",
     "ownership",
+    "principals",
     "queue_counters",
     "queues",
     "recovery_points",
@@ -108,8 +111,39 @@ installation = Table(
     # (partition p of control and ack belongs to shard p mod shard_count) depend on it.
     Column("shard_count", Integer, nullable=False),
     _ts("created_at", nullable=False),
+    # Who may consume what (0013, docs/security.md "Authorization"): `open` (what no grant
+    # names is open to anyone) or `required` (a credential and a grant for everything). In the
+    # database, not a coordinator flag, so every coordinator applies the same rule.
+    Column("authorization_mode", Text, nullable=False, server_default=text("'open'")),
     CheckConstraint("id = 1", name="one_row"),
     CheckConstraint("shard_count BETWEEN 1 AND 1024", name="shard_count_valid"),
+    CheckConstraint("authorization_mode IN ('open', 'required')",
+                    name="authorization_mode_known"),
+)
+
+# Principals (0013): who a consumer's credential says it is. Only the SHA-256 of the
+# credential's secret is kept; `qlayer security principal add|rotate` prints the credential once.
+principals = Table(
+    "principals",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("secret_sha256", LargeBinary, nullable=False),
+    _ts("created_at", nullable=False),
+    # When the current credential was issued (a rotation ends the sessions of the old one).
+    _ts("issued_at", nullable=False),
+)
+
+# Grants (0013): the queues a principal may consume and the consumer ids it may use. A name
+# pattern is a name, a prefix ending in '*', or '*' (`layer.domain.authorization.NamePattern`).
+grants = Table(
+    "grants",
+    metadata,
+    Column("principal", Text, ForeignKey("principals.name", ondelete="CASCADE"),
+           primary_key=True),
+    Column("kind", Text, primary_key=True),
+    Column("pattern", Text, primary_key=True),
+    _ts("created_at", nullable=False),
+    CheckConstraint("kind IN ('queue', 'consumer_id')", name="grant_kind_known"),
 )
 
 queues = Table(
@@ -181,6 +215,14 @@ consumers = Table(
     # SHA-256 of the session's secret (0008, protocol 5); NULL: the session gave none. Only
     # the hash: a database reader cannot act for the session.
     Column("secret_sha256", LargeBinary, nullable=True),
+    # The shard whose coordinator holds the session (0013): only that shard writes the row,
+    # so a Subscribe another shard accepted can neither overwrite nor delete a live session
+    # (`statements.UPSERT_CONSUMERS`). NULL: written before 0013.
+    Column("shard", Integer, nullable=True),
+    # The principal the session's credential proved (0013), NULL for an anonymous session,
+    # and the SHA-256 of that credential's secret: a rotated credential ends the session.
+    Column("principal", Text, nullable=True),
+    Column("credential_sha256", LargeBinary, nullable=True),
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
     CheckConstraint("delivery_format IN ('batch', 'record')", name="delivery_format_known"),

@@ -249,3 +249,49 @@ def test_0012_adds_the_guard_function_a_commit_needs_and_an_older_schema_says_up
             store.commit(WriteBatch(), "0", "a", epoch, 1_700_000_004.0)
     finally:
         store.close()
+
+
+def test_0013_opens_existing_installations_places_stored_sessions_and_downgrades(
+    empty_database_url: str,
+) -> None:
+    migrate.upgrade(empty_database_url, "0012_hold_shard_function", shard_count=4)
+    engine = sa.create_engine(empty_database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                "INSERT INTO queues (name, definition, version, created_at, updated_at, shard) "
+                "VALUES ('Work', '{}', 1, now(), now(), 3)"))
+            for consumer, queue, regex in (("w-1", "Work", False), ("w-2", "W.*", True),
+                                           ("w-3", "Gone", False)):
+                conn.execute(sa.text(
+                    "INSERT INTO consumers (consumer_id, session_id, queue, is_regex, "
+                    "delivery_topic, session_timeout_ms, subscribed_at, last_heartbeat_at) "
+                    "VALUES (:c, 's', :q, :r, 'q.delivery.x', 30000, now(), now())"),
+                    {"c": consumer, "q": queue, "r": regex})
+        assert migrate.upgrade(empty_database_url, "0013_authorization") == "0013_authorization"
+        with engine.begin() as conn:
+            # Open: nothing changes for existing consumers until something is granted.
+            assert conn.execute(sa.text(
+                "SELECT authorization_mode FROM installation")).scalar_one() == "open"
+            # A named queue's session is its shard's; a regex's, and one of a queue that
+            # is gone, are taken by the first shard that writes them.
+            assert dict(conn.execute(sa.text(
+                "SELECT consumer_id, shard FROM consumers ORDER BY 1")).all()) == {
+                "w-1": 3, "w-2": None, "w-3": None}
+            conn.execute(sa.text(
+                "INSERT INTO principals VALUES ('alice', '\\x00'::bytea, now(), now())"))
+            conn.execute(sa.text(
+                "INSERT INTO grants VALUES ('alice', 'queue', 'Work', now())"))
+            with pytest.raises(sa.exc.IntegrityError), conn.begin_nested():
+                conn.execute(sa.text(
+                    "INSERT INTO grants VALUES ('alice', 'topic', 'Work', now())"))
+            conn.execute(sa.text("DELETE FROM principals"))  # grants go with it
+            assert conn.execute(sa.text("SELECT count(*) FROM grants")).scalar_one() == 0
+        assert migrate.downgrade(empty_database_url, "0012_hold_shard_function") == (
+            "0012_hold_shard_function")
+        assert {"principals", "grants"} & _tables(empty_database_url) == set()
+        with engine.connect() as conn:
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("consumers")}
+        assert {"shard", "principal", "credential_sha256"} & columns == set()
+    finally:
+        engine.dispose()
