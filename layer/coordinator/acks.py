@@ -8,7 +8,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from itertools import groupby
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from layer.coordinator.identity import Refusal
 from layer.coordinator.translate import ms
@@ -55,6 +55,15 @@ _OK: ItemOutcome = (AckStatus.OK, None, None)
 _MAX_PARTITION = 2**31 - 1
 _MAX_OFFSET = 2**63 - 1
 
+#: The largest ack-topic record a coordinator reads (bytes); larger ones are dropped unread and
+#: counted (``oversized_ack_records``). The ack topic is made with this ``max.message.bytes``,
+#: so the broker refuses them first. The SDK writes at most 500 items (or one AcceptRecord of
+#: short offsets and tokens) per record, far below it.
+ACK_RECORD_LIMIT: Final = 1 << 20
+#: The most bytes of one reply's items (an AckResult is split past it): well under the 1 MB
+#: a record may have by default, with room for the reply's own fields.
+REPLY_BYTES: Final = 256 << 10
+
 #: A control or ack record passes through at most this many coordinators: catalogs that
 #: disagree for a moment (a queue just moved) must not bounce a record for ever; past it, the
 #: shard that has it answers as best it can (UNKNOWN_ENTRY, UNKNOWN_SESSION).
@@ -87,21 +96,48 @@ class Acks:
         # Topic names of AcceptRecords already checked against Kafka's rules.
         self._topics_ok: dict[str, bool] = {}
 
-    def on_record(self, r: JournalRecord, now: float, replies: list[OutgoingRecord]) -> int:
+    def on_record(self, r: JournalRecord, now: float, replies: list[OutgoingRecord],
+                  came: float | None = None) -> int | None:
+        """Apply one ack-topic record; returns its items, or None when it must wait for a
+        fresher catalog (it names a session this shard's catalog does not know yet; ``came``:
+        when it was first read)."""
+        value = r.value
+        if value is not None and len(value) > ACK_RECORD_LIMIT:
+            self.core.count_malformed("ack", r, f"{len(value)} bytes, more than the ack "
+                                      f"topic's limit of {ACK_RECORD_LIMIT}", now, oversized=True)
+            return 0
+        # Who the record is from, before its items are decoded (issue 36: decoding first let
+        # records of no session at all stall every shard of the process). A record of a live
+        # session of this shard must prove its secret now; one of a session another shard
+        # holds is passed on, and that shard checks it; one of no session is dropped, counted.
+        named = self.core.codec.peek_ack_session(value)
+        if named is None:
+            self.core.count_malformed("ack", r, "not an AckRecord or AcceptRecord", now)
+            return 0
+        consumer_id, session_id = named
+        session = self.core.sessions.get(consumer_id)
+        admitted = False
+        if session is not None and session.session_id == session_id:
+            if not self.core.identity.admits(session, r.headers, "ack", now):
+                return 0
+            admitted = True
+        elif not self._held_elsewhere(consumer_id, session_id):
+            if self.core.catalog().loaded_at <= (now if came is None else came):
+                return None
+            self.core.identity.refuse("ack", Refusal.UNKNOWN_SESSION, consumer_id, now,
+                                      f"no session {session_id}")
+            self.core.refusals.count("ack", Refusal.UNKNOWN_SESSION.value, None)
+            return 0
         try:
-            decoded = self.core.codec.decode_ack_topic_any(r.value)
+            decoded = self.core.codec.decode_ack_topic_any(value)
         except ProtocolError as exc:
-            self.core.counters["malformed_ack_records"] += 1
-            log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
+            self.core.count_malformed("ack", r, exc, now)
             return 0
         engines = self.core.engines
-        # Identity (protocol 5): the record must name a live session of this shard and prove
-        # its secret, checked once per record by the shard that applies its items (a shard
-        # that only passes items on need not know the session).
-        admitted = False
         if isinstance(decoded, AcceptRecord):
             if all(g.queue in engines for g in decoded.groups):
-                if not self._admitted(r, decoded.consumer_id, decoded.session_id, now):
+                if not admitted and not self._admitted(r, decoded.consumer_id,
+                                                       decoded.session_id, now):
                     return 0
                 admitted = True
                 applied = self._accept(r, decoded, now, replies)
@@ -140,6 +176,12 @@ class Acks:
                                       f"no session {session_id}")
             return False
         return self.core.identity.admits(session, r.headers, "ack", now)
+
+    def _held_elsewhere(self, consumer_id: str, session_id: str) -> bool:
+        """Whether the catalog knows this session on another shard (its items are passed
+        on there), or the record was passed on to this shard already."""
+        row = self.core.catalog().consumers.get(consumer_id)
+        return row is not None and row.session_id == session_id
 
     def _forward_acks(self, r: JournalRecord, record: AckRecord) -> tuple[AckItem, ...]:
         """Pass the items of queues another shard serves on to that shard's ack partition;
@@ -297,10 +339,16 @@ class Acks:
         for status, n in statuses.items():
             self.core.counters[f"ack_{status.value.lower()}"] += n
         if answers:
+            # Split so that no reply outgrows a record (`REPLY_BYTES`): a record of many refused
+            # items once made one reply over the broker's limit, which failed the iteration.
             topic = self.core.control.delivery_topic_of(consumer_id)
-            replies.append(self.core.control.reply(topic, AckResult(
-                consumer_id=consumer_id, session_id=session_id,
-                items=tuple(answers), sent_at_ms=ms(now)), consumer_id))
+            parts = _split_answers(answers)
+            if len(parts) > 1:
+                self.core.counters["replies_split"] += len(parts) - 1
+            for part in parts:
+                replies.append(self.core.control.reply(topic, AckResult(
+                    consumer_id=consumer_id, session_id=session_id,
+                    items=tuple(part), sent_at_ms=ms(now)), consumer_id))
 
     def retry_deferred(self, now: float, replies: list[OutgoingRecord]) -> None:
         """Acks that waited for the replay, in the order they came, before any newer one."""
@@ -385,3 +433,18 @@ class Acks:
                 else:
                     outcomes[i] = (status, expires, result.value)
         run.clear()
+
+
+def _split_answers(answers: list[AckItemResult]) -> list[list[AckItemResult]]:
+    """``answers`` in parts of at most `REPLY_BYTES` (by their strings' lengths, an upper
+    bound of their encoded size less a few bytes of numbers each)."""
+    parts: list[list[AckItemResult]] = [[]]
+    size = 0
+    for answer in answers:
+        length = (len(answer.queue) + len(answer.bookmark) + len(answer.message or "")) * 4 + 32
+        if parts[-1] and size + length > REPLY_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(answer)
+        size += length
+    return parts

@@ -1,7 +1,10 @@
-"""What a coordinator process knows of every queue and consumer (all shards), from PostgreSQL.
+"""What a coordinator process knows of every queue, consumer and principal (all shards), from
+PostgreSQL.
 
 Loaded once per refresh by the process and shared by its shard loops: each serves the queues
-of its own shard and uses the rest to pass records on to the shard that serves them.
+of its own shard and uses the rest to pass records on to the shard that serves them. A shard
+that is asked about something the catalog does not know yet (a queue applied a moment ago, a
+principal just added) asks for a load before it refuses (`Control`, "held" records).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from layer.domain.authorization import Entitlements
 from layer.domain.likepattern import name_matcher
 from layer.store.rows import ConsumerRow, QueueRecord
 
@@ -22,12 +26,25 @@ class Catalog:
     queues: dict[str, QueueRecord] = field(default_factory=dict)
     consumers: dict[str, ConsumerRow] = field(default_factory=dict)
     loaded_at: float = 0.0
+    entitlements: Entitlements = field(default_factory=Entitlements)
 
     @classmethod
     def of(cls, shard_count: int, queues: Iterable[QueueRecord],
-           consumers: Iterable[ConsumerRow], now: float) -> Catalog:
+           consumers: Iterable[ConsumerRow], now: float,
+           entitlements: Entitlements | None = None) -> Catalog:
         return cls(shard_count, {q.name: q for q in queues},
-                   {c.consumer_id: c for c in consumers}, now)
+                   {c.consumer_id: c for c in consumers}, now,
+                   entitlements if entitlements is not None else Entitlements())
+
+    def live_elsewhere(self, consumer_id: str, shard: int, now: float) -> ConsumerRow | None:
+        """The stored session of ``consumer_id`` another shard holds, if it is live (a
+        heartbeat within its session timeout): one consumer id has one session."""
+        row = self.consumers.get(consumer_id)
+        if row is None or row.shard is None or row.shard == shard:
+            return None
+        if row.last_heartbeat_at + row.session_timeout_ms / 1000.0 < now:
+            return None
+        return row
 
     def shard_of(self, queue: str) -> int | None:
         record = self.queues.get(queue)

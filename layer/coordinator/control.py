@@ -8,6 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from layer.coordinator.acks import MAX_FORWARD_HOPS
+from layer.coordinator.authorize import Authorization, Verdict
 from layer.coordinator.identity import Refusal
 from layer.coordinator.logformat import fields
 from layer.coordinator.sessions import Session
@@ -41,10 +42,9 @@ from layer.protocol import (
     forwarded_headers,
     forwarded_hops,
     reply_headers,
-    topic_name_problem,
 )
 from layer.protocol import Bookmark as WireBookmark
-from layer.protocol.headers import FORWARDED
+from layer.protocol.headers import FORWARDED, NOT_AUTHORIZED, REFUSAL
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
 
@@ -53,7 +53,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Control"]
+__all__ = ["CONTROL_RECORD_LIMIT", "Control"]
+
+#: The largest control record a coordinator reads (bytes); larger ones are dropped unread and
+#: counted (``oversized_control_records``). The control topic is made with this
+#: ``max.message.bytes``. A Subscribe holds ids, a queue name or regex and a filter (at most
+#: `layer.domain.expressions` limits): a few KiB.
+CONTROL_RECORD_LIMIT = 64 << 10
 
 
 class Control:
@@ -62,11 +68,50 @@ class Control:
     def __init__(self, core: ShardCore) -> None:
         self.core = core
         self._headers = reply_headers(core.shard)
+        self._not_authorized = [*self._headers, (REFUSAL, NOT_AUTHORIZED.encode())]
+        self.authorization = Authorization()
+        self.reset()
+
+    def reset(self) -> None:
+        #: Control records that wait for a catalog loaded after they came (a queue applied, a
+        #: principal added or a grant given a moment ago must not be refused for the
+        #: catalog's age), with when each came. Every later record of the same partition
+        #: waits behind them, so the stored input position never passes one: a restart reads
+        #: them again.
+        self.held: list[tuple[JournalRecord, float]] = []
+        self._held_partitions: set[tuple[str, int]] = set()
+        #: Set when a record is held: the process loads the catalog soon (`wants_catalog`).
+        self.wants_catalog = False
+        #: This step's accepted Subscribes (consumer id -> the request and its OK reply): a
+        #: store that refuses the session's row (`lost_claims`) turns the OK into a refusal.
+        self.accepted: dict[str, tuple[Subscribe | Replace, OutgoingRecord]] = {}
+
+    def holds(self, r: JournalRecord) -> bool:
+        return (r.topic, r.partition) in self._held_partitions
+
+    def hold(self, r: JournalRecord, came: float) -> None:
+        self.held.append((r, came))
+        self._held_partitions.add((r.topic, r.partition))
+        self.wants_catalog = True
+
+    def release(self) -> list[tuple[JournalRecord, float]]:
+        """The held records, in order, once the catalog was loaded after the first of them
+        came (each is decided again; one that came after the load may be held again)."""
+        if not self.held or self.core.catalog().loaded_at <= self.held[0][1]:
+            return []
+        released, self.held = self.held, []
+        self._held_partitions.clear()
+        return released
+
+    def _stale(self, came: float) -> bool:
+        """Whether the catalog was loaded before a record that came at ``came``."""
+        return self.core.catalog().loaded_at <= came
 
     def reply(self, topic: str, message: SubscribeResult | AckResult | SessionEnded,
-               key: str) -> OutgoingRecord:
+               key: str, headers: list[tuple[str, bytes]] | None = None
+               ) -> OutgoingRecord:
         return OutgoingRecord(topic, self.core.codec.encode_reply(message), key.encode(),
-                              self._headers, partition=0)
+                              headers if headers is not None else self._headers, partition=0)
 
     def forward(self, r: JournalRecord, value: bytes | None, shard: int, hops: int) -> None:
         """Pass a record on to the shard that serves it, with its own headers (a Subscribe's
@@ -87,27 +132,33 @@ class Control:
                                     session_id=session_id, reason=reason))
 
     def on_record(self, r: JournalRecord, now: float, batch: WriteBatch,
-                    replies: list[OutgoingRecord]) -> None:
+                  replies: list[OutgoingRecord], came: float | None = None) -> bool:
+        """Act on one control record; False when it must wait for a fresher catalog
+        (`hold`). ``came``: when the record was first read (now, unless it was held)."""
+        if r.value is not None and len(r.value) > CONTROL_RECORD_LIMIT:
+            self.core.count_malformed("control", r, f"{len(r.value)} bytes, more than the "
+                                      f"control topic's limit of {CONTROL_RECORD_LIMIT}", now,
+                                      oversized=True)
+            return True
         try:
             message = self.core.codec.decode_control(r.value)
         except ProtocolError as exc:
-            self.core.counters["malformed_control_records"] += 1
-            log.warning("malformed record on %s[%d]@%d: %s", r.topic, r.partition, r.offset, exc)
-            return
+            self.core.count_malformed("control", r, exc, now)
+            return True
         hops = forwarded_hops(r.headers)
         target = self._shard_of(message) if hops < MAX_FORWARD_HOPS else None
         if target is not None and target != self.core.shard:
             self.forward(r, r.value, target, hops)
-            return
+            return True
         identity = self.core.identity
         if isinstance(message, Subscribe | Replace):
             if isinstance(message, Replace):
                 session = self.core.sessions.get(message.consumer_id)
                 if (session is not None and session.session_id == message.session_id
                         and not identity.admits(session, r.headers, "replace", now)):
-                    return
-            self._on_subscribe(message, now, batch, replies, delivery_format(r.headers),
-                               r.headers)
+                    return True
+            return self._on_subscribe(message, now, batch, replies, delivery_format(r.headers),
+                                      r.headers, now if came is None else came)
         elif isinstance(message, Heartbeat):
             session = self.core.sessions.get(message.consumer_id)
             if session is None or session.session_id != message.session_id:
@@ -119,9 +170,9 @@ class Control:
                 replies.append(self.session_ended(message.consumer_id, message.session_id,
                                                    SessionEndReason.UNKNOWN_SESSION, now,
                                                    "no such session: subscribe again"))
-                return
+                return True
             if not identity.admits(session, r.headers, "heartbeat", now):
-                return
+                return True
             for name in session.every_queue:
                 self.core.engines[name].heartbeat(message.consumer_id, now, message.session_id)
             batch.heartbeat(message.consumer_id, now)
@@ -132,13 +183,14 @@ class Control:
                 identity.log("unsubscribe", Refusal.UNKNOWN_SESSION, message.consumer_id, now,
                              f"no session {message.session_id}",
                              "counted as unknown_session_unsubscribes")
-                return
+                return True
             if not identity.admits(session, r.headers, "unsubscribe", now):
-                return
+                return True
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
             del self.core.sessions[message.consumer_id]
             batch.delete_consumer(message.consumer_id, message.session_id)
+        return True
 
     def _shard_of(self, message: Subscribe | Replace | Heartbeat | Unsubscribe
                        ) -> int | None:
@@ -175,34 +227,92 @@ class Control:
 
     def _on_subscribe(self, m: Subscribe | Replace, now: float, batch: WriteBatch,
                       replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD,
-                      headers: InputHeaders = None) -> None:
+                      headers: InputHeaders = None, came: float | None = None) -> bool:
+        """Subscribe or Replace; False when the answer must wait for a fresher catalog."""
         kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
         existing = self.core.sessions.get(m.consumer_id)
+        came = now if came is None else came
+        catalog = self.core.catalog()
+        entitlements = catalog.entitlements
         timeout = (m.session_timeout_ms / 1000.0 if isinstance(m, Subscribe)
                    and m.session_timeout_ms > 0 else
                    existing.session_timeout if existing is not None
                    else self.core.options.default_session_timeout)
+        label = existing.principal if existing is not None and existing.principal else None
+        # Set once a credential proved a principal that owns the consumer id: its refusals
+        # may create the id's delivery topic (under the ACL recipe a consumer cannot), so the
+        # consumer reads why instead of timing out. Anyone else's refusal goes to the topic
+        # only if it exists: records must not make topics at will.
+        owner: list[bool] = [False]
 
-        def refuse(status: SubscribeStatus, why: str) -> None:
+        def refuse(status: SubscribeStatus, why: str, reason: str | None = None,
+                   not_authorized: bool = False) -> bool:
             self.core.counters[f"subscribe_{status.value.lower()}"] += 1
+            self.core.refusals.count(kind.value.lower(), reason or status.value.lower(),
+                                     label)
             self.refused(EventType.SUBSCRIBE_REFUSED, now, status.value, m.consumer_id,
                           m.session_id, m.queue if not m.queue_is_regex else None)
             log.info("refused %s of %s to %r: %s", kind.value.lower(), m.consumer_id, m.queue, why,
                      extra=fields(consumer=m.consumer_id, queue=m.queue, shard=self.core.shard,
-                                  reason=status.value))
-            topic = (m.delivery_topic if topic_name_problem(m.delivery_topic) is None
-                     else self.delivery_topic_of(m.consumer_id))
+                                  reason=reason or status.value))
+            # Always the consumer id's own delivery topic (protocol 7: qlayer names it), never
+            # one the request names: a refusal reaches the consumer the id belongs to, and
+            # says nothing of another session.
+            topic = self.delivery_topic_of(m.consumer_id)
+            if owner[0] and topic not in self.core.known_topics:
+                try:
+                    self.core.admin.ensure_topics([TopicSpec(topic, 1)])
+                    self.core.known_topics.add(topic)
+                except KafkaAdapterError as exc:
+                    log.warning("cannot make delivery topic %s to answer a refused %s: %s",
+                                topic, kind.value.lower(), exc)
             replies.append(self.reply(topic, SubscribeResult(
                 consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
                 request=kind, status=status, message=why, queues=(),
                 session_timeout_ms=int(timeout * 1000),
                 heartbeat_interval_ms=int(timeout * 1000 / 3),
-                coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id))
+                coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id,
+                self._not_authorized if not_authorized else None))
+            return True
 
         if kind is RequestKind.REPLACE and (existing is None
                                             or existing.session_id != m.session_id):
-            refuse(SubscribeStatus.INVALID_REQUEST, "replace of an unknown session: subscribe")
-            return
+            return refuse(SubscribeStatus.INVALID_REQUEST,
+                          "replace of an unknown session: subscribe")
+        # Authorization (protocol 7) first: who the Subscribe is, and whether that principal
+        # owns the consumer id. A Replace keeps its session's principal.
+        if kind is RequestKind.SUBSCRIBE:
+            who: Verdict = self.authorization.subscribe(entitlements, m.consumer_id, headers)
+            label = who.label
+            if who.refused:
+                if self._stale(came):
+                    return False
+                return refuse(SubscribeStatus.INVALID_REQUEST, who.message or "not authorized",
+                              who.reason, not_authorized=True)
+            principal, credential_hash = who.principal, who.credential_hash
+        else:
+            assert existing is not None
+            principal, credential_hash = existing.principal, existing.credential_hash
+        owner[0] = principal is not None
+        if not m.queue_is_regex:
+            why_not = self.authorization.queue_refusal(entitlements, principal, m.queue)
+            if why_not is not None:
+                if self._stale(came):
+                    return False
+                return refuse(SubscribeStatus.INVALID_REQUEST, why_not, "queue_not_granted",
+                              not_authorized=True)
+        # One consumer id, one session across shards: another shard's live session of this id
+        # is not shadowed (and its stored row is never overwritten: `UPSERT_CONSUMERS`).
+        if existing is None:
+            elsewhere = catalog.live_elsewhere(m.consumer_id, self.core.shard, now)
+            if elsewhere is not None:
+                if self._stale(came):
+                    return False
+                return refuse(SubscribeStatus.INVALID_REQUEST, (
+                    f"consumer id {m.consumer_id!r} has a live session on another shard; one "
+                    "consumer id has one session: it ends with its Unsubscribe or after its "
+                    f"session timeout ({elsewhere.session_timeout_ms / 1000:g}s without a "
+                    "heartbeat)"), "consumer_id_live_elsewhere")
         # A Replace keeps its session's secret (its proof was checked in `on_record`); a
         # Subscribe brings a new one, and may not take a live proven session over without
         # proving that session's secret. Checked before anything is created for it.
@@ -212,44 +322,51 @@ class Control:
                 m.consumer_id, existing, headers, now,
                 existing.session_timeout if existing is not None else timeout)
             if verdict.refusal is not None:
-                refuse(SubscribeStatus.INVALID_REQUEST, verdict.message or verdict.refusal)
-                return
+                return refuse(SubscribeStatus.INVALID_REQUEST, verdict.message or verdict.refusal,
+                              verdict.refusal.value)
             secret_hash = verdict.secret_hash
-        problem = topic_name_problem(m.delivery_topic)
-        if problem is None and m.delivery_topic in (self.core.topics.control, self.core.topics.ack,
-                                                    self.core.topics.events):
-            problem = "it is one of the coordinator's own topics"
-        if problem is not None:
-            refuse(SubscribeStatus.INVALID_REQUEST,
-                   f"delivery_topic {m.delivery_topic!r}: {problem}")
-            return
+        # Delivery topics are named by qlayer (protocol 7), never by the client: a client-named
+        # topic let a Subscribe make the coordinator write to a journal, to another consumer's
+        # delivery topic or to its own internal topics.
+        try:
+            expected = self.core.topics.delivery(m.consumer_id)
+        except ProtocolError as exc:
+            return refuse(SubscribeStatus.INVALID_REQUEST, f"consumer id: {exc}",
+                          "bad_consumer_id")
+        if m.delivery_topic != expected:
+            return refuse(SubscribeStatus.INVALID_REQUEST, (
+                f"delivery_topic must be {expected!r}: qlayer names each consumer's delivery "
+                "topic (<prefix>delivery.<consumer_id>, docs/protocol.md §1)"),
+                "delivery_topic_not_its_own")
         if m.max_backlog is not None and m.max_backlog < 0:
-            refuse(SubscribeStatus.INVALID_REQUEST,
-                   f"max_backlog must be 0 or more, got {m.max_backlog}")
-            return
+            return refuse(SubscribeStatus.INVALID_REQUEST,
+                          f"max_backlog must be 0 or more, got {m.max_backlog}")
         if m.filter:
             try:
                 compile_expression(m.filter)
             except ExpressionError as exc:
-                refuse(SubscribeStatus.INVALID_FILTER, str(exc))
-                return
+                return refuse(SubscribeStatus.INVALID_FILTER, str(exc))
         session = Session(m.consumer_id, m.session_id, m.queue, m.queue_is_regex,
                            m.max_backlog, m.filter or None, m.delivery_topic, timeout,
                            existing.subscribed_at if existing and kind is RequestKind.REPLACE
-                           else now, [], delivery_format=formats, secret_hash=secret_hash)
+                           else now, [], delivery_format=formats, secret_hash=secret_hash,
+                           principal=principal, credential_hash=credential_hash)
         try:
-            names = [n for n in self.core.engines if session.matches(n)]
-            shards = self.core.catalog().shards_matching(m.queue, m.queue_is_regex)
+            # A regex covers the queues the principal may consume, only (AMPS entitlements
+            # filter a regex subscription the same way).
+            names = [n for n in self.core.engines if session.matches(n)
+                     and entitlements.may_consume(principal, n)]
+            shards = {catalog.queues[n].shard for n in catalog.queues
+                      if session.matches(n) and entitlements.may_consume(principal, n)}
         except re.error as exc:
-            refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
-            return
+            return refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
         if len(shards) > 1:
             # One backlog across the matched queues (AMPS) needs them in one loop.
-            refuse(SubscribeStatus.INVALID_REQUEST,
-                   f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a regex "
-                   "subscription reads queues of one shard only: give them one shard_group "
-                   "in their queue files (docs/coordinator.md, 'One backlog')")
-            return
+            return refuse(SubscribeStatus.INVALID_REQUEST,
+                          f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a "
+                          "regex subscription reads queues of one shard only: give them one "
+                          "shard_group in their queue files (docs/coordinator.md, 'One "
+                          "backlog')")
         old = existing.queues if existing is not None else []
         replacing = kind is RequestKind.REPLACE and existing is not None
         # A replace that takes the subscription off a queue keeps its leases there (AMPS
@@ -261,17 +378,22 @@ class Control:
             session.share = (existing.share if existing is not None and replacing
                              and existing.share is not None else BacklogShare())
         if not names:
-            refuse(SubscribeStatus.UNKNOWN_QUEUE,
-                   f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}")
-            return
+            # A queue applied a moment ago is served once this shard's catalog has it: the
+            # Subscribe waits for that rather than being refused (issue 35: deployment scripts
+            # apply queues and start consumers at once).
+            if self._stale(came):
+                return False
+            return refuse(SubscribeStatus.UNKNOWN_QUEUE,
+                          f"no queue {'matches' if m.queue_is_regex else 'named'} {m.queue!r}"
+                          + (" that this consumer may consume" if m.queue_is_regex
+                             and entitlements.grants else ""))
         try:
             self.core.admin.ensure_topics([TopicSpec(m.delivery_topic, 1)])
             self.core.known_topics.add(m.delivery_topic)
         except KafkaAdapterError as exc:
             # Refused rather than retried: a topic the broker will not create would otherwise
             # fail this record's iteration forever. The consumer may subscribe again.
-            refuse(SubscribeStatus.INVALID_REQUEST, f"cannot use delivery_topic: {exc}")
-            return
+            return refuse(SubscribeStatus.INVALID_REQUEST, f"cannot use delivery_topic: {exc}")
         if replacing and existing is not None:
             for name in leaving:
                 self.core.engines[name].retire(m.consumer_id, now, session.share)
@@ -313,14 +435,18 @@ class Control:
             is_regex=m.queue_is_regex, delivery_topic=m.delivery_topic,
             session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
             last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None,
-            delivery_format=formats, secret_hash=secret_hash))
+            delivery_format=formats, secret_hash=secret_hash, shard=self.core.shard,
+            principal=principal, credential_hash=credential_hash))
         self.core.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
-        replies.append(self.reply(m.delivery_topic, SubscribeResult(
+        ok = self.reply(m.delivery_topic, SubscribeResult(
             consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
             request=kind, status=SubscribeStatus.OK, message=None, queues=tuple(grants),
             session_timeout_ms=int(timeout * 1000),
             heartbeat_interval_ms=max(int(timeout * 1000 / 3), 100),
-            coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id))
+            coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id)
+        replies.append(ok)
+        self.accepted[m.consumer_id] = (m, ok)
+        return True
 
     def on_consumer_left(self, e: ev.ConsumerLeft, batch: WriteBatch,
                           replies: list[OutgoingRecord], now: float) -> None:
@@ -348,3 +474,90 @@ class Control:
         log.info("consumer %s timed out; its leases were broken", e.consumer_id,
                  extra=fields(consumer=e.consumer_id, queue=e.queue, shard=self.core.shard,
                               reason="session timeout"))
+
+    def end_session(self, consumer_id: str, now: float, batch: WriteBatch,
+                    replies: list[OutgoingRecord] | None, message: str,
+                    leave: LeaveReason = LeaveReason.EVICTED) -> None:
+        """End a live session of this shard at once: its leases break in every queue, the
+        consumer is told (``replies``; None: not told) and its row goes, if still its own."""
+        session = self.core.sessions.pop(consumer_id, None)
+        if session is None:
+            return
+        for name in session.every_queue:
+            engine = self.core.engines.get(name)
+            if engine is not None:
+                engine.unsubscribe(consumer_id, now, leave)
+        if replies is not None:
+            # The session is gone already, so this is the consumer id's own delivery topic.
+            replies.append(self.session_ended(consumer_id, session.session_id,
+                                               SessionEndReason.EVICTED, now, message))
+        batch.delete_consumer(consumer_id, session.session_id)
+
+    def revoke(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
+        """Sessions the catalog's principals and grants no longer allow (a principal removed,
+        a credential rotated, a grant revoked, credentials now required): ended, or taken off
+        the queues they lost (a regex subscription), like an eviction."""
+        entitlements = self.core.catalog().entitlements
+        for consumer_id, session in list(self.core.sessions.items()):
+            why = self.authorization.revoked(entitlements, session)
+            lost = [] if why is not None else [
+                n for n in session.queues if not entitlements.may_consume(session.principal, n)]
+            if why is None and lost and len(lost) == len(session.queues):
+                why = "it may no longer consume " + ", ".join(repr(n) for n in lost)
+            if why is not None:
+                self.core.refusals.count("session", "revoked", session.principal)
+                self.core.counters["sessions_revoked"] += 1
+                log.warning("consumer %s: session ended: %s", consumer_id, why,
+                            extra=fields(consumer=consumer_id, shard=self.core.shard,
+                                         reason="revoked"))
+                self.end_session(consumer_id, now, batch, replies,
+                                 f"authorization revoked: {why}")
+                continue
+            for name in lost:
+                engine = self.core.engines.get(name)
+                if engine is not None:
+                    engine.unsubscribe(consumer_id, now, LeaveReason.EVICTED)
+                session.queues.remove(name)
+                self.core.refusals.count("queue", "revoked", session.principal)
+                log.warning("consumer %s: taken off queue %s: its principal may no longer "
+                            "consume it", consumer_id, name,
+                            extra=fields(consumer=consumer_id, queue=name,
+                                         shard=self.core.shard, reason="revoked"))
+
+    def lost_claims(self, consumer_ids: frozenset[str], now: float,
+                    replies: list[OutgoingRecord]) -> None:
+        """Sessions this shard accepted whose row another shard holds for a live session of
+        the same consumer id (two Subscribes at once on two shards: the store wrote the
+        first): ended here, so one consumer id has one session; the OK this step was to send
+        becomes a refusal (the replies are not sent yet)."""
+        for consumer_id in sorted(consumer_ids):
+            if consumer_id not in self.core.sessions:
+                continue
+            accepted = self.accepted.get(consumer_id)
+            if accepted is not None:
+                request, ok = accepted
+                replies[:] = [r for r in replies if r is not ok]
+                replies.append(self.reply(self.delivery_topic_of(consumer_id), SubscribeResult(
+                    consumer_id=consumer_id, session_id=request.session_id,
+                    request_id=request.request_id,
+                    request=(RequestKind.SUBSCRIBE if isinstance(request, Subscribe)
+                             else RequestKind.REPLACE),
+                    status=SubscribeStatus.INVALID_REQUEST,
+                    message=(f"consumer id {consumer_id!r} has a live session on another "
+                             "shard; one consumer id has one session"),
+                    queues=(), session_timeout_ms=0, heartbeat_interval_ms=0,
+                    coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), consumer_id))
+            self.core.refusals.count("subscribe", "consumer_id_live_elsewhere",
+                                     self.core.sessions[consumer_id].principal)
+            self.core.counters["registry_conflicts"] += 1
+            log.warning("consumer %s: another shard holds a live session of this consumer id; "
+                        "the session this shard accepted ends", consumer_id,
+                        extra=fields(consumer=consumer_id, shard=self.core.shard,
+                                     reason="consumer id live elsewhere"))
+            session = self.core.sessions.pop(consumer_id)
+            for name in session.every_queue:
+                engine = self.core.engines.get(name)
+                if engine is not None:
+                    engine.unsubscribe(consumer_id, now, LeaveReason.EVICTED)
+            # No row to delete (it is the other session's), and no reply: the consumer id's
+            # delivery topic is the other session's too.

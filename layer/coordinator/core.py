@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layer.coordinator.acks import Acks
+from layer.coordinator.authorize import Refusals
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
 from layer.coordinator.deleted import DeletedPartition, deleted_partitions
+from layer.coordinator.faults import FaultLedger
 from layer.coordinator.identity import Identity
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.logformat import fields
@@ -58,6 +60,13 @@ __all__ = ["DEFAULT_RECORD_LIMIT", "DELIVERY_OVERHEAD", "Plan", "QueueState", "S
 
 #: librdkafka's default ``message.max.bytes``: the largest record its producer writes.
 DEFAULT_RECORD_LIMIT = 1_000_000
+#: Bytes of ack records one step applies at most (at least one record): a 1 MiB record of many
+#: items takes ~0.1 s to decode, and every shard of a process shares one thread.
+ACK_BYTES_PER_STEP = 2 << 20
+#: Malformed or oversized records of one kind are logged at most this often (s) per shard; all
+#: are counted.
+MALFORMED_LOG_INTERVAL = 60.0
+
 #: Bytes a delivery or a dead letter adds to a journal record's key, value and headers at
 #: most (lease fields or ``qlayer.*`` headers, the batch framing, ``qlayer.dlq.*`` headers and
 #: Kafka's own record overhead), beside the names of the queue, consumer and session.
@@ -135,7 +144,8 @@ class ShardCore:
                  catalog: Callable[[], Catalog], admin: TopicAdmin,
                  tokens: Callable[[], str], owner_id: str,
                  memory: MemoryPool | None = None,
-                 counters: Counter[str] | None = None) -> None:
+                 counters: Counter[str] | None = None,
+                 refusals: Refusals | None = None) -> None:
         self.shard = shard
         self.options = options
         self.topics = topics
@@ -153,7 +163,11 @@ class ShardCore:
         self.epoch = 0
         #: Whether the queues' engines are the native port (`CoordinatorOptions.core`).
         self.native = options.native_core
-        self.identity = Identity(self.counters, options.require_identity)
+        #: Records not acted on, by kind, reason and principal (`layer.coordinator.authorize`).
+        self.refusals = refusals if refusals is not None else Refusals()
+        self.identity = Identity(self.counters, options.require_identity, self.refusals)
+        #: The shard's fault and refusal counters, stored by each iteration's transaction.
+        self.faults = FaultLedger(self.counters, self.refusals)
         self.acks = Acks(self)
         self.control = Control(self)
         #: The native batch paths (native engines only): records in, rows, events and
@@ -165,6 +179,7 @@ class ShardCore:
         # logged again.
         self.input_faults: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._unparseable_logged: dict[str, float] = {}
+        self._malformed_logged: dict[str, float] = {}
         #: The largest key + value + headers of a journal record the shard can deliver
         #: (`record_limit`, from the producer's ``message.max.bytes``). A larger one is never
         #: handed to the producer: its entries expire as ``too-large``. A delivery topic with
@@ -219,7 +234,33 @@ class ShardCore:
         self.pending_events: list[Event] = []
         self.forwards: list[OutgoingRecord] = []
         self._next_position_write = 0.0
+        # Ack records read and not applied yet (`step`: over the budget, or waiting for a
+        # fresher catalog), with when each was first read.
+        self._carried: list[tuple[JournalRecord, float]] = []
         self.acks.reset()
+        self.control.reset()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether input read by earlier steps waits to be applied (ack records over the
+        step's budget, records held for a fresher catalog): the next step should come soon."""
+        return bool(self._carried or self.control.held)
+
+    def count_malformed(self, kind: str, r: JournalRecord, why: object, now: float,
+                        oversized: bool = False) -> None:
+        """A control or ack record that cannot be read (or is larger than its topic's limit):
+        counted, and logged at most once a minute per kind, however many come (a flood of them
+        must not become a flood of log lines)."""
+        name = f"{'oversized' if oversized else 'malformed'}_{kind}_records"
+        self.counters[name] += 1
+        self.refusals.count(kind, "oversized" if oversized else "malformed", None)
+        if now < self._malformed_logged.get(name, float("-inf")) + MALFORMED_LOG_INTERVAL:
+            return
+        self._malformed_logged[name] = now
+        log.warning("%s record on %s[%d]@%d not read: %s (counted as %s, %d so far; logged at "
+                    "most once a minute)", kind, r.topic, r.partition, r.offset, why, name,
+                    self.counters[name],
+                    extra=fields(shard=self.shard, reason=name))
 
     # ------------------------------------------------------------------ the step
     def step(self, records: list[JournalRecord], now: float, batch: WriteBatch | None = None,
@@ -231,6 +272,7 @@ class ShardCore:
                     replies if replies is not None else [])
         stats = plan.stats
         batch, replies = plan.batch, plan.replies
+        self.control.accepted.clear()
         if self._deleted:
             # First: the rows of a deleted log go before new entries at its offsets come.
             self._expire_deleted(batch, now)
@@ -245,19 +287,48 @@ class ShardCore:
         control_topic, ack_topic = self.topics.control, self.topics.ack
         journal: list[JournalRecord] = []
         controls: list[JournalRecord] = []
+        acks: list[JournalRecord] = []
         for r in records:
             if r.topic == ack_topic:
-                stats.ack_items += self.acks.on_record(r, now, replies)
-                offsets[(r.topic, r.partition)] = r.offset + 1
+                acks.append(r)
             elif r.topic == control_topic:
                 controls.append(r)
             else:
                 journal.append(r)
+        # Ack records are applied up to a budget of bytes per step (`ACK_BYTES_PER_STEP`), so
+        # that a flood of large ack records cannot hold the process's one thread (every
+        # shard's) for long; the rest, and records naming a session the catalog does not know
+        # yet, wait for the next step in order, their positions not stored past them.
+        if acks or self._carried:
+            spent = 0
+            carried, self._carried = self._carried, []
+            waiting: set[tuple[str, int]] = set()
+            for r, came in carried + [(r, now) for r in acks]:
+                tp = (r.topic, r.partition)
+                if tp in waiting or (spent >= ACK_BYTES_PER_STEP and spent):
+                    self._carried.append((r, came))
+                    waiting.add(tp)
+                    continue
+                spent += len(r.value or b"")
+                applied = self.acks.on_record(r, now, replies, came)
+                if applied is None:
+                    self._carried.append((r, came))
+                    waiting.add(tp)
+                    self.control.wants_catalog = True
+                    continue
+                stats.ack_items += applied
+                offsets[tp] = r.offset + 1
+            if self._carried:
+                self.counters["ack_records_carried"] += len(self._carried)
         # Acks before control records: a consumer acks, then unsubscribes on another topic;
         # both may arrive in one poll, and the acks must not find their leases broken.
-        for r in controls:
-            stats.control_records += 1
-            self.control.on_record(r, now, batch, replies)
+        # Records held for a fresher catalog go first, in their order (`Control.hold`).
+        control = self.control
+        stats.control_records = len(controls)
+        for r, came in control.release() + [(r, now) for r in controls]:
+            if control.holds(r) or not control.on_record(r, now, batch, replies, came):
+                control.hold(r, came)
+                continue
             offsets[(r.topic, r.partition)] = r.offset + 1
         stats.journal_records = len(journal)
         lane = self.lane
@@ -282,6 +353,10 @@ class ShardCore:
         # changed nothing stored (at-most-once acks, refused items) do not make a
         # transaction of their own more than once a second: read again after a crash, they
         # change nothing either.
+        # Fault and refusal counts go with the positions of the records that made them.
+        counted = self.faults.pending()
+        if counted:
+            batch.shard_counts.update(counted)
         deferred_from = self.acks.deferred_from
         if deferred_from:
             for tp, held in deferred_from.items():
@@ -795,8 +870,10 @@ class ShardCore:
         engine = self.engines.get(name)
         if engine is None:
             return
+        entitlements = self.catalog().entitlements
         for s in self.sessions.values():
-            if s.is_regex and s.matches(name) and name not in s.queues:
+            if (s.is_regex and s.matches(name) and name not in s.queues
+                    and entitlements.may_consume(s.principal, name)):
                 engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
                                  max_backlog=s.max_backlog, filter=s.filter,
                                  session_timeout=s.session_timeout, share=s.share)
@@ -812,6 +889,10 @@ class ShardCore:
 
         for row in rows:
             if row.consumer_id in self.sessions:
+                continue
+            if only is None and row.shard is not None and row.shard != self.shard:
+                # Another shard's session (one consumer id, one session: 0013); a queue that
+                # moved here brings its sessions (``only``), whose rows the move re-stamped.
                 continue
             session = Session.from_row(row)
             try:

@@ -87,6 +87,9 @@ class ShardFigures:
     #: Per phase (`layer.coordinator.phases.PHASES`): cumulative bucket counts, µs summed.
     phase_buckets: tuple[tuple[int, ...], ...]
     phase_sums_us: tuple[int, ...]
+    #: The shard's stored totals of faults and refusals (`layer.coordinator.faults`): exact
+    #: across restarts and owners; empty for a shard this process does not run.
+    stored: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,7 @@ def loop_figures(
     input_lag: int | None,
     end_offsets: Mapping[tuple[str, int], int],
     now: float,
+    stored: Mapping[str, int] | None = None,
 ) -> tuple[ShardFigures, list[QueueFigures], list[ConsumerFigures], list[PartitionLag]]:
     """One loop's figures. ``consumer_acks`` is pruned to ``sessions`` here (on the loop's
     thread): a consumer that left is not shown, and its count is not kept forever."""
@@ -168,5 +172,6 @@ def loop_figures(
                 partitions.append(PartitionLag(name, topic, partition, point, end))
     buckets, sums = _phase_figures(phases)
     figures = ShardFigures(shard=shard, epoch=epoch, input_lag=input_lag,
-                           counters=dict(counters), phase_buckets=buckets, phase_sums_us=sums)
+                           counters=dict(counters), phase_buckets=buckets, phase_sums_us=sums,
+                           stored=dict(stored or {}))
     return figures, queues, consumers, partitions

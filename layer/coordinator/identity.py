@@ -20,6 +20,7 @@ import logging
 from collections import Counter
 from enum import StrEnum
 
+from layer.coordinator.authorize import Refusals
 from layer.coordinator.sessions import Session
 from layer.protocol import InputHeaders, proves, secret_problem
 from layer.protocol.headers import PROOF, SECRET, header_value, secret_hash
@@ -68,9 +69,11 @@ class SubscribeIdentity:
 class Identity:
     """The identity checks of one shard, with their counters and rate-limited log."""
 
-    def __init__(self, counters: Counter[str], require: bool) -> None:
+    def __init__(self, counters: Counter[str], require: bool,
+                 refusals: Refusals | None = None) -> None:
         self.counters = counters
         self.require = require
+        self.refusals = refusals if refusals is not None else Refusals()
         self._logged: dict[str, float] = {}
 
     def admits(self, session: Session, headers: InputHeaders, kind: str, now: float) -> bool:
@@ -83,7 +86,8 @@ class Identity:
         reason = (Refusal.NO_PROOF if header_value(headers, PROOF) is None
                   else Refusal.WRONG_PROOF)
         self.refuse(kind, reason, session.consumer_id, now,
-                    f"does not prove the secret of session {session.session_id}")
+                    "does not prove its session's secret")
+        self.refusals.count(kind, reason.value, session.principal)
         return False
 
     def subscribe(self, consumer_id: str, existing: Session | None, headers: InputHeaders,
@@ -106,9 +110,9 @@ class Identity:
                 headers, existing.secret_hash):
             return self._refused(
                 consumer_id, Refusal.SESSION_LIVE, now,
-                f"consumer id {consumer_id!r} has a live session ({existing.session_id}) and "
-                f"this Subscribe does not prove its secret (header {PROOF}); it ends when that "
-                f"session does (an Unsubscribe, or no heartbeat for {timeout:g}s)")
+                f"consumer id {consumer_id!r} has a live session and this Subscribe does not "
+                f"prove its secret (header {PROOF}); it ends when that session does (an "
+                f"Unsubscribe, or no heartbeat for {timeout:g}s)")
         return SubscribeIdentity(None if secret is None else secret_hash(secret))
 
     def _refused(self, consumer_id: str, reason: Refusal, now: float, message: str

@@ -241,6 +241,8 @@ class Refresh:
                 # A purge bumps the version; it is not a definition change to rebuild for.
                 core.versions[name] = record.version
         evict(core, catalog.consumers.values(), now, batch, replies)
+        # Principals removed or rotated, grants revoked: their sessions end (protocol 7).
+        core.control.revoke(now, batch, replies)
         for name in list(core.engines):
             if name not in known:
                 elsewhere = catalog.shard_of(name)

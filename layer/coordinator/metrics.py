@@ -33,6 +33,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
+from layer.coordinator.faults import split_refusal_key
 from layer.coordinator.figures import Snapshot
 from layer.coordinator.phases import PHASE_BUCKETS_US, PHASES
 from layer.protocol.records import AckStatus, SubscribeStatus
@@ -68,6 +69,8 @@ INPUT_FAULTS = {"unparseable": "unparseable", "deletes": "delete",
 #: Malformed records by reason label: loop counter -> label value.
 MALFORMED = {"malformed_ack_records": "ack_record",
              "malformed_control_records": "control_record",
+             "oversized_ack_records": "oversized_ack_record",
+             "oversized_control_records": "oversized_control_record",
              "malformed_deliver_at_headers": "deliver_at_header",
              "malformed_expiration_headers": "expiration_header"}
 #: Records read and refused (not malformed) by reason label: loop counter -> label value.
@@ -205,6 +208,12 @@ def _shard_families(s: Snapshot) -> Iterator[Metric]:
                                "why refused).", labels=["shard", "status"])
     subscribes = CounterMetricFamily("qlayer_subscribe_requests", "Subscribe requests "
                                      "answered, by status.", labels=["shard", "status"])
+    refusals = CounterMetricFamily(
+        "qlayer_refusals", "Records and sessions refused or not acted on, by kind (subscribe, "
+        "replace, heartbeat, unsubscribe, ack, control, session, queue), reason and principal "
+        "(its name, 'anonymous' without a credential, 'unknown' for a credential naming "
+        "none). Stored with the shard's input positions: exact across restarts.",
+        labels=["shard", "kind", "reason", "principal"])
     phases = HistogramMetricFamily("qlayer_shard_iteration_phase_seconds", "Time each phase "
                                    "of a shard loop iteration took.", labels=["shard", "phase"])
     bounds = [f"{us / 1e6:g}" for us in PHASE_BUCKETS_US] + ["+Inf"]
@@ -226,6 +235,10 @@ def _shard_families(s: Snapshot) -> Iterator[Metric]:
             acks.add_metric([shard, status.value], c.get(f"ack_{status.value.lower()}", 0))
         for sub in SubscribeStatus:
             subscribes.add_metric([shard, sub.value], c.get(f"subscribe_{sub.value.lower()}", 0))
+        for key, n in sorted(f.stored.items()):
+            labels = split_refusal_key(key)
+            if labels is not None:
+                refusals.add_metric([shard, *labels], n)
         for i, phase in enumerate(PHASES):
             buckets = list(zip(bounds, f.phase_buckets[i], strict=True))
             phases.add_metric([shard, phase], buckets, f.phase_sums_us[i] / 1e6)
@@ -237,6 +250,7 @@ def _shard_families(s: Snapshot) -> Iterator[Metric]:
     yield refused
     yield acks
     yield subscribes
+    yield refusals
     yield phases
 
 
@@ -255,7 +269,8 @@ def metric_names() -> set[str]:
     )
 
     shard = ShardFigures(0, 1, 0, {}, tuple((0,) * (len(PHASE_BUCKETS_US) + 1) for _ in PHASES),
-                         (0,) * len(PHASES))
+                         (0,) * len(PHASES),
+                         stored={"refused:subscribe:queue_not_granted:anonymous": 0})
     snapshot = Snapshot(0.0, "x", "python", Readiness(True, (0,)),
                         queues=(QueueFigures("q", 0, 0, 0, 0, 0, 0, None),),
                         partitions=(PartitionLag("q", "t", 0, 0, 0),),

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from layer.coordinator.acks import ACK_RECORD_LIMIT
 from layer.coordinator.catalog import Catalog
+from layer.coordinator.control import CONTROL_RECORD_LIMIT
 from layer.coordinator.figures import (
     ConsumerFigures,
     PartitionLag,
@@ -56,6 +58,7 @@ from layer.kafka.shards import ShardMembership
 from layer.protocol import TopicNames
 from layer.settings import Settings
 from layer.store.errors import FencedError, StoreError
+from layer.store.principals import Principals
 from layer.store.store import Store
 from layer.store.tables import COUNTER_NAMES
 
@@ -75,6 +78,13 @@ MAX_BACKOFF = 10.0
 MAX_PROBE_INTERVAL = 2.0
 #: How long (s) a check whether Kafka answers may wait for the answer.
 PROBE_TIMEOUT = 2.0
+#: An iteration that takes this long (s) is logged with where its time went: every shard of
+#: the process waited for it.
+SLOW_ITERATION = 1.0
+#: The shortest time (s) between two catalog loads asked for by a shard (a Subscribe to a
+#: queue applied a moment ago waits at most about this long; one to a queue that does not
+#: exist cannot make the process load the catalog more often than this).
+FORCED_CATALOG_GAP = 0.25
 
 
 @dataclass
@@ -161,6 +171,7 @@ class CoordinatorProcess:
         self._admin: KafkaAdmin | None = None
         self._catalog = Catalog(0)
         self._next_catalog = 0.0
+        self._catalog_loaded_at = float("-inf")
         self._next_report = 0.0
         self._directory_versions: dict[str, tuple[int, int]] | None = None
         self._stop = threading.Event()
@@ -184,6 +195,20 @@ class CoordinatorProcess:
         total: Counter[str] = Counter(self._process_counters)
         for loop in self._loops.values():
             total.update(loop.counters)
+        return total
+
+    @property
+    def catalog(self) -> Catalog:
+        """The latest catalog (queues, consumers, principals and grants) the process loaded."""
+        return self._catalog
+
+    @property
+    def refusals(self) -> Counter[tuple[str, str, str]]:
+        """Records and sessions this process refused, by (kind, reason, principal), added up
+        over its loops (since it started; the stored totals are the shards')."""
+        total: Counter[tuple[str, str, str]] = Counter()
+        for loop in self._loops.values():
+            total.update(loop.refusals.counts)
         return total
 
     @property
@@ -221,9 +246,11 @@ class CoordinatorProcess:
         self._admin = admin = KafkaAdmin(self._kafka_config())
         count = self.store.shard_count()
         topics = self.topics
+        limits = {topics.control: {"max.message.bytes": str(CONTROL_RECORD_LIMIT)},
+                  topics.ack: {"max.message.bytes": str(ACK_RECORD_LIMIT)}}
         admin.ensure_topics([
-            TopicSpec(topics.control, count),
-            TopicSpec(topics.ack, count),
+            TopicSpec(topics.control, count, limits[topics.control]),
+            TopicSpec(topics.ack, count, limits[topics.ack]),
             TopicSpec(topics.events, 6),
             TopicSpec(topics.shards, count),
         ])
@@ -231,6 +258,17 @@ class CoordinatorProcess:
         # shard; their old partitions are read by shard p mod N, so nothing is left unread.
         for topic in (topics.control, topics.ack, topics.shards):
             admin.ensure_partitions(topic, count)
+        # The broker refuses records over a consumer-written topic's limit before any
+        # coordinator reads them (the coordinators drop larger ones unread too). Topics made
+        # before issue 36 get the limit here; without the right to change it (ALTER_CONFIGS),
+        # the coordinators' own check still holds.
+        for topic, config in limits.items():
+            try:
+                admin.ensure_topic_config(topic, config)
+            except KafkaAdapterError as exc:
+                log.warning("could not set %s on %s (records over it are still dropped "
+                            "unread): %s", ", ".join(f"{k}={v}" for k, v in config.items()),
+                            topic, exc)
         self._load_catalog(now)
         self._join()
         self._started = True
@@ -296,8 +334,17 @@ class CoordinatorProcess:
                 continue
             stats = self._run_shard(slot, now)
             slot.ran_at = now
-            slot.had_input = stats is not None and bool(
-                stats.journal_records or stats.control_records or stats.ack_items)
+            core = slot.loop.core
+            slot.had_input = core.waiting or (stats is not None and bool(
+                stats.journal_records or stats.control_records or stats.ack_items))
+            if core.control.wants_catalog:
+                # A record waits for a fresher catalog (a queue or principal the shard does
+                # not know yet): load it soon, but at most every FORCED_CATALOG_GAP, so that a
+                # flood of Subscribes to queues that do not exist costs a bounded share of
+                # the thread.
+                core.control.wants_catalog = False
+                self._next_catalog = min(self._next_catalog,
+                                         self._catalog_loaded_at + FORCED_CATALOG_GAP)
             if slot.had_input:
                 slot.busy_until = now + BUSY_FOR
             if stats is not None:
@@ -311,7 +358,8 @@ class CoordinatorProcess:
             self._say_taken()
         if now >= self._next_report:
             self._report(now)
-        busy = total.journal_records or total.control_records or total.ack_items
+        busy = total.journal_records or total.control_records or total.ack_items or any(
+            slot.loop.core.waiting for slot in self._slots.values())
         if not busy:
             timeout = self.options.poll_timeout if wait is None else wait
             if timeout > 0:
@@ -505,6 +553,7 @@ class CoordinatorProcess:
             except QlayerError as exc:
                 self._failed(slot, now, exc, f"taking shard {loop.shard} failed")
                 return None
+        started = time.perf_counter()
         try:
             stats = loop.run_once(now, poll_timeout=0)
         except FencedError:
@@ -520,12 +569,28 @@ class CoordinatorProcess:
             loop.counters["iteration_failures"] += 1
             loop.rebuild(now, kafka=not (isinstance(exc, KafkaAdapterError) and exc.retriable))
             return None
+        took = time.perf_counter() - started
+        if took >= SLOW_ITERATION:
+            self._slow(loop, took)
         slot.backoff = 0.0
         trouble, slot.trouble = slot.trouble, None
         if trouble is not None:
             log.warning("shard %d runs again, %.1fs and %d failures after it first failed",
                         loop.shard, now - trouble.since, trouble.count)
         return stats
+
+    def _slow(self, loop: ShardLoop, took: float) -> None:
+        """An iteration held the process's one thread for ``took`` seconds: every other shard
+        waited. Say which and where the time went, and give the others the cause for their
+        own "did not run" line (`ShardLoop._forgive`)."""
+        cause = (f"shard {loop.shard}'s iteration took {took:.1f}s "
+                 f"({loop.phase_breakdown()})")
+        self._process_counters["slow_iterations"] += 1
+        log.warning("%s; the process's other shards waited for it", cause,
+                    extra=fields(shard=loop.shard, reason="slow iteration"))
+        for other in self._loops.values():
+            if other is not loop:
+                other.stall_hint = cause
 
     def _say_taken(self) -> None:
         """Say which shards this process took in this round, and why: one line per reason
@@ -620,8 +685,10 @@ class CoordinatorProcess:
     # ------------------------------------------------------------------ catalog, directory, report
     def _load_catalog(self, now: float) -> None:
         self._catalog = Catalog.of(self.store.shard_count(), self.store.list_queues(),
-                                   self.store.load_consumers(), now)
+                                   self.store.load_consumers(), now,
+                                   Principals(self.store.engine).load_entitlements())
         self._next_catalog = now + self.options.refresh_interval
+        self._catalog_loaded_at = now
         if 0 in self._slots and self._slots[0].loop.epoch is not None:
             self._sync_directory()
 
@@ -651,7 +718,6 @@ class CoordinatorProcess:
         """Say which shards this process runs and how far behind each is."""
         self._next_report = now + self.options.report_interval
         lags: dict[str, tuple[int, int | None]] = {}
-        counters: dict[str, dict[str, int]] = {}
         for slot in self._slots.values():
             loop = slot.loop
             if loop.epoch is not None:
@@ -660,12 +726,11 @@ class CoordinatorProcess:
                 except QlayerError:
                     lag = None
                 lags[shard_key(loop.shard)] = (loop.epoch, lag)
-                counters[shard_key(loop.shard)] = loop.fault_counters()
         problems: list[str] = []
         try:
             self.store.report(self.options.owner_id, socket.gethostname(), os.getpid(),
                               self.started_at, self.shards, lags, now,
-                              now - FORGET_PROCESSES_AFTER, counters)
+                              now - FORGET_PROCESSES_AFTER)
         except QlayerError as exc:
             self._process_counters["report_failures"] += 1
             log.warning("reporting to the process registry failed: %s", exc)
@@ -696,7 +761,7 @@ class CoordinatorProcess:
                 figures, q, c, p = loop_figures(
                     shard, loop.epoch, loop.core.engines if running else {},
                     loop.core.sessions, loop.core.consumer_acks, loop.counters, loop.phases,
-                    lag, ends, now)
+                    lag, ends, now, loop.fault_counters() if running else None)
                 shards.append(figures)
                 queues += q
                 consumers += c

@@ -35,6 +35,11 @@ class Session:
     #: SHA-256 of the session's secret (protocol 5, `layer.coordinator.identity`); None for an
     #: unproven session (a consumer that sent none).
     secret_hash: bytes | None = None
+    #: The principal its credential proved (protocol 7, `layer.domain.authorization`), None
+    #: for an anonymous session, and the SHA-256 of the credential's secret: a catalog load
+    #: that finds the principal removed, rotated or no longer granted the queues ends it.
+    principal: str | None = None
+    credential_hash: bytes | None = None
 
     @property
     def every_queue(self) -> list[str]:
@@ -52,4 +57,5 @@ class Session:
         return cls(row.consumer_id, row.session_id, row.queue, row.is_regex, row.max_backlog,
                    row.filter, row.delivery_topic, row.session_timeout_ms / 1000.0,
                    row.subscribed_at, [], BacklogShare() if row.is_regex else None,
-                   row.delivery_format, secret_hash=row.secret_hash)
+                   row.delivery_format, secret_hash=row.secret_hash,
+                   principal=row.principal, credential_hash=row.credential_hash)

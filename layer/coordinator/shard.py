@@ -37,9 +37,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from layer.coordinator.authorize import Refusals
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore, record_limit
 from layer.coordinator.deferred import DeferredReader
+from layer.coordinator.faults import FAULT_COUNTERS, is_fault_counter
 from layer.coordinator.logformat import fields
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
@@ -72,27 +74,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FAULT_COUNTERS", "CoordinatorOptions", "LeaseTokens", "LoopStats", "ShardLoop",
            "is_fault_counter"]
-
-#: The shard's counters kept in PostgreSQL (`ShardLoop.fault_counters`, 0008) and shown by
-#: `qlayer stats`: what the shard refused or isolated that no queue's counters hold. Names
-#: starting with one of `FAULT_PREFIXES` are kept too (ack and subscribe refusals by status).
-FAULT_COUNTERS = ("malformed_ack_records", "malformed_control_records",
-                  "forward_hops_exceeded", "unknown_session_heartbeats",
-                  "unknown_session_unsubscribes", "unanswerable_replies", "too_large",
-                  "barrier_refused",
-                  "journal_deleted", "journals_deleted", "retention_expired",
-                  "delivery_without_payload", "dead_letter_without_payload",
-                  "invalid_queue_definitions", "malformed_deliver_at_headers",
-                  "malformed_expiration_headers")
-FAULT_PREFIXES = ("ack_", "subscribe_")
-#: Not faults, though they share a prefix.
-_NOT_FAULTS = frozenset({"ack_ok", "ack_items", "ack_duplicate_forwarded", "subscribe_ok"})
-
-
-def is_fault_counter(name: str) -> bool:
-    return name in FAULT_COUNTERS or (name.startswith(FAULT_PREFIXES)
-                                      and name not in _NOT_FAULTS)
-
 
 #: Iterations whose records may be kept unconfirmed (`ShardLoop._unconfirmed`) before the
 #: loop waits for them.
@@ -133,12 +114,15 @@ class ShardLoop:
         self.admin = admin
         self.topics = TopicNames(settings.topic_prefix)
         self.counters: Counter[str] = Counter()
+        #: Records not acted on by kind, reason and principal (kept, like ``counters``,
+        #: across rebuilds of the shard).
+        self.refusals = Refusals()
         #: Each phase's time per iteration, as a histogram (the metrics endpoint).
         self.phases = PhaseTimes()
         self.epoch: int | None = None
         self.core = ShardCore(shard, options, topics=self.topics, catalog=catalog, admin=admin,
                               tokens=tokens or LeaseTokens(), owner_id=options.owner_id,
-                              memory=memory, counters=self.counters)
+                              memory=memory, counters=self.counters, refusals=self.refusals)
         self.output = Output(self.core)
         # Records larger than the producer writes never reach it (issue 15, 2a).
         self.core.record_limit = record_limit(self.settings.kafka_config())
@@ -167,12 +151,15 @@ class ShardLoop:
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
         # Shard 0's owner deletes the delivery topics no session uses any more, for every shard.
         self._sweep: DeliveryTopicSweep | None = None
+        # The last iteration's phases (µs: polling, deciding, committing, encoding, writing),
+        # and why the loop last did not run (set by the process after another shard's slow
+        # iteration; said, then cleared, by `_forgive`).
+        self._last_phases_us: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self.stall_hint: str | None = None
+        # Consumer rows the last commit did not write (`Control.lost_claims`).
+        self._consumers_refused: frozenset[str] = frozenset()
         # When the last iteration began (None before the first since the shard was taken).
         self._last_iteration: float | None = None
-        # The shard's stored fault counters when this process took it, and its own counters
-        # then (`fault_counters`).
-        self._fault_base: dict[str, int] = {}
-        self._faults_at_take: dict[str, int] = {}
 
     @property
     def engines(self) -> dict[str, object]:
@@ -184,18 +171,12 @@ class ShardLoop:
         return self.epoch is not None
 
     def fault_counters(self) -> dict[str, int]:
-        """The shard's running totals of input faults and isolated poison input (malformed
-        ack and control records, refusals by status, records too large to deliver, journals
-        deleted while read): what its earlier owners stored, plus what this process counted
-        since it took the shard. A snapshot (a new dict), for the periodic report to
-        PostgreSQL and for any collector (a metrics exporter) to read."""
-        totals = dict(self._fault_base)
-        for name, n in self.counters.items():
-            if n and is_fault_counter(name):
-                grown = n - self._faults_at_take.get(name, 0)
-                if grown > 0:
-                    totals[name] = totals.get(name, 0) + grown
-        return totals
+        """The shard's running totals of input faults, isolated poison input and refusals
+        (malformed ack and control records, refusals by status and by kind, reason and
+        principal, records too large to deliver, journals deleted while read), as stored in
+        PostgreSQL: what its earlier owners stored plus what this process committed since it
+        took the shard (`layer.coordinator.faults`). A snapshot (a new dict)."""
+        return self.core.faults.totals()
 
     # ------------------------------------------------------------------ ownership
     def take(self, now: float) -> int:
@@ -210,8 +191,7 @@ class ShardLoop:
         self._uncommitted, self._commit_offsets_at = {}, 0.0  # a former epoch's positions
         self.epoch = self.store.take_shard(self.key, self.options.owner_id, now)
         self.core.epoch = self.epoch
-        self._fault_base = self.store.shard_counters(self.key)
-        self._faults_at_take = {k: n for k, n in self.counters.items() if is_fault_counter(k)}
+        self.core.faults.take(self.store.shard_counters(self.key))
         # The process says which shards it took and why, in one line per round.
         log.debug("coordinator %s runs shard %d at epoch %d", self.options.owner_id, self.shard,
                   self.epoch, extra=fields(shard=self.shard, epoch=self.epoch))
@@ -469,6 +449,12 @@ class ShardLoop:
             plan.batch.published(published)
         decided = clock()
         batch_ids = self._commit(plan, now)
+        if plan.batch.shard_counts:
+            self.core.faults.committed(plan.batch.shard_counts)
+        if self._consumers_refused:
+            # Sessions whose row another shard holds for a live session of the same id.
+            self.core.control.lost_claims(self._consumers_refused, now, plan.replies)
+            self._consumers_refused = frozenset()
         if plan.batch.outbox_published is not None:
             self._published = None  # deleted from the outbox by that transaction
         committed = clock()
@@ -510,6 +496,7 @@ class ShardLoop:
         self.counters["us_writing"] += writing
         self.counters["us_encoding"] += out
         self.phases.observe(polling, deciding, committing, out, writing)
+        self._last_phases_us = (polling, deciding, committing, out, writing)
         group_offsets.run_once(now)
         if self._sweep is not None:
             self._sweep.run_once(now)
@@ -536,10 +523,19 @@ class ShardLoop:
                 if engine is not None:
                     engine.heartbeat(session.consumer_id, now, session.session_id)
         self.counters["stalls"] += 1
+        cause, self.stall_hint = self.stall_hint, None
         if sessions:
-            log.warning("shard %d did not run for %.1fs: its %d consumer sessions get a fresh "
-                        "session timeout", self.shard, gap, len(sessions),
+            log.warning("shard %d did not run for %.1fs%s: its %d consumer sessions get a "
+                        "fresh session timeout", self.shard, gap,
+                        f" ({cause})" if cause else "", len(sessions),
                         extra=fields(shard=self.shard, epoch=self.epoch))
+
+    def phase_breakdown(self) -> str:
+        """The last iteration's time by phase, largest first, for a log line."""
+        names = ("polling", "deciding", "committing", "encoding", "writing")
+        parts = sorted(zip(self._last_phases_us, names, strict=True), reverse=True)
+        return ", ".join(f"{name} {us / 1e6:.2f}s" for us, name in parts if us >= 10_000) \
+            or "no phase over 10 ms: time between the phases"
 
     def _commit(self, plan: Plan, now: float) -> tuple[int, ...]:
         """One guarded transaction for everything decided; returns its outbox batches' ids."""
@@ -555,6 +551,7 @@ class ShardLoop:
         plan.stats.statements = result.statements
         self.counters["statements"] += result.statements
         self.counters["transactions"] += 1
+        self._consumers_refused = result.consumers_refused
         return result.outbox_batch_ids
 
     def _write(self, plan: Plan, reread: dict[Bookmark, JournalRecord],

@@ -13,9 +13,13 @@ from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaExcep
 from confluent_kafka import TopicPartition as KTP
 from confluent_kafka.admin import (  # type: ignore[attr-defined]  # exported, not re-declared
     AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
     NewPartitions,
     NewTopic,
     OffsetSpec,
+    ResourceType,
 )
 
 from layer.kafka.errors import (
@@ -99,6 +103,25 @@ class KafkaAdmin:
                     raise self._error(f"cannot create topic {name}", exc) from exc
         self._wait_for_leaders([s.name for s in missing], timeout)
         return created
+
+    def ensure_topic_config(self, topic: str, config: Mapping[str, str],
+                            timeout: float = 30.0) -> bool:
+        """Set ``config`` on an existing topic where it differs (an incremental alter, so the
+        topic's other settings stay); True when something was changed."""
+        resource = ConfigResource(ResourceType.TOPIC, topic)
+        with self._translated(f"cannot read the configuration of {topic}"):
+            described = self._admin.describe_configs([resource])[resource].result(timeout)
+        wanted = {k: v for k, v in config.items()
+                  if k not in described or str(described[k].value) != str(v)}
+        if not wanted:
+            return False
+        change = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+            ConfigEntry(k, str(v), incremental_operation=AlterConfigOpType.SET)
+            for k, v in wanted.items()])
+        with self._translated(f"cannot change the configuration of {topic}"):
+            for future in self._admin.incremental_alter_configs([change]).values():
+                future.result(timeout)
+        return True
 
     def ensure_partitions(self, topic: str, count: int, timeout: float = 30.0) -> bool:
         """Give an existing topic at least ``count`` partitions; True when it grew."""

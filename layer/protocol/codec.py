@@ -407,6 +407,34 @@ class Codec:
         return AcceptRecord(consumer_id=datum["consumer_id"], session_id=datum["session_id"],
                             sent_at_ms=datum["sent_at_ms"], groups=tuple(groups))
 
+    def peek_ack_session(self, data: bytes | None) -> tuple[str, str] | None:
+        """The ``consumer_id`` and ``session_id`` of an ack-topic record (an AckRecord or an
+        AcceptRecord), read without decoding the rest: both schemas start with these two
+        strings. None when the record is not one of them or the two strings cannot be read.
+
+        The coordinator checks the session before it decodes a record's items, so a record
+        that names no session costs a few byte reads, whatever its size (issue 36)."""
+        if data is None or len(data) < HEADER_LENGTH or data[:2] != SINGLE_OBJECT_MAGIC:
+            return None
+        fingerprint = data[2:HEADER_LENGTH]
+        if fingerprint != self._ack.fingerprint and fingerprint != self._accept.fingerprint:
+            return None
+        position = HEADER_LENGTH
+        found: list[str] = []
+        for _ in range(2):
+            read = _read_avro_long(data, position)
+            if read is None:
+                return None
+            length, position = read
+            if not 0 <= length <= _MAX_PEEKED_STRING or position + length > len(data):
+                return None
+            try:
+                found.append(bytes(data[position:position + length]).decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+            position += length
+        return found[0], found[1]
+
     def decode_ack_topic_any(self, data: bytes | None) -> AckRecord | AcceptRecord:
         """A record of the ack topic as it was written: an AckRecord or an AcceptRecord."""
         if data is not None and data[2:HEADER_LENGTH] == self._accept.fingerprint:
@@ -644,6 +672,24 @@ class Codec:
                 return self.decode_accept(data)
             case SchemaKind.EVENT_BATCH:
                 return self.decode_event_batch(data)
+
+
+#: The longest consumer or session id `Codec.peek_ack_session` reads (a topic name is at most
+#: 249 characters, so a consumer id is shorter still; a session id is a UUID).
+_MAX_PEEKED_STRING = 1024
+
+
+def _read_avro_long(data: bytes, position: int) -> tuple[int, int] | None:
+    """An Avro ``long`` (zig-zag varint, at most 10 bytes) at ``position``: (value, the
+    position after it), or None when the bytes end or run past 10."""
+    shift = result = 0
+    for i in range(position, min(position + 10, len(data))):
+        byte = data[i]
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return (result >> 1) ^ -(result & 1), i + 1
+        shift += 7
+    return None
 
 
 def _run(datum: dict[str, Any]) -> EventRun:

@@ -23,6 +23,7 @@ __all__ = [
     "BARRIER",
     "BOOKMARK",
     "CONSUMER",
+    "CREDENTIAL",
     "DELIVERY_COUNT",
     "DELIVERY_HEADER_KEYS",
     "DELIVER_AT",
@@ -42,6 +43,7 @@ __all__ = [
     "LEASE_EXPIRES",
     "PROOF",
     "QUEUE",
+    "REFUSAL",
     "REPLY",
     "SECRET",
     "SESSION",
@@ -105,6 +107,14 @@ FORWARDED = "qlayer.forwarded"
 # replaces). Only coordinators read the control and ack topics (docs/security.md).
 SECRET = "qlayer.secret"
 PROOF = "qlayer.proof"
+# --- authorization (protocol 7, docs/security.md "Authorization") ----------------------------
+# On a Subscribe: the credential of the consumer's principal (``NAME:SECRET``, issued by
+# `qlayer security principal add`). Like the secret, read by coordinators only.
+CREDENTIAL = "qlayer.credential"
+# On a refused SubscribeResult: why, as a word a program can test (``not_authorized``); the
+# status stays INVALID_REQUEST, so consumers of earlier protocols still read the reply.
+REFUSAL = "qlayer.refusal"
+NOT_AUTHORIZED = "not_authorized"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the

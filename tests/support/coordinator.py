@@ -41,7 +41,7 @@ from layer.protocol import (
     reply_shard,
     secret_headers,
 )
-from layer.protocol.headers import new_session_secret
+from layer.protocol.headers import CREDENTIAL, new_session_secret
 from layer.settings import Settings
 from layer.store.store import Store
 from layer.store.tables import COUNTER_NAMES
@@ -124,7 +124,9 @@ class RawConsumer:
                  max_backlog: int | None = None, filter: str | None = None,
                  session_timeout_ms: int = 10_000, consumer_id: str | None = None,
                  queue_is_regex: bool = False, follow_shard: bool = True,
-                 identity: bool = True) -> None:
+                 identity: bool = True, credential: str | None = None,
+                 kafka: dict[str, str] | None = None, create_delivery_topic: bool = True,
+                 read_delivery_topic: bool = True) -> None:
         self.codec = Codec()
         self.topics = TopicNames(prefix)
         self.consumer_id = consumer_id or f"raw-{uuid.uuid4().hex[:8]}"
@@ -134,12 +136,19 @@ class RawConsumer:
         self.delivery_topic = self.topics.delivery(self.consumer_id)
         #: The session secret its Subscribe sends and later records prove (None: protocol 1–4).
         self.secret: bytes | None = new_session_secret() if identity else None
-        create_topic(bootstrap_servers, self.delivery_topic, 1, exist_ok=True)
-        self.producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 1})
+        #: The principal's credential its Subscribe sends (protocol 7; None: anonymous).
+        self.credential = credential
+        security = dict(kafka or {})
+        if create_delivery_topic:
+            create_topic(bootstrap_servers, self.delivery_topic, 1, exist_ok=True)
+        self.producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 1,
+                                  **security})
+        # A forger under ACLs may not read the consumer id's delivery topic: it writes only.
         self.consumer = Consumer({"bootstrap.servers": bootstrap_servers,
                                   "group.id": self.consumer_id, "enable.auto.commit": False,
-                                  "auto.offset.reset": "earliest"})
-        self.consumer.assign([TopicPartition(self.delivery_topic, 0, 0)])
+                                  "auto.offset.reset": "earliest", **security})
+        if read_delivery_topic:
+            self.consumer.assign([TopicPartition(self.delivery_topic, 0, 0)])
         self.replies: list[object] = []
         self.max_backlog = max_backlog
         self.filter = filter
@@ -172,20 +181,7 @@ class RawConsumer:
         """Subscribe and wait for the answer; ``delivery_topic`` names another topic in the
         request (this consumer still reads its conventional one); ``prove`` is the secret of
         the live session of this consumer id the new one replaces."""
-        request_id = uuid.uuid4().hex
-        headers: list[tuple[str, bytes | None]] = []
-        if self.secret is not None:
-            headers += secret_headers(self.secret)
-        if prove is not None:
-            headers += proof_headers(prove)
-        self._send_control(Subscribe(
-            consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
-            queue=self.queue, queue_is_regex=self.queue_is_regex,
-            max_backlog=self.max_backlog, filter=self.filter,
-            delivery_topic=delivery_topic or self.delivery_topic,
-            session_timeout_ms=self.session_timeout_ms,
-            client_name="raw-test", client_version="0", sent_at_ms=int(time.time() * 1000)),
-            headers)
+        request_id = self.send_subscribe(delivery_topic, prove)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # Deliveries may follow the reply in the same fetch: keep them for poll().
@@ -195,6 +191,32 @@ class RawConsumer:
                     self.subscribed = reply.status is SubscribeStatus.OK
                     return reply
         raise TimeoutError(f"no SubscribeResult for {self.consumer_id} within {timeout}s")
+
+    def send_subscribe(self, delivery_topic: str | None = None, prove: bytes | None = None,
+                       partition: int | None = None) -> str:
+        """Write a Subscribe and return its request id, without waiting for an answer (a
+        forger under ACLs cannot read the answer); ``partition``: the control partition to
+        write it to (another shard's), else as `_route` says."""
+        request_id = uuid.uuid4().hex
+        headers: list[tuple[str, bytes | None]] = []
+        if self.secret is not None:
+            headers += secret_headers(self.secret)
+        if prove is not None:
+            headers += proof_headers(prove)
+        if self.credential is not None:
+            headers.append((CREDENTIAL, self.credential.encode()))
+        message = Subscribe(
+            consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
+            queue=self.queue, queue_is_regex=self.queue_is_regex,
+            max_backlog=self.max_backlog, filter=self.filter,
+            delivery_topic=delivery_topic or self.delivery_topic,
+            session_timeout_ms=self.session_timeout_ms,
+            client_name="raw-test", client_version="0", sent_at_ms=int(time.time() * 1000))
+        route = {"partition": partition} if partition is not None else self._route()
+        self.producer.produce(self.topics.control, self.codec.encode_control(message),
+                              key=self.consumer_id.encode(), headers=headers, **route)
+        self.producer.flush(10)
+        return request_id
 
     def replace(self, queue: str, *, max_backlog: int | None = None,
                 filter: str | None = None, timeout: float = 30.0) -> SubscribeResult:

@@ -52,19 +52,21 @@ def test_a_subscribe_with_the_victims_id_is_refused_and_the_victim_keeps_its_lea
         produce(settings.bootstrap_servers, work, [b"a", b"b"])
         held = victim.receive(2)
         thief = pool.new("Work", consumer_id=victim.consumer_id)
-        # Asking for deliveries on a topic of its own: refused, and the refusal has nowhere
-        # to go (replies create no topic; neither does a refused Subscribe).
+        # Asking for deliveries on a topic of its own: refused, the topic not created, and the
+        # refusal written to the consumer id's own delivery topic (protocol 7: qlayer names
+        # delivery topics), which the thief reads here, without ACLs; the victim's SDK ignores
+        # it: another session's request.
         inbox = TopicNames(settings.topic_prefix).delivery("thief-inbox")
-        with pytest.raises(TimeoutError):
-            thief.subscribe(timeout=3.0, delivery_topic=inbox)
-        assert coordinator.counters["identity_refused_subscribe_session_live"] == 1
+        refused = thief.subscribe(delivery_topic=inbox)
+        assert refused.status is SubscribeStatus.INVALID_REQUEST
         admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
         assert inbox not in admin.list_topics(timeout=10).topics
-        # On the victim's own topic (which the thief reads here, without ACLs) the refusal
-        # says why; the victim's SDK ignores it (another session's request).
+        # Under its own topic, the live session is what refuses it; the refusal does not name
+        # the victim's session.
         refused = thief.subscribe()
         assert refused.status is SubscribeStatus.INVALID_REQUEST
         assert "live session" in (refused.message or "")
+        assert victim.session_id not in (refused.message or "")
         # The victim's session is intact: it acks its leases and gets the next messages.
         victim.ack(held)
         produce(settings.bootstrap_servers, work, [b"c"])
@@ -75,6 +77,7 @@ def test_a_subscribe_with_the_victims_id_is_refused_and_the_victim_keeps_its_lea
         wait_for_counters(settings, "Work", acked=3)
         assert victim.ack_results() == []
         assert coordinator.counters["identity_refused_subscribe_session_live"] == 2
+        assert coordinator.counters["subscribe_invalid_request"] == 2
         with Store(settings.database_url) as store:
             (row,) = [r for r in store.load_consumers() if r.consumer_id == victim.consumer_id]
         assert row.session_id == victim.session_id and row.delivery_topic == victim.delivery_topic

@@ -126,6 +126,14 @@ class Harness:
                             leases=tuple(token or d.token for d in ds))
                 for p, ds in groups.items()))), consumer.encode())
 
+    def held_elsewhere(self, consumer: str, queue: str, shard: int, now: float) -> None:
+        """A catalog loaded at ``now`` in which another shard holds the consumer's session
+        (its ack records are passed on there; those of sessions no shard has are dropped)."""
+        self.catalog = Catalog.of(2, [*self.catalog.queues.values()], [ConsumerRow(
+            consumer_id=consumer, session_id=f"s-{consumer}", queue=queue, is_regex=False,
+            delivery_topic=TOPICS.delivery(consumer), session_timeout_ms=600_000,
+            subscribed_at=now, last_heartbeat_at=now, shard=shard)], now=now)
+
     def step(self, records: list[JournalRecord], now: float) -> Plan:
         plan = self.core.step(records, now)
         self.core.settled(plan)
@@ -213,9 +221,26 @@ def test_records_of_another_shard_are_passed_on_to_its_partition() -> None:
     (forwarded,) = plan.forwards
     assert (forwarded.topic, forwarded.partition) == (TOPICS.control, 1)
     assert forwarded_hops(forwarded.headers) == 1
+    h.held_elsewhere("c2", "Elsewhere", 1, 1.5)  # shard 1 accepted it
     acks = h.step([h.ack("c2", [_lease("Elsewhere")], queue="Elsewhere")], 2.0)
     assert [(r.topic, r.partition) for r in acks.forwards] == [(TOPICS.ack, 1)]
     assert _replies(acks) == []  # shard 1 answers it, not this one
+
+
+def test_an_ack_record_of_no_session_is_dropped_unread_once_the_catalog_is_fresh() -> None:
+    h = Harness(_queue("Elsewhere", 1))
+    record = h.ack("ghost", [_lease("Elsewhere")], queue="Elsewhere")
+    waiting = h.step([record], 1.0)
+    # The catalog was loaded before the record came: it waits for a fresher one, its
+    # position not stored past it, and the process is asked for a load.
+    assert waiting.forwards == [] and waiting.input_offsets == {}
+    assert h.core.waiting and h.core.control.wants_catalog
+    h.catalog = Catalog.of(2, [*h.catalog.queues.values()], [], now=1.5)
+    plan = h.step([], 2.0)
+    assert plan.forwards == [] and _replies(plan) == []
+    assert plan.input_offsets == {(TOPICS.ack, 0): record.offset + 1}
+    assert h.core.counters["identity_refused_ack_unknown_session"] == 1
+    assert not h.core.waiting
 
 
 def test_a_record_passed_on_too_often_is_answered_where_it_is() -> None:
@@ -264,6 +289,7 @@ def test_an_accept_record_the_fast_path_cannot_take_goes_the_general_way() -> No
     statuses = [i.status for r in _replies(bad) if isinstance(r, AckResult) for i in r.items]
     assert statuses == [AckStatus.INVALID, AckStatus.INVALID]
     # Another shard's queue: passed on, unchanged, to its partition.
+    h.held_elsewhere("c2", "Elsewhere", 1, 2.5)
     away = h.step([h.accept("c2", [_lease("Elsewhere")], queue="Elsewhere")], 3.0)
     assert [(r.topic, r.partition) for r in away.forwards] == [(TOPICS.ack, 1)]
     assert CODEC.decode_ack_topic(away.forwards[0].value).items[0].queue == "Elsewhere"

@@ -127,8 +127,9 @@ def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
-    # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded, secret, proof
-    assert len(names) == 24
+    # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded, secret, proof,
+    # credential, refusal
+    assert len(names) == 26
     assert [n for n in names if f"`{n}`" not in DOC] == []
 
 
@@ -163,3 +164,16 @@ def test_worked_identity_example_is_what_the_sdk_sends_and_the_coordinator_keeps
     stored = bytes.fromhex(block_after("worked-example:secret-sha256"))
     assert proves([(key, bytes.fromhex(block_after("worked-example:proof-hex")))], stored)
     assert not proves([(key, example[:-1] + b"0")], stored)
+
+
+def test_worked_credential_hex_and_its_stored_hash_are_what_the_code_makes() -> None:
+    from layer.domain.authorization import Entitlements, Principal, parse_credential
+
+    value = bytes.fromhex(block_after("worked-example:credential-hex"))
+    credential = parse_credential(value)
+    assert str(credential).encode() == value
+    stored = bytes.fromhex(block_after("worked-example:credential-sha256"))
+    assert credential.sha256 == stored
+    entitlements = Entitlements(principals={"alice": Principal("alice", stored)})
+    assert entitlements.authenticate(credential) == Principal("alice", stored)
+    assert entitlements.authenticate(parse_credential(value[:-1] + b"x")) is None
