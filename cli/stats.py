@@ -104,14 +104,48 @@ def _shard_counters(settings: Settings, queue: str | None) -> dict[str, dict[str
     return shard_counters(settings)
 
 
+def _refusals(shards: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
+    """Refusals by kind, reason and principal, added up over the shards (docs/security.md,
+    "What operators see"): the ``refused:`` counters of `layer.coordinator.faults`."""
+    from layer.coordinator.faults import split_refusal_key
+
+    totals: dict[tuple[str, str, str], int] = {}
+    for counters in shards.values():
+        for name, n in counters.items():
+            labels = split_refusal_key(name)
+            if labels is not None and n:
+                totals[labels] = totals.get(labels, 0) + n
+    return [{"kind": k, "reason": r, "principal": p, "count": n}
+            for (k, r, p), n in sorted(totals.items())]
+
+
+def _without_refusals(shards: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    from layer.coordinator.faults import REFUSED_PREFIX
+
+    kept = {shard: {k: n for k, n in c.items() if not k.startswith(REFUSED_PREFIX)}
+            for shard, c in shards.items()}
+    return {shard: c for shard, c in kept.items() if c}
+
+
 def _shard_table(shards: dict[str, dict[str, int]]) -> Table:
     table = Table(title="shard faults (malformed or refused input, isolated poison input)")
     table.add_column("shard")
     table.add_column("counter")
     table.add_column("total", justify="right")
-    for shard, counters in shards.items():
+    for shard, counters in _without_refusals(shards).items():
         for name, n in counters.items():
             table.add_row(escape(shard), escape(name), str(n))
+    return table
+
+
+def _refusal_table(refusals: list[dict[str, Any]]) -> Table:
+    table = Table(title="refused (by kind, reason and principal; all shards)")
+    for column in ("kind", "reason", "principal"):
+        table.add_column(column)
+    table.add_column("count", justify="right")
+    for r in refusals:
+        table.add_row(escape(r["kind"]), escape(r["reason"]), escape(r["principal"]),
+                      str(r["count"]))
     return table
 
 
@@ -153,14 +187,18 @@ def stats(
     _warn_unowned(settings)
     sample = _sample(settings, queue, {})
     if json_out and not watch:
+        shards = _shard_counters(settings, queue)
         emit_json({"queues": [_document(s) for s in sample],
-                   "shards": _shard_counters(settings, queue)})
+                   "shards": _without_refusals(shards), "refusals": _refusals(shards)})
         return
     if not watch:
         show(_tables(sample))
         shards = _shard_counters(settings, queue)
-        if shards:
+        if _without_refusals(shards):
             show(_shard_table(shards))
+        refusals = _refusals(shards)
+        if refusals:
+            show(_refusal_table(refusals))
         return
     try:
         if json_out:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     topic_prefix: str = "qlayer."
     # librdkafka takes numbers and booleans too (`linger.ms: 5`, `enable.idempotence: true`).
     kafka: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    # A consumer's credential (protocol 7, docs/security.md "Authorization"): `NAME:SECRET` as
+    # `qlayer security principal add` printed it. A secret: kept out of reprs and dumps.
+    credential: SecretStr | None = None
     config_file: Path | None = Field(default=None, exclude=True)
 
     @classmethod

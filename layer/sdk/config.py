@@ -27,6 +27,8 @@ class ClientConfig:
     bootstrap_servers: str
     topics: TopicNames
     kafka_config: Mapping[str, Any] = field(default_factory=dict)
+    #: The consumer's credential (``QLAYER_CREDENTIAL`` or the file's ``credential``), if any.
+    credential: str | None = field(default=None, repr=False)
 
     @classmethod
     def resolve(
@@ -50,7 +52,9 @@ class ClientConfig:
         given = extra.pop("bootstrap.servers", None)
         if given is not None and bootstrap_servers is None:
             servers = str(given)
-        return cls(servers, TopicNames(settings.topic_prefix), extra)
+        credential = (settings.credential.get_secret_value()
+                      if settings.credential is not None else None)
+        return cls(servers, TopicNames(settings.topic_prefix), extra, credential or None)
 
     def client(self, **properties: Any) -> dict[str, Any]:
         """librdkafka properties for one client: servers, the caller's extras, then ours."""

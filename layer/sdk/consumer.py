@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 from layer import __version__
+from layer.domain.authorization import CredentialError, parse_credential
 from layer.domain.errors import ExpressionError, QlayerError
 from layer.domain.expressions import compile_expression
 from layer.domain.likepattern import name_matcher
@@ -42,6 +43,9 @@ from layer.protocol.batch import (
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
+    CREDENTIAL,
+    NOT_AUTHORIZED,
+    REFUSAL,
     SESSION,
     header_value,
     is_reply,
@@ -80,6 +84,7 @@ from layer.sdk.errors import (
     InvalidSubscriptionError,
     LeaseLostError,
     NoCoordinatorError,
+    NotAuthorizedError,
     SessionEndedError,
     UnknownQueueError,
 )
@@ -135,9 +140,12 @@ class ConsumerStats:
     """Control or ack records Kafka did not accept (after the producer's retries)."""
 
 
-def _default_consumer_id() -> str:
+def _default_consumer_id(principal: str | None = None) -> str:
+    """``HOST-RANDOM``; with a credential, ``PRINCIPAL-HOST-RANDOM``, which the default grant
+    of `qlayer security principal add` (consumer ids ``PRINCIPAL-*``) covers."""
     host = _TOPIC_SAFE.sub("-", socket.gethostname()).strip("-.")[:40] or "consumer"
-    return f"{host}-{uuid.uuid4().hex[:12]}"
+    made = f"{host}-{uuid.uuid4().hex[:12]}"
+    return f"{principal}-{made}" if principal else made
 
 
 def _now_ms() -> int:
@@ -219,6 +227,7 @@ class QueueConsumer:
         client_name: str = "qlayer-python",
         delivery_format: Literal["batch", "record"] = "batch",
         state_dir: str | os.PathLike[str] | None = None,
+        credential: str | None = None,
     ) -> None:
         if isinstance(queue, re.Pattern):
             queue, regex = queue.pattern, True
@@ -237,7 +246,18 @@ class QueueConsumer:
             raise ValueError("session_timeout and subscribe_timeout must be positive seconds")
         self._config = ClientConfig.resolve(bootstrap_servers, topic_prefix, kafka_config)
         self._topics = self._config.topics
-        self._consumer_id = consumer_id or _default_consumer_id()
+        # Protocol 7: the principal's credential, sent on every Subscribe (never on other
+        # records: the session secret binds them to the session).
+        given = credential if credential is not None else self._config.credential
+        self._credential_header: list[tuple[str, bytes]] = []
+        principal: str | None = None
+        if given:
+            try:
+                principal = parse_credential(given).principal
+            except CredentialError as exc:
+                raise NotAuthorizedError(f"credential: {exc}") from None
+            self._credential_header = [(CREDENTIAL, given.strip().encode())]
+        self._consumer_id = consumer_id or _default_consumer_id(principal)
         self._key = self._consumer_id.encode()
         # The shard serving this consumer's queues, from the `qlayer.shard` header of the
         # coordinator's replies: control and ack records go to that partition (protocol 2).
@@ -275,6 +295,8 @@ class QueueConsumer:
         # Used by the receiving thread only.
         self._buffer: deque[Message] = deque()
         self._results: dict[str, SubscribeResult] = {}
+        # request id -> the refusal's `qlayer.refusal` word (protocol 7)
+        self._refused_why: dict[str, str] = {}
         self._renewals: dict[tuple[str, str], AckItemResult | None] = {}
         self._grants: dict[str, QueueGrant] = {}
         self._effective_session_timeout = session_timeout
@@ -644,7 +666,7 @@ class QueueConsumer:
             self._set_secret(secret)
             self._active = False
         self._results.clear()
-        headers = self._format_header + secret_headers(secret)
+        headers = self._format_header + secret_headers(secret) + self._credential_header
         if previous is not None:
             headers += proof_headers(previous)
         self._send_control(
@@ -683,7 +705,10 @@ class QueueConsumer:
                     f"{self._subscribe_timeout:g}s (control topic {self._topics.control} at "
                     f"{self._config.bootstrap_servers}). Start one with `qlayer coordinator "
                     f"run` using the same bootstrap servers and topic prefix "
-                    f"{self._topics.prefix!r}, or raise subscribe_timeout."
+                    f"{self._topics.prefix!r}, or raise subscribe_timeout. (A refusal is "
+                    f"written to {self._delivery_topic}: where that topic does not exist and "
+                    "this consumer may not create it, only a consumer with a credential gets "
+                    "one made; docs/security.md)"
                 )
             self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
         result = self._results.pop(request_id)
@@ -715,6 +740,10 @@ class QueueConsumer:
 
     def _refusal(self, result: SubscribeResult, queue: str, filter: str | None) -> QlayerError:
         detail = result.message
+        if self._refused_why.pop(result.request_id, None) == NOT_AUTHORIZED:
+            return NotAuthorizedError(
+                f"the coordinator refused the subscription to {queue!r} as consumer "
+                f"{self._consumer_id!r}: {detail or 'not authorized'}")
         match result.status:
             case SubscribeStatus.UNKNOWN_QUEUE:
                 return UnknownQueueError(queue, detail)
@@ -810,6 +839,10 @@ class QueueConsumer:
                 shard = reply_shard(headers)
                 if shard is not None:
                     self._shard = shard
+                if isinstance(reply, SubscribeResult) and reply.status is not SubscribeStatus.OK:
+                    why = header_value(headers, REFUSAL)
+                    if why is not None:
+                        self._refused_why[reply.request_id] = why.decode("utf-8", "replace")
                 self._on_reply(reply)
                 continue
             if header_value(headers, SESSION) != session:

@@ -20,6 +20,7 @@ __all__ = [
     "MessageSettledError",
     "NoCoordinatorError",
     "NoPublishTargetError",
+    "NotAuthorizedError",
     "PublishError",
     "SessionEndedError",
     "UnknownQueueError",
@@ -51,6 +52,14 @@ class InvalidFilterError(ExpressionError):
 class InvalidSubscriptionError(QlayerError, ValueError):
     """The coordinator refused the subscription for another reason (``INVALID_REQUEST``):
     a regex that does not compile, a bad delivery topic, a negative backlog..."""
+
+
+class NotAuthorizedError(InvalidSubscriptionError, PermissionError):
+    """The coordinator refused the subscription for authorization (protocol 7,
+    docs/security.md "Authorization"): no credential where one is required, a credential it did
+    not accept, or a consumer id or queue not granted to the credential's principal. Not
+    retriable: an operator's grant fixes it. A subclass of `InvalidSubscriptionError`, which
+    code written before protocol 7 catches."""
 
 
 class NoCoordinatorError(QlayerError, TimeoutError):

@@ -1,9 +1,8 @@
 """The ACL recipe of docs/security.md on a real broker with SASL/SCRAM and the StandardAuthorizer.
 
-The module starts its own broker with the local stack's SASL listener (`KafkaConfig.sasl_port`),
-next to the session's plain one (three free ports from 31092, or from
-QLAYER_TEST_SECURED_KAFKA_PORT), so no other test runs
-against an authorizer. Users and ACLs are made with the same code as `qlayer security acls`
+The broker is the session's secured one (`tests.support.secured`, the ``secured`` fixture of
+tests/integration/conftest.py), next to the plain one, so no other test runs against an
+authorizer. Users and ACLs are made with the same code as `qlayer security acls`
 (`layer.kafka.acls`), through the broker's PLAINTEXT listener (a super user's door).
 """
 
@@ -11,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,62 +23,15 @@ from typer.testing import CliRunner
 
 from layer.kafka.acls import Role, apply_acls, recipe, sdk_group
 from layer.kafka.errors import KafkaAdapterError
-from layer.localstack.kafka import KafkaConfig, KafkaNode, sasl_client_config
-from layer.localstack.stack import default_cache_dir
 from layer.protocol import TopicNames
 from layer.sdk import QueueConsumer, QueuePublisher
 from layer.settings import Settings
 from layer_cli.main import app
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
-from tests.support.ports import free_ports
+from tests.support.secured import SecuredKafka
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass
-class SecuredKafka:
-    node: KafkaNode
-
-    @property
-    def admin(self) -> dict[str, str]:
-        """The PLAINTEXT listener: User:ANONYMOUS, a super user."""
-        return {"bootstrap.servers": self.node.config.bootstrap_servers}
-
-    @property
-    def sasl_servers(self) -> str:
-        servers = self.node.config.sasl_bootstrap_servers
-        assert servers is not None
-        return servers
-
-    def user(self, stem: str) -> tuple[str, dict[str, str]]:
-        """A new SCRAM user: its name and the librdkafka settings that log in as it."""
-        name = f"{stem}-{uuid.uuid4().hex[:6]}"
-        password = secrets.token_urlsafe(12)
-        self.node.set_scram_user(name, password)
-        security = sasl_client_config(self.node.config, name, password)
-        del security["bootstrap.servers"]
-        return name, security
-
-
-@pytest.fixture(scope="module")
-def secured() -> Iterator[SecuredKafka]:
-    # Three free ports below the ephemeral range (a fixed port next to the session's broker
-    # was once held by a client connection: "Address already in use").
-    wanted = os.environ.get("QLAYER_TEST_SECURED_KAFKA_PORT")
-    base = int(wanted) if wanted else free_ports(31_092, 3)
-    state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
-                 or Path(tempfile.gettempdir()) / "qlayer-test-stack") / "secured"
-    node = KafkaNode(KafkaConfig(state_dir=state, cache_dir=default_cache_dir(),
-                                 port=base, controller_port=base + 1, sasl_port=base + 2))
-    # Its ports change from run to run: a broker kept from an earlier run is stopped first.
-    node.down()
-    node.wipe()
-    node.up()
-    try:
-        yield SecuredKafka(node)
-    finally:
-        node.down()
 
 
 def _read_error(servers: str, security: dict[str, str], group: str,

@@ -92,3 +92,33 @@ def test_qlayer_yaml_in_the_working_directory(tmp_path: Path,
 def test_unusable_settings_are_a_settings_error(env: dict[str, str], why: str) -> None:
     with pytest.raises(SettingsError, match=why):
         ClientConfig.resolve(env=env)
+
+
+def test_a_credential_comes_from_the_environment_or_the_file_and_is_kept_out_of_reprs(
+        tmp_path: Path) -> None:
+    secret = "alice:q2x8Cw0bJtE7nR5vYk1uLmZpA3sD6fG9hJ2kL4oP7rT"
+    from_env = ClientConfig.resolve(env={"QLAYER_CREDENTIAL": secret})
+    assert from_env.credential == secret
+    assert "q2x8" not in repr(from_env)
+    config = tmp_path / "q.yaml"
+    config.write_text(f"credential: {secret}\n")
+    from_file = ClientConfig.resolve(env={"QLAYER_CONFIG": str(config)})
+    assert from_file.credential == secret
+    settings = Settings.load(env={"QLAYER_CONFIG": str(config)})
+    assert "q2x8" not in repr(settings) and "q2x8" not in settings.model_dump_json()
+    assert ClientConfig.resolve(env={}).credential is None
+
+
+def test_a_malformed_credential_is_refused_before_anything_is_sent() -> None:
+    from layer.sdk import NotAuthorizedError, QueueConsumer
+
+    with pytest.raises(NotAuthorizedError, match="credential: a credential is 'PRINCIPAL:SECRET'"):
+        # Nothing listens there: the check comes before any connection is made.
+        QueueConsumer("Jobs", "127.0.0.1:1", credential="no-separator")
+
+
+def test_with_a_credential_and_no_id_the_consumer_is_named_after_its_principal() -> None:
+    from layer.sdk.consumer import _default_consumer_id
+
+    assert _default_consumer_id("alice").startswith("alice-")
+    assert not _default_consumer_id(None).startswith("alice-")
