@@ -4,6 +4,12 @@ An expression is parsed once with a LALR grammar (lark) and compiled to a tree o
 closures; evaluation walks no parse tree, calls no ``eval`` and never raises. Values follow
 SQL three-valued logic: any operation on null is null, and a filter *matches* a document only
 when its result is exactly ``True``. The language reference is ``docs/expressions.md``.
+
+Consumers send filters, and the coordinator compiles them on the thread every shard of the
+process shares, so what one expression may cost is bounded before anything expensive runs:
+its length before it is parsed, its depth and number of LIKE patterns before any pattern is
+compiled, and the RE2 memory and program size of its patterns while they are (docs/
+expressions.md, "Limits"; issue 36).
 """
 
 from __future__ import annotations
@@ -20,12 +26,25 @@ from typing import Any, Final, TypeAlias
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
+from layer.domain.boundedcache import BoundedCache
 from layer.domain.errors import ExpressionError
-from layer.domain.likepattern import LikePatternError, compile_like
+from layer.domain.likepattern import (
+    MAX_INSTRUCTIONS,
+    PATTERN_MAX_MEM,
+    LikePatternError,
+    LikePatternTooLargeError,
+    compile_like,
+)
 
 __all__ = [
+    "EXPRESSION_CACHE_BYTES",
+    "FILTER_MAX_MEM",
+    "MAX_DEPTH",
+    "MAX_LENGTH",
+    "MAX_LIKE_PATTERNS",
     "Document",
     "Expression",
+    "ExpressionLimitError",
     "PartialDocument",
     "RawDocument",
     "as_number",
@@ -124,6 +143,63 @@ _TERMINAL_NAMES: Final[dict[str, str]] = {
 # Listed in this order in "expected ..." messages: values first, then operators.
 _TERMINAL_ORDER: Final[tuple[str, ...]] = tuple(_TERMINAL_NAMES)
 _VALUE_TERMINALS: Final = frozenset({"NUMBER", "STRING", "PATH", "TRUE", "FALSE", "NULL"})
+
+# -- Limits (docs/expressions.md, "Limits", says why each value; measured there) --------------
+
+# Characters in one expression, checked before parsing: lark's LALR parser takes 4-10 µs per
+# character (the worst shapes are `1+1+1...` and deep parentheses), so 4,096 characters parse
+# in 45 ms at worst on the development machine. Filters are typically under 200 characters; an
+# IN list of 400 short codes fits.
+MAX_LENGTH: Final = 4096
+
+# Levels of the parse tree (parentheses add none; each operator adds one, so a chain of ORs is
+# as deep as it is long). Compiling takes two Python frames per level and evaluating up to two,
+# so 200 levels stay far below Python's 1,000-frame limit whatever the caller's own depth; past
+# ~450 the old code failed to compile or, worse, evaluated to NULL.
+MAX_DEPTH: Final = 200
+
+# LIKE patterns in one expression, counted on the parse tree before any is compiled. The 4.6 KB
+# filter of issue 36 had 200 and took 11-29 s to compile; with this many at most, one
+# expression compiles in well under 100 ms whatever its patterns.
+MAX_LIKE_PATTERNS: Final = 16
+
+# RE2 memory all the LIKE patterns of one expression may use together: each pattern gets
+# PATTERN_MAX_MEM (1 MiB), or an equal share of this when there are more than eight. RE2 keeps
+# each pattern's programs and DFA caches within its budget, so a filter can never grow past it
+# however many records it is matched against (the same 8 MiB one pattern could use before).
+FILTER_MAX_MEM: Final = 8 << 20
+
+# The compiled-expression cache, bounded by what its entries hold (`_cost`): a subscription
+# that ends leaves at most this much behind in it. About 4,000 ordinary filters, or 32 with a
+# LIKE pattern at the full 1 MiB budget.
+EXPRESSION_CACHE_BYTES: Final = 32 << 20
+
+# What a compiled expression holds besides its patterns' RE2 memory: closures, constants,
+# paths. Measured with tracemalloc at 16-100 bytes per character of text (more for IN lists
+# of strings, less for long names), plus ~1.6 KB for the smallest; rounded up.
+_BASE_BYTES: Final = 2048
+_BYTES_PER_CHARACTER: Final = 128
+
+
+
+class ExpressionLimitError(ExpressionError):
+    """An expression refused for what it would cost, not for its syntax: ``limit`` names the
+    constant it passes (``"MAX_LENGTH"``, ``"MAX_DEPTH"``, ``"MAX_LIKE_PATTERNS"``,
+    ``"MAX_INSTRUCTIONS"``, ``"PATTERN_MAX_MEM"``), and the message gives the figures."""
+
+    def __init__(
+        self,
+        limit: str,
+        message: str,
+        *,
+        text: str,
+        position: int | None = None,
+        line: int | None = None,
+        column: int | None = None,
+    ) -> None:
+        super().__init__(message, text=text, position=position, line=line, column=column)
+        self.limit = limit
+
 
 _PATH_SEGMENT: Final = re.compile(r"/([^/\[]+)((?:\[\d+\])*)")
 _INDEX: Final = re.compile(r"\[(\d+)\]")
@@ -655,9 +731,15 @@ def _in_dynamic(value: object, members: Sequence[object]) -> bool | None:
 class _Compiler:
     """Turns one parse tree into closures and records the paths it reads."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, like_max_mem: int = PATTERN_MAX_MEM) -> None:
         self._text = text
         self.paths: set[tuple[str, ...]] = set()
+        #: The RE2 budget of each LIKE pattern (the expression's share, `FILTER_MAX_MEM`).
+        self._like_max_mem = like_max_mem
+        #: RE2 instructions of the patterns compiled so far (at most `MAX_INSTRUCTIONS`).
+        self.instructions = 0
+        #: RE2 memory budgets of the patterns compiled so far: what they may come to hold.
+        self.like_bytes = 0
 
     def compile(self, node: Tree[Token] | Token) -> _Compiled:
         if isinstance(node, Token):  # pragma: no cover - every token is wrapped by a rule
@@ -668,8 +750,17 @@ class _Compiler:
         result: _Compiled = handler(*node.children)
         return result
 
-    def _error(self, message: str, token: Token) -> ExpressionError:
+    def _error(self, message: str, token: Token, limit: str | None = None) -> ExpressionError:
         where = _describe_position(self._text, token.line, token.column)
+        if limit is not None:
+            return ExpressionLimitError(
+                limit,
+                f"{message} at {where}",
+                text=self._text,
+                position=token.start_pos,
+                line=token.line,
+                column=token.column,
+            )
         return ExpressionError(
             f"{message} at {where}",
             text=self._text,
@@ -756,11 +847,26 @@ class _Compiler:
     ) -> _Compiled:
         pattern_text = _string_literal(pattern)
         try:
-            search = compile_like(pattern_text)
+            program = compile_like(pattern_text, self._like_max_mem)
         except LikePatternError as exc:
+            limit = "PATTERN_MAX_MEM" if isinstance(exc, LikePatternTooLargeError) else None
             raise self._error(
-                f"invalid regular expression for LIKE {_shorten(pattern_text)}: {exc}", pattern
+                f"invalid regular expression for LIKE {_shorten(pattern_text)}: {exc}",
+                pattern,
+                limit,
             ) from exc
+        self.instructions += program.instructions
+        self.like_bytes += program.max_mem
+        if self.instructions > MAX_INSTRUCTIONS:
+            raise self._error(
+                f"the LIKE patterns up to {_shorten(pattern_text)} compile to "
+                f"{self.instructions:,} RE2 instructions; the limit is {MAX_INSTRUCTIONS:,} per "
+                "expression (matching costs time in proportion to it: \\pL is ~1,200 "
+                "instructions, a repetition such as {20} multiplies what it repeats)",
+                pattern,
+                "MAX_INSTRUCTIONS",
+            )
+        search = program.search
 
         def like(value: object) -> bool | None:
             subject_text = _like_subject(value)
@@ -933,25 +1039,85 @@ class Expression:
         return compile_expression, (self._text,)
 
 
-@lru_cache(maxsize=1024)
+_EXPRESSIONS: Final[BoundedCache[str, Expression]] = BoundedCache(EXPRESSION_CACHE_BYTES)
+
+
 def compile_expression(text: str) -> Expression:
-    """Parse and compile ``text``; raises :class:`ExpressionError` naming the position."""
+    """Parse and compile ``text``; raises :class:`ExpressionError` naming the position, or the
+    limit an expression over it passes (`MAX_LENGTH`, `MAX_DEPTH`, `MAX_LIKE_PATTERNS`, the
+    RE2 budgets). Compiled expressions are cached by text, within `EXPRESSION_CACHE_BYTES`."""
     if not isinstance(text, str):
         raise ExpressionError(f"expected expression text, got {type(text).__name__}", text="")
+    cached = _EXPRESSIONS.get(text)
+    if cached is not None:
+        return cached
     if not text.strip():
         raise ExpressionError("empty expression", text=text, position=0, line=1, column=1)
+    if len(text) > MAX_LENGTH:
+        raise ExpressionLimitError(
+            "MAX_LENGTH",
+            f"the expression is {len(text):,} characters long; the limit is {MAX_LENGTH:,}",
+            text=text,
+        )
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as exc:
         raise _syntax_error(text, exc) from None
-    compiler = _Compiler(text)
+    depth, patterns = _measure(tree)
+    if depth > MAX_DEPTH:
+        raise ExpressionLimitError(
+            "MAX_DEPTH",
+            f"the expression is nested {depth:,} levels deep; the limit is {MAX_DEPTH:,} (every "
+            "operator is a level, so a long chain of ORs is deep: write /x IN (a, b, ...) instead)",
+            text=text,
+        )
+    if len(patterns) > MAX_LIKE_PATTERNS:
+        extra = patterns[MAX_LIKE_PATTERNS]
+        raise ExpressionLimitError(
+            "MAX_LIKE_PATTERNS",
+            f"the expression has {len(patterns):,} LIKE patterns; the limit is "
+            f"{MAX_LIKE_PATTERNS:,} (join alternatives into one pattern: 'a|b|c')",
+            text=text,
+            position=extra.start_pos,
+            line=extra.line,
+            column=extra.column,
+        )
+    share = FILTER_MAX_MEM // len(patterns) if patterns else PATTERN_MAX_MEM
+    compiler = _Compiler(text, min(PATTERN_MAX_MEM, share))
     try:
         compiled = compiler.compile(tree)
-    except RecursionError:
+    except RecursionError:  # a backstop: MAX_DEPTH keeps compiling far from the limit
         raise ExpressionError(
             "expression is nested too deeply", text=text, position=0, line=1, column=1
         ) from None
-    return Expression(text, _as_evaluator(compiled), compiler.paths)
+    expression = Expression(text, _as_evaluator(compiled), compiler.paths)
+    _EXPRESSIONS.put(text, expression, _cost(text, compiler.like_bytes))
+    return expression
+
+
+def _measure(tree: Tree[Token]) -> tuple[int, list[Token]]:
+    """The depth of ``tree`` and its LIKE patterns' tokens, without recursion (the tree may be
+    deeper than Python's stack allows)."""
+    depth = 0
+    patterns: list[Token] = []
+    stack: list[tuple[Tree[Token], int]] = [(tree, 1)]
+    while stack:
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if node.data == "like_op":
+            patterns.append(node.children[-1])  # type: ignore[arg-type]
+        for child in node.children:
+            if isinstance(child, Tree):
+                stack.append((child, level + 1))
+    patterns.sort(key=lambda token: token.start_pos or 0)
+    return depth, patterns
+
+
+def _cost(text: str, like_bytes: int) -> int:
+    """What a compiled expression may hold, in bytes: its closures (estimated from the text)
+    and its LIKE patterns' RE2 budgets. The budgets, not the programs' sizes, because the DFA
+    caches fill up to them as records are matched, where Python cannot see them."""
+    return _BASE_BYTES + _BYTES_PER_CHARACTER * len(text) + like_bytes
 
 
 def parse_document(value: bytes | bytearray | memoryview | str | None) -> Document | None:

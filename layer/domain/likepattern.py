@@ -21,6 +21,13 @@ meaning:
   write ``{0,n}`` or ``\\{``.
 
 ``\\d \\w \\s \\b`` are ASCII in RE2, as in PCRE without UCP (AMPS); ``re`` made them Unicode.
+
+Linear is not cheap. RE2 compiles a pattern into a program (``\\pL`` alone is ~1,200
+instructions, ``\\pL{140}`` ~167,000) and matches with a DFA built lazily in a memory budget,
+falling back to its NFA, which costs time per byte proportional to the program, when the DFA
+outgrows it. Each pattern therefore gets a small memory budget here (`PATTERN_MAX_MEM`,
+`NAME_MAX_MEM`), and callers bound the instructions (`MAX_INSTRUCTIONS`); the limits and
+their measurements are in docs/expressions.md, "Limits".
 """
 
 from __future__ import annotations
@@ -28,16 +35,33 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import re2
 from re2 import _re2
 
-__all__ = ["LikePatternError", "NamePatternError", "compile_like", "name_matcher"]
+from layer.domain.boundedcache import BoundedCache
+
+__all__ = [
+    "MAX_INSTRUCTIONS",
+    "NAME_MAX_MEM",
+    "PATTERN_MAX_MEM",
+    "LikePatternError",
+    "LikePatternTooLargeError",
+    "LikeProgram",
+    "NamePatternError",
+    "compile_like",
+    "name_matcher",
+]
 
 
 class LikePatternError(ValueError):
     """A LIKE pattern that cannot be run; the message says why, for a person."""
+
+
+class LikePatternTooLargeError(LikePatternError):
+    """A LIKE pattern whose RE2 program does not fit the memory budget it was compiled with."""
 
 
 class NamePatternError(re.error):
@@ -45,43 +69,69 @@ class NamePatternError(re.error):
     ``re.error``, so every place that refused an invalid regex refuses this one too."""
 
 
-# RE2's own per-pattern memory budget (its default): a pattern whose compiled program does not
-# fit is refused ("pattern too large"); the DFA's cache gets the rest and, when full, RE2 falls
-# back to its NFA, which is slower but still linear.
-MAX_MEM: Final = 8 << 20
+# RE2's memory budget for one LIKE pattern: its program must fit in about two thirds of it (a
+# larger one is refused, "pattern too large"), and its DFA caches and the reverse program (built
+# on the first match, to find where a match starts) live in the rest; a DFA that outgrows its
+# share makes RE2 run its NFA, slower but still linear. RE2's default, 8 MiB, let one pattern
+# take 70-100 ms to compile and ~1.4 MiB of program (\pL{140}), and 200 of them froze a
+# coordinator for 11-29 s. At 1 MiB a refused pattern costs ~7.5 ms, and ordinary patterns
+# (prefixes, alternations, \pL+ over kilobytes) match as fast as with 8 MiB; at 256 KiB,
+# \pL+$ over 1 KB text took 70 times longer (docs/expressions.md, "Limits").
+PATTERN_MAX_MEM: Final = 1 << 20
+
+# A regex subscription is matched against queue names, which are short, so its DFA stays small
+# and a smaller budget suffices; it also keeps more of them in `name_matcher`'s cache.
+NAME_MAX_MEM: Final = 256 << 10
+
+# The most instructions the LIKE patterns of one expression (or one queue regex) may compile to
+# together. When a pattern's DFA outgrows its memory, RE2's NFA costs about one nanosecond per
+# instruction per byte of text, so this bounds what one evaluation can cost (~10 µs per byte of
+# the field at worst). Ordinary patterns are 5-50 instructions; a Unicode class such as \pL
+# is ~1,200, so this allows eight of them.
+MAX_INSTRUCTIONS: Final = 10_000
+
+# Bytes a cached name matcher is charged besides its RE2 budget (the closure, the text).
+_NAME_OVERHEAD: Final = 1024
+
+# Regex subscriptions' matchers, by pattern: the catalog tests every queue name at each
+# refresh, so compiling once matters. Bounded in bytes, each charged its RE2 budget (which its
+# program and DFA stay within): about 60 patterns.
+NAME_CACHE_BYTES: Final = 16 << 20
 
 _LINEAR: Final = "LIKE uses a linear-time regular expression engine (RE2), which cannot run it"
 
 
-def _options() -> Any:
+@functools.lru_cache(maxsize=32)
+def _options(max_mem: int) -> Any:
+    # Few distinct budgets occur (the per-pattern ones, and the shares of a filter's budget).
     options = re2.Options()
-    options.max_mem = MAX_MEM
+    options.max_mem = max_mem
     options.log_errors = False  # a refused pattern is the caller's error, not a line on stderr
     options.never_capture = True  # LIKE only asks whether there is a match
     return options
 
-
-_OPTIONS: Final = _options()
 _UNANCHORED: Final = _re2.RE2.Anchor.UNANCHORED
 _OCTAL: Final = frozenset("01234567")
 
 
-def compile_like(pattern: str) -> Callable[[str], bool]:
-    """Compile ``pattern``; the result tells whether it matches anywhere in a text.
+@dataclass(frozen=True, slots=True)
+class LikeProgram:
+    """A compiled LIKE pattern: ``search`` tells whether it matches anywhere in a text."""
 
-    Raises :class:`LikePatternError` for a pattern RE2 cannot run or that it would read
-    differently from PCRE / Python's ``re``.
+    search: Callable[[str], bool]
+    #: The size of RE2's (forward) program: what an evaluation costs per byte at worst.
+    instructions: int
+    #: The RE2 memory budget it was compiled with: its programs and DFA caches stay within it.
+    max_mem: int
+
+
+def compile_like(pattern: str, max_mem: int = PATTERN_MAX_MEM) -> LikeProgram:
+    """Compile ``pattern`` within ``max_mem`` bytes of RE2 memory.
+
+    Raises :class:`LikePatternError` for a pattern RE2 cannot run, one whose program does not
+    fit the budget, or one RE2 would read differently from PCRE / Python's ``re``.
     """
-    reason = _refusal(pattern)
-    if reason is not None:
-        raise LikePatternError(reason)
-    try:
-        encoded = pattern.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LikePatternError("the pattern is not valid Unicode text") from None
-    regexp = _re2.RE2(encoded, _OPTIONS)
-    if not regexp.ok():
-        raise LikePatternError(f"{_decode(regexp.error())} (LIKE patterns are RE2 syntax)")
+    regexp = _compile(pattern, max_mem, LikePatternError, "LIKE patterns")
     match = regexp.Match
     dollar = "$" in pattern
 
@@ -96,34 +146,73 @@ def compile_like(pattern: str) -> Callable[[str], bool]:
             return bool(match(_UNANCHORED, head, 0, len(head))[0][0] != -1)
         return False
 
-    return search
+    return LikeProgram(search, regexp.ProgramSize(), max_mem)
 
 
-@functools.lru_cache(maxsize=1024)
+def _compile(
+    pattern: str, max_mem: int, error: type[ValueError] | type[re.error], what: str
+) -> Any:
+    """RE2's compiled ``pattern``, or ``error`` saying why not (``what``: "LIKE patterns")."""
+    reason = _refusal(pattern)
+    if reason is not None:
+        raise error(reason if what.startswith("LIKE") else reason.replace("LIKE", "a queue regex"))
+    try:
+        encoded = pattern.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error("the pattern is not valid Unicode text") from None
+    regexp = _re2.RE2(encoded, _options(max_mem))
+    if not regexp.ok():
+        message = _decode(regexp.error())
+        if message.startswith("pattern too large"):
+            too_large = LikePatternTooLargeError if error is LikePatternError else error
+            raise too_large(
+                f"pattern too large: its RE2 program does not fit in the {_describe_bytes(max_mem)}"
+                f" of memory one pattern may use here (counted repetitions multiply a pattern's "
+                f"size: \\pL is ~1,200 instructions, \\pL{{20}} twenty times that)"
+            )
+        raise error(f"{message} ({what} are RE2 syntax)")
+    return regexp
+
+
+def _describe_bytes(count: int) -> str:
+    """``1 MiB``, ``256 KiB``, ``1,500 bytes``: a budget as a person reads it."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size and count % size == 0:
+            return f"{count // size:,} {unit}"
+    if count >= 1 << 20:
+        return f"{count / (1 << 20):.1f} MiB"
+    return f"{count:,} bytes"
+
+
+_NAME_MATCHERS: Final[BoundedCache[str, Callable[[str], bool]]] = BoundedCache(NAME_CACHE_BYTES)
+
+
 def name_matcher(pattern: str) -> Callable[[str], bool]:
     """A regex subscription's pattern as a test of a whole queue name, in linear time.
 
     Consumers choose the pattern, so a backtracking engine would let one stall the
     coordinator (``^(a+)+$`` against a long queue name). Raises `NamePatternError` (a
-    ``re.error``) for a pattern RE2 cannot run or would read differently from ``re``. The
-    compiled patterns are cached: the catalog tests every queue name at each refresh.
+    ``re.error``) for a pattern RE2 cannot run or would read differently from ``re``, or one
+    larger than `NAME_MAX_MEM` / `MAX_INSTRUCTIONS`. The compiled patterns are cached: the
+    catalog tests every queue name at each refresh.
     """
-    reason = _refusal(pattern)
-    if reason is not None:
-        raise NamePatternError(reason.replace("LIKE", "a queue regex"))
-    try:
-        encoded = pattern.encode("utf-8")
-    except UnicodeEncodeError:
-        raise NamePatternError("the pattern is not valid Unicode text") from None
-    regexp = _re2.RE2(encoded, _OPTIONS)
-    if not regexp.ok():
-        raise NamePatternError(f"{_decode(regexp.error())} (queue regexes are RE2 syntax)")
+    found = _NAME_MATCHERS.get(pattern)
+    if found is not None:
+        return found
+    regexp = _compile(pattern, NAME_MAX_MEM, NamePatternError, "queue regexes")
+    size = regexp.ProgramSize()
+    if size > MAX_INSTRUCTIONS:
+        raise NamePatternError(
+            f"the queue regex compiles to {size:,} RE2 instructions; the limit is "
+            f"{MAX_INSTRUCTIONS:,} (matching costs time in proportion to it)"
+        )
     match, both = regexp.Match, _re2.RE2.Anchor.ANCHOR_BOTH
 
     def fullmatch(name: str) -> bool:
         data = name.encode("utf-8", "surrogatepass")
         return bool(match(both, data, 0, len(data))[0][0] != -1)
 
+    _NAME_MATCHERS.put(pattern, fullmatch, NAME_MAX_MEM + _NAME_OVERHEAD + len(pattern))
     return fullmatch
 
 
