@@ -1,8 +1,11 @@
 """The soak's figures from what it recorded, without I/O (tests/unit/test_soak_report.py):
-the table per fault, the shard failures in the coordinators' JSON logs, and the verdict of
-`qlayer pipeline reconcile --json`.
+the kinds of fault and their windows, the table per fault, the shard failures in the
+coordinators' JSON logs and the fault each is charged to, and the verdict of `qlayer pipeline
+reconcile --json`. The checks on the published set are in `tests/soak/checks.py`.
 
-Times are seconds since the soak's first record was published, like the fault schedule's.
+Times are seconds since the soak's first record was published, like the fault schedule's,
+and exact: a fault's start and end are taken from the soak's clock around its action, a shard
+failure's from its log line (milliseconds). They are rounded only where a table prints them.
 """
 
 from __future__ import annotations
@@ -26,23 +29,134 @@ _GIVES_UP = re.compile(r"^coordinator \S+ gives up shard (\d+):")
 _STARTS = "shard core: "
 
 
+# --- the kinds of fault -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """One kind of fault (or phase) the soak injects: each has its own rows in the table.
+
+    A new one (a hostile tenant, say) is a `FaultKind` here, a count in `SoakPlan` named by
+    ``plan_field``, and an action in `Soak.ACTIONS` (tests/soak/run.py) that does it and
+    returns when it is over; its window, the shard failures charged to it and its row follow.
+    """
+
+    name: str
+    #: The `SoakPlan` field that says how many of this fault the soak injects.
+    plan_field: str
+    #: How long after its action ended (seconds) a shard failure may still be its doing: its
+    #: window is ``[start, end + settle]``. None: it cannot fail a shard at all (it has no
+    #: window; a failure then is charged to another fault or to none).
+    settle: float | None
+    #: An input fault (bad input, not a dead process or server) must cost no shard failure.
+    #: So that what is charged to it is its own doing: it starts only once no window of a
+    #: ``holds_input`` fault is open, and no fault starts while its window is open.
+    input: bool = False
+    #: Faults known to fail shards for a while after they end (an outage): an input fault
+    #: waits until their window has closed.
+    holds_input: bool = False
+
+
+#: The faults of the soak, in the order `SoakPlan.faults` draws them. The settle times are
+#: what this machine showed, with room: a SIGKILLed owner's shards are taken by the other
+#: process after the group's session timeout (6 s, tests/support/processes.py) and a restore;
+#: after an outage a process's pooled PostgreSQL connections, or its Kafka clients, fail
+#: once each when next used, and a shard's retries back off up to 30 s; the poison record's
+#: and the deleted journal's actions wait until the coordinators have dealt with them, so
+#: their settle covers only the iteration that does.
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    FaultKind("coordinator", "coordinator_kills", settle=20.0),
+    # A consumer's death breaks its leases (a session timeout); no shard rebuilds for it.
+    FaultKind("consumer", "consumer_kills", settle=None),
+    FaultKind("broker", "broker_kills", settle=30.0, holds_input=True),
+    FaultKind("postgres", "postgres_crashes", settle=30.0, holds_input=True),
+    FaultKind("poison", "poison_records", settle=10.0, input=True),
+    FaultKind("journal_deleted", "journal_deletions", settle=10.0, input=True),
+)
+KINDS: dict[str, FaultKind] = {k.name: k for k in FAULT_KINDS}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault as it happened: its action began at ``at`` and was over at ``end``."""
+
+    at: float
+    end: float
+    kind: str
+    what: str = ""
+
+    @property
+    def closes(self) -> float | None:
+        """When its window closes (None: it has none)."""
+        settle = KINDS[self.kind].settle
+        return None if settle is None else self.end + settle
+
+    def holds(self, t: float) -> bool:
+        """Whether ``t`` is in its window, ``[at, end + settle]`` (both ends included)."""
+        closes = self.closes
+        return closes is not None and self.at <= t <= closes
+
+
+def charged_to(faults: Sequence[Fault], t: float) -> int | None:
+    """The fault a shard failure at ``t`` is charged to (its index), or None.
+
+    The rule: among the faults whose window holds ``t``, the one that started last; none
+    when no window holds it (the failure came between faults, after the earlier one's window
+    closed). Exact times, no rounding: a PostgreSQL crash 10 ms after a 0.1 s mark keeps the
+    failure it caused 20 ms later. Windows overlap: a failure in an input fault's window and
+    an earlier fault's is charged to the input fault (the later one), so a failure is never
+    taken off an input fault by a coincidence; `quiet_from` keeps outages' windows apart from
+    input faults', so one cannot be charged with an outage's failures either.
+    """
+    best: int | None = None
+    for i, fault in enumerate(faults):
+        if fault.holds(t) and (best is None or fault.at >= faults[best].at):
+            best = i
+    return best
+
+
+def quiet_from(kind: str, done: Sequence[Fault]) -> float:
+    """The earliest time a fault of ``kind`` may start after the faults ``done``: once every
+    input fault's window has closed (nothing starts inside one), and for an input fault also
+    every ``holds_input`` fault's (an outage's late failures are not charged to it)."""
+    it = KINDS[kind]
+    closes = [f.closes for f in done if f.closes is not None
+              and (KINDS[f.kind].input or (it.input and KINDS[f.kind].holds_input))]
+    return max((c for c in closes if c is not None), default=0.0)
+
+
+# --- shard failures in the coordinators' logs ---------------------------------------------
+
+
 @dataclass(frozen=True)
 class ShardFailure:
-    """One run of failures of one shard: when it began and how many failures (rebuilds) it
-    had before the shard ran again; ``ended`` False when it never ran again in that log."""
+    """One run of failures of one shard: when it began (the first failure's log time) and
+    how many failures (rebuilds) it had before the shard ran again; ``ended`` False when it
+    never ran again in that log. ``reason`` and ``message`` are the first failure's (the
+    log's ``reason`` field: ``Kafka`` or the error's class) and ``source`` the log's name:
+    the evidence a report quotes."""
 
     at: float
     shard: int
     failures: int
     ended: bool
+    reason: str = ""
+    message: str = ""
+    source: str = ""
+
+    def said(self) -> str:
+        return (f"shard {self.shard} at t={self.at:.3f}s ({self.failures} failures"
+                f"{'' if self.ended else ', never ended'}) in {self.source or 'a log'}: "
+                f"{self.reason}: {self.message[:160]}")
 
 
-def shard_failures(lines: Iterable[str], origin: float) -> list[ShardFailure]:
+def shard_failures(lines: Iterable[str], origin: float, source: str = "") -> list[ShardFailure]:
     """The shard failures in one coordinator's ``--log-format json`` log (the processes of
-    one name, one after another); ``origin`` is the epoch second that is time 0. Lines that
-    are not JSON (a traceback) are passed over. A run still open at the end of the log is
-    ``ended=False``: the shard failed until the soak stopped the process."""
-    open_: dict[int, float] = {}
+    one name, one after another); ``origin`` is the epoch second that is time 0, ``source``
+    names the log. Lines that are not JSON (a traceback) are passed over. A run still open at
+    the end of the log is ``ended=False``: the shard failed until the soak stopped the
+    process."""
+    open_: dict[int, tuple[float, str, str]] = {}
     found: list[ShardFailure] = []
     for line in lines:
         try:
@@ -56,57 +170,78 @@ def shard_failures(lines: Iterable[str], origin: float) -> list[ShardFailure]:
         t = at.timestamp() - origin
         if _FAILED.search(message) and isinstance(record.get("shard"), int):
             # Logged when failures start or change kind: a change of kind goes on the run.
-            open_.setdefault(record["shard"], t)
+            open_.setdefault(record["shard"], (t, str(record.get("reason", "")), message))
             continue
         again = _RUNS_AGAIN.match(message)
         if again:
             shard, count = int(again.group(1)), int(again.group(2))
             if shard in open_:
-                found.append(ShardFailure(open_.pop(shard), shard, count, ended=True))
+                found.append(_run(shard, open_.pop(shard), count, True, source))
             continue
         given_up = _GIVES_UP.match(message)
         if given_up and int(given_up.group(1)) in open_:
             shard = int(given_up.group(1))
-            found.append(ShardFailure(open_.pop(shard), shard, 1, ended=True))
+            found.append(_run(shard, open_.pop(shard), 1, True, source))
         elif message.startswith(_STARTS):
-            found.extend(ShardFailure(at, shard, 1, ended=True) for shard, at in open_.items())
+            found.extend(_run(shard, first, 1, True, source) for shard, first in open_.items())
             open_.clear()
-    found.extend(ShardFailure(t, shard, 1, ended=False) for shard, t in open_.items())
+    found.extend(_run(shard, first, 1, False, source) for shard, first in open_.items())
     return sorted(found, key=lambda f: f.at)
+
+
+def _run(shard: int, first: tuple[float, str, str], count: int, ended: bool,
+         source: str) -> ShardFailure:
+    at, reason, message = first
+    return ShardFailure(at, shard, count, ended, reason, message, source)
+
+
+#: The kind of the rows that are not a fault: what came before the first fault, and the
+#: shard failures no fault's window holds.
+BEFORE_FAULTS = "before faults"
+NO_FAULT = "no fault (outside every window)"
 
 
 @dataclass(frozen=True)
 class FaultRow:
-    """What followed one fault, up to the next one (or the end of the soak)."""
+    """What followed one fault: records by their time up to the next fault's start (or the
+    end of the soak), shard failures by the charge rule (`charged_to`)."""
 
     at: float
     kind: str
-    #: At-least-once records published in this window never processed.
+    #: When its window closes (None: it has none); its action ended at ``end``.
+    end: float | None
+    closes: float | None
+    #: Values attempted in this span whose publishing the broker never confirmed.
+    unconfirmed: int
+    #: At-least-once records (journaled in this span, or confirmed in it when not in the
+    #: journal) never processed.
     lost: int
-    #: At-least-once records processed again in this window (the second processing's time).
+    #: At-least-once records processed again in this span (the second processing's time).
     duplicated: int
-    #: At-most-once records published in this window never processed (leased to a consumer
+    #: At-most-once records journaled in this span never processed (leased to a consumer
     #: that was SIGKILLed: what at-most-once allows) and processed twice (never allowed).
     amo_not_processed: int
     amo_twice: int
     #: The longest time without an ACKED event from the fault to the first ack after the
-    #: window, and when acks flowed again after it (since the fault); None: no ack after.
+    #: span, and when acks flowed again after it (since the fault); None: no ack after.
     ack_pause: float | None
     recovery: float | None
-    #: Shard failures (each one a rebuild from stored state) begun in the window.
+    #: Shard failures (each one a rebuild from stored state) charged to this fault.
     shard_failures: int
 
     def cells(self) -> list[str]:
         def s(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f}s"
 
-        return [f"{self.at:.1f}", self.kind, str(self.lost), str(self.duplicated),
-                str(self.amo_not_processed), str(self.amo_twice), s(self.ack_pause),
-                s(self.recovery), str(self.shard_failures)]
+        window = "-" if self.closes is None else f"{self.at:.1f}-{self.closes:.1f}"
+        return [f"{self.at:.1f}", self.kind, window, str(self.unconfirmed), str(self.lost),
+                str(self.duplicated), str(self.amo_not_processed), str(self.amo_twice),
+                s(self.ack_pause), s(self.recovery), str(self.shard_failures)]
 
 
-TABLE_HEADER = ["t (s)", "fault", "lost", "duplicated", "amo not processed", "amo twice",
-                "pause in acks", "recovery", "shard failures"]
+TABLE_HEADER = ["t (s)", "fault", "window (s)", "unconfirmed", "lost", "duplicated",
+                "amo not processed", "amo twice", "pause in acks", "recovery",
+                "shard failures"]
 
 
 @dataclass
@@ -114,6 +249,7 @@ class Timeline:
     """Times (seconds since the first record) of what the soak counts."""
 
     acks: list[float] = field(default_factory=list)
+    unconfirmed: list[float] = field(default_factory=list)
     lost: list[float] = field(default_factory=list)
     duplicated: list[float] = field(default_factory=list)
     amo_not_processed: list[float] = field(default_factory=list)
@@ -121,29 +257,49 @@ class Timeline:
     failures: list[ShardFailure] = field(default_factory=list)
 
 
-def fault_rows(faults: Sequence[tuple[float, str]], timeline: Timeline,
-               end: float) -> list[FaultRow]:
-    """A row per fault over ``[its time, the next fault's)`` (the last one's up to ``end``);
-    a first row ``before faults`` when anything was counted before the first fault."""
+def unexplained(faults: Sequence[Fault], failures: Iterable[ShardFailure]
+                ) -> list[ShardFailure]:
+    """The shard failures no fault's window holds (`charged_to` gives None)."""
+    return [f for f in failures if charged_to(faults, f.at) is None]
+
+
+def fault_rows(faults: Sequence[Fault], timeline: Timeline, end: float) -> list[FaultRow]:
+    """A row per fault; records over ``[its start, the next fault's start)`` (the last one's up
+    to ``end``), shard failures charged by `charged_to`. A first row ``before faults`` when a
+    record was counted before the first fault, and a last row ``no fault`` with the shard
+    failures no window holds."""
     acks = sorted(timeline.acks)
-    starts = [(0.0, "before faults")] if faults else []
-    windows = [*starts, *faults] if faults and faults[0][0] > 0 else list(faults)
+    faults = sorted(faults, key=lambda f: f.at)
+    charged = [0] * len(faults)
+    for failure in timeline.failures:
+        index = charged_to(faults, failure.at)
+        if index is not None:
+            charged[index] += failure.failures
+    spans: list[tuple[float, str, Fault | None, int]] = [
+        (f.at, f.kind, f, n) for f, n in zip(faults, charged, strict=True)]
+    if not faults or faults[0].at > 0:
+        spans.insert(0, (0.0, BEFORE_FAULTS, None, 0))
     rows = []
-    for i, (at, kind) in enumerate(windows):
-        until = windows[i + 1][0] if i + 1 < len(windows) else end
+    for i, (at, kind, fault, failures) in enumerate(spans):
+        until = spans[i + 1][0] if i + 1 < len(spans) else end
 
         def count(times: list[float], lo: float = at, hi: float = until) -> int:
             return sum(1 for t in times if lo <= t < hi)
 
         pause, recovery = _pause(acks, at, until)
-        failures = sum(f.failures for f in timeline.failures if at <= f.at < until)
-        row = FaultRow(at, kind, count(timeline.lost), count(timeline.duplicated),
+        row = FaultRow(at, kind, None if fault is None else fault.end,
+                       None if fault is None else fault.closes, count(timeline.unconfirmed),
+                       count(timeline.lost), count(timeline.duplicated),
                        count(timeline.amo_not_processed), count(timeline.amo_twice),
                        pause, recovery, failures)
-        if kind == "before faults" and not (row.lost or row.duplicated or row.amo_twice
-                                            or row.amo_not_processed or row.shard_failures):
+        if kind == BEFORE_FAULTS and not (row.unconfirmed or row.lost or row.duplicated
+                                          or row.amo_twice or row.amo_not_processed):
             continue
         rows.append(row)
+    stray = unexplained(faults, timeline.failures)
+    if stray:
+        rows.append(FaultRow(stray[0].at, NO_FAULT, None, None, 0, 0, 0, 0, 0, None, None,
+                             sum(f.failures for f in stray)))
     return rows
 
 
@@ -183,6 +339,8 @@ class AuditVerdict:
     pending: int = 0
     violations: tuple[tuple[str, str], ...] = ()
     error: str | None = None
+    #: Where ``--output`` wrote the status of every entry (a Parquet directory), if it did.
+    output: str | None = None
 
 
 def audit_verdict(queue: str, exit_status: int, stdout: str, stderr: str) -> AuditVerdict:
@@ -199,6 +357,12 @@ def audit_verdict(queue: str, exit_status: int, stdout: str, stderr: str) -> Aud
         last = [line for line in (stderr or stdout).strip().splitlines() if line.strip()]
         return AuditVerdict(queue, error=f"exit {exit_status}: "
                             f"{last[-1] if last else 'no output'}")
-    return AuditVerdict(queue, int(document["done"]), int(document["pending"]),
-                        tuple((str(v["violation"]), str(v["bookmark"]))
-                              for v in document["violations"]))
+    try:
+        return AuditVerdict(queue, int(document["done"]), int(document["pending"]),
+                            tuple((str(v["violation"]), str(v["bookmark"]))
+                                  for v in document["violations"]),
+                            output=document.get("output"))
+    except (KeyError, TypeError, ValueError) as exc:
+        # Not the document the soak reads its verdict from: a check, not a crash.
+        return AuditVerdict(queue, error=f"exit {exit_status}: the JSON document has no "
+                            f"usable {exc}")

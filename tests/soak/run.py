@@ -12,20 +12,27 @@ than the delivery topics take) to the journal, and deletes (and makes again) the
 third, at-least-once queue while its entries are queued and leased.
 
 When every record is published and every fault done, it waits until both queues' recovery
-points in PostgreSQL reach the journal's end, stops everything and checks what a user would:
+points in PostgreSQL reach the journal's end, stops everything and checks what a user would,
+as sets, naming what differs (`tests/soak/checks.py`; docs/development.md defines each):
 
-- at-least-once: every published record was processed (recorded by a consumer) at least once;
-  every entry has exactly one ACKED event and none is leased again after it;
+- publishing: every value attempted, and every one the broker confirmed; the journal read
+  back to its end. A confirmed value missing from the journal is a problem; an unconfirmed
+  one is reported, and must be processed if it is in the journal anyway;
+- at-least-once: every value that must be processed (confirmed, or journaled) was processed
+  (recorded by a consumer) at least once; every entry of a published value has exactly one
+  ACKED event, every ACKED event names such an entry, and none is leased again after it;
 - at-most-once: no record was processed twice, and none delivered twice (LEASED events);
+- both queues admitted (ENQUEUED) every record of the journal;
 - no coordinator exited on its own (consumers that did are counted, and replaced);
 - the poison record left both queues dead-lettered with reason ``too_large``; every entry of
   the deleted journal expired with reason ``journal_deleted``, every record of the journal
-  made again was processed; neither cost a shard failure (a rebuild), and no shard failed
-  until the end (a rebuild loop);
-- `qlayer pipeline reconcile` (Spark) finds no violation in either queue: the journal, the
-  events and PostgreSQL agree on every entry.
+  made again was processed; no shard failure (a rebuild) is charged to either, none falls
+  outside every fault's window, and no shard failed until the end (a rebuild loop);
+- `qlayer pipeline reconcile` (Spark) finds no violation in either queue, nothing pending,
+  and exactly the journal's entries done: its count and its per-entry output.
 
-It prints a table per fault (lost, duplicated, the pause in acks and the recovery time).
+It prints a table per fault (unconfirmed, lost, duplicated, the pause in acks and the recovery
+time, the shard failures charged to it by its window: `tests/soak/report.py`).
 
 The figures and the fault log go to ``--output`` (JSON); the exit status is 1 when a check
 failed. The integration test `tests/integration/test_soak.py` runs a short plan of it in CI.
@@ -45,10 +52,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -56,26 +63,40 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from layer.localstack import StackConfig
 from layer.localstack.process import LocalStackError
 from layer.localstack.stack import Endpoints, LocalStack
-from layer.protocol import Event, EventType, TopicNames
+from layer.protocol import Codec, Event, EventType, SchemaKind, TopicNames
 from layer.protocol.headers import DLQ_REASON
 from layer.sdk import QueueConsumer
 from layer.settings import Settings
 from layer.store import migrate
 from layer.store.rows import PartitionKey
 from layer.store.store import Store
+from tests.soak.checks import (
+    audit_check,
+    lost,
+    match_acked,
+    not_published,
+    processed_lines,
+    publish_figures,
+)
 from tests.soak.report import (
+    FAULT_KINDS,
+    KINDS,
+    Fault,
     FaultRow,
     ShardFailure,
     Timeline,
     audit_verdict,
+    charged_to,
     fault_rows,
+    quiet_from,
     shard_failures,
     table,
+    unexplained,
 )
 from tests.support.coordinator import put_queues
 from tests.support.kafka import create_topic
 from tests.support.ports import free_ports
-from tests.support.processes import CoordinatorSubprocess, Subprocess, _env, read_events
+from tests.support.processes import CoordinatorSubprocess, Subprocess, _env
 
 #: Below Linux's ephemeral port range (32768-60999), so no client connection holds them.
 KAFKA_PORTS_FROM = 30_092
@@ -95,6 +116,10 @@ POISON_BYTES = 1_500_000
 #: acks them) when it is deleted. Until it is deleted the queue has no other consumer, so every
 #: entry is queued or leased then: each must expire with reason journal_deleted.
 DOOMED_BEFORE, DOOMED_BURST, DOOMED_AFTER, DOOMED_HELD = 100, 400, 100, 10
+#: How long a poison record's action waits for both queues to dead-letter it, and the deleted
+#: journal's for the coordinator to admit the records of the journal made again (seconds):
+#: the action, and so the fault's window, lasts until the coordinators have dealt with it.
+POISON_WAIT, RECREATED_WAIT = 180.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -127,11 +152,9 @@ class SoakPlan:
 
     def faults(self) -> list[tuple[float, str]]:
         """(seconds after the first record, fault) for every fault, in time order: spread
-        over the middle 80 % of the publishing time, jittered by the seed."""
-        kinds = (["coordinator"] * self.coordinator_kills + ["consumer"] * self.consumer_kills
-                 + ["broker"] * self.broker_kills + ["postgres"] * self.postgres_crashes
-                 + ["poison"] * self.poison_records
-                 + ["journal_deleted"] * self.journal_deletions)
+        over the middle 80 % of the publishing time, jittered by the seed. A fault starts at
+        its time or, after an input fault or an outage, once `quiet_from` allows it."""
+        kinds = [k.name for k in FAULT_KINDS for _ in range(getattr(self, k.plan_field))]
         rng = random.Random(self.seed)
         rng.shuffle(kinds)
         span = self.messages / self.rate
@@ -143,28 +166,59 @@ class SoakPlan:
 @dataclass
 class SoakResult:
     plan: dict[str, Any]
-    published: int = 0
-    publish_failures: int = 0
-    faults: list[tuple[float, str, str]] = field(default_factory=list)
+    #: Publishing (tests/soak/checks.py `PublishFigures`): values attempted and confirmed,
+    #: delivery reports with an error by error name, and the differences with the journal.
+    attempted: int = 0
+    confirmed: int = 0
+    publish_errors: dict[str, int] = field(default_factory=dict)
+    unconfirmed_journaled: list[int] = field(default_factory=list)
+    unconfirmed_not_journaled: list[int] = field(default_factory=list)
+    confirmed_not_journaled: list[int] = field(default_factory=list)
+    journaled_not_attempted: list[int] = field(default_factory=list)
+    #: Values at two places in the journal (the idempotent producer should make none):
+    #: reported; each place is an entry and is checked as one.
+    journaled_twice: list[int] = field(default_factory=list)
+    #: Whether the journal and the events topic were read to their ends (a check made on a
+    #: part of them would pass on what it did not read).
+    journal_read_complete: bool = False
+    events_read_complete: bool = False
+    #: Each fault as it happened (`Fault`: exact start and end, seconds since the first record).
+    faults: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     drained: bool = False
+    #: At-least-once: the values that had to be processed, those processed (times), the
+    #: values lost, processed more than once, and processed though never journaled.
+    alo_must_process: int = 0
     alo_processed: int = 0
     alo_lost: list[int] = field(default_factory=list)
     alo_processed_twice: int = 0
+    alo_processed_not_journaled: list[int] = field(default_factory=list)
     amo_processed: int = 0
     amo_processed_twice: list[int] = field(default_factory=list)
     amo_not_processed: int = 0
-    alo_entries_without_acked_event: int = 0
-    alo_entries_acked_twice: int = 0
-    entries_leased_after_acked: int = 0
-    amo_entries_leased_twice: int = 0
+    amo_processed_not_journaled: list[int] = field(default_factory=list)
+    #: Consumer output lines passed over (cut short by a SIGKILL).
+    partial_lines: list[str] = field(default_factory=list)
+    #: The at-least-once entries (bookmarks) of published values, and the ACKED events
+    #: matched to them: entries without one, with two or more, and ACKED events naming no
+    #: such entry.
+    alo_entries: int = 0
+    alo_entries_without_acked_event: list[str] = field(default_factory=list)
+    alo_entries_acked_twice: list[str] = field(default_factory=list)
+    acked_events_unknown: list[str] = field(default_factory=list)
+    entries_leased_after_acked: list[str] = field(default_factory=list)
+    amo_entries_leased_twice: list[str] = field(default_factory=list)
+    #: Per queue: journal records (published values and poison) without an ENQUEUED event.
+    not_admitted: dict[str, list[str]] = field(default_factory=dict)
     coordinator_unplanned_exits: list[str] = field(default_factory=list)
     consumer_unplanned_exits: list[str] = field(default_factory=list)
-    #: For a few lost records and entries without an ACKED event: their events, in order.
+    #: For a few records that fail a check: their events, in order.
     histories: dict[str, list[str]] = field(default_factory=dict)
-    #: Poison records: their bookmarks, each queue's outcome events of them
+    #: Poison records: their bookmarks (the journal's records that are not numbers), those the
+    #: producer reported and the journal lacks, each queue's outcome events of them
     #: (``EXPIRED(too_large)``...), and the dead letters with reason too_large per queue.
     poison_bookmarks: list[str] = field(default_factory=list)
+    poison_reported_not_journaled: list[str] = field(default_factory=list)
     poison_outcomes: dict[str, list[str]] = field(default_factory=dict)
     poison_dead_letters: dict[str, int] = field(default_factory=dict)
     #: The deleted journal: entries expired with reason journal_deleted, entries (admitted
@@ -176,42 +230,86 @@ class SoakResult:
     deleted_journal_entries_without_one_outcome: int = 0
     deleted_journal_recreated_published: int = 0
     deleted_journal_recreated_not_processed: int = 0
-    #: Shard failures (each a rebuild from stored state) in the coordinators' logs: all of
-    #: them, those after a poison record or a journal deletion (before the next fault), and
-    #: runs of failures that never ended (a shard failing until the coordinator stopped).
+    #: Per deletion: seconds until the coordinator admitted every record of the journal made
+    #: again, None when it had not after RECREATED_WAIT. Processed at the end is not enough:
+    #: a journal made again that only a later shard takeover reads (a coordinator SIGKILL
+    #: after the deletion) passed that check while the queue's owner never read it.
+    deleted_journal_recreated_admitted_after: list[float | None] = field(default_factory=list)
+    #: Shard failures (each a rebuild from stored state) in the coordinators' logs: how many
+    #: in all; the runs charged to an input fault, and those no fault's window holds
+    #: (report.py `charged_to`), and runs that never ended (a shard failing until the
+    #: coordinator stopped), each said with its time, reason and log.
     shard_failures: int = 0
-    shard_failures_after_input_faults: int = 0
+    shard_failures_after_input_faults: list[str] = field(default_factory=list)
+    shard_failures_unexplained: list[str] = field(default_factory=list)
     shard_failures_unended: list[str] = field(default_factory=list)
     #: What followed each fault (tests/soak/report.py `FaultRow`).
     fault_table: list[dict[str, Any]] = field(default_factory=list)
-    #: `qlayer pipeline reconcile` of each queue, and how many violations it found in all.
+    #: `qlayer pipeline reconcile` of each queue against the journal's entries
+    #: (tests/soak/checks.py `AuditCheck`), and how many violations it found in all.
     audit: list[dict[str, Any]] = field(default_factory=list)
     audit_violations: int = 0
     audit_seconds: float = 0.0
 
     def problems(self) -> list[str]:
         found = []
+
+        def some(values: list[Any]) -> str:
+            return f"{len(values)}, e.g. {values[:10]}"
+
         if not self.drained:
             found.append("the queues were not drained in time (recovery points short of the "
                          "journal's end)")
+        if not self.journal_read_complete:
+            found.append("the journal was not read back to its end: the checks against it "
+                         "are incomplete")
+        if not self.events_read_complete:
+            found.append("the events topic was not read to its end: the checks against it "
+                         "are incomplete")
+        if self.confirmed_not_journaled:
+            found.append("values the broker confirmed and the journal lacks: "
+                         + some(self.confirmed_not_journaled))
+        if self.journaled_not_attempted:
+            found.append("values in the journal never attempted: "
+                         + some(self.journaled_not_attempted))
         if self.alo_lost:
-            found.append(f"{len(self.alo_lost)} at-least-once records never processed, e.g. "
-                         f"{self.alo_lost[:10]}")
+            found.append("at-least-once values never processed (lost): " + some(self.alo_lost))
+        if self.alo_processed_not_journaled:
+            found.append("at-least-once values processed that are not in the journal: "
+                         + some(self.alo_processed_not_journaled))
         if self.amo_processed_twice:
-            found.append(f"{len(self.amo_processed_twice)} at-most-once records processed "
-                         f"twice, e.g. {self.amo_processed_twice[:10]}")
+            found.append("at-most-once values processed twice: "
+                         + some(self.amo_processed_twice))
+        if self.amo_processed_not_journaled:
+            found.append("at-most-once values processed that are not in the journal: "
+                         + some(self.amo_processed_not_journaled))
+        for queue, missing in self.not_admitted.items():
+            if missing:
+                found.append(f"{queue}: journal records without an ENQUEUED event: "
+                             + some(missing))
         if self.alo_entries_without_acked_event:
-            found.append(f"{self.alo_entries_without_acked_event} at-least-once entries "
-                         "without an ACKED event")
+            found.append("at-least-once entries without an ACKED event: "
+                         + some(self.alo_entries_without_acked_event))
         if self.alo_entries_acked_twice:
-            found.append(f"{self.alo_entries_acked_twice} entries with two ACKED events")
+            found.append("at-least-once entries with two or more ACKED events: "
+                         + some(self.alo_entries_acked_twice))
+        if self.acked_events_unknown:
+            found.append("ACKED events for a bookmark that is no entry of a published value: "
+                         + some(self.acked_events_unknown))
         if self.entries_leased_after_acked:
-            found.append(f"{self.entries_leased_after_acked} entries leased after their ACKED")
+            found.append("entries leased after their ACKED: "
+                         + some(self.entries_leased_after_acked))
         if self.amo_entries_leased_twice:
-            found.append(f"{self.amo_entries_leased_twice} at-most-once entries leased twice")
+            found.append("at-most-once entries leased twice: "
+                         + some(self.amo_entries_leased_twice))
         if self.coordinator_unplanned_exits:
             found.append("coordinators exited on their own: "
                          + "; ".join(self.coordinator_unplanned_exits))
+        if self.plan.get("poison_records") and not self.poison_bookmarks:
+            found.append("no poison record is in the journal: its checks did not run")
+        if self.poison_reported_not_journaled:
+            found.append("poison records the producer reported and the journal lacks: "
+                         + some(self.poison_reported_not_journaled))
         for queue, outcomes in self.poison_outcomes.items():
             if sum(o.startswith("EXPIRED(too_large)@") for o in outcomes) != len(
                     self.poison_bookmarks) or len(outcomes) != len(self.poison_bookmarks):
@@ -233,30 +331,35 @@ class SoakResult:
         if self.deleted_journal_entries_without_one_outcome:
             found.append(f"{self.deleted_journal_entries_without_one_outcome} entries of the "
                          "deleted journal without exactly one outcome")
+        if None in self.deleted_journal_recreated_admitted_after:
+            found.append(f"the journal made again was not read: its records were not all "
+                         f"admitted within {RECREATED_WAIT:.0f}s of being published (each "
+                         f"deletion, seconds: {self.deleted_journal_recreated_admitted_after})")
         if self.deleted_journal_recreated_not_processed:
             found.append(f"{self.deleted_journal_recreated_not_processed} records of the "
                          "journal made again never processed")
         if self.shard_failures_after_input_faults:
-            found.append(f"{self.shard_failures_after_input_faults} shard failures (rebuilds) "
-                         "after a poison record or a journal deletion")
+            found.append("shard failures (rebuilds) charged to a poison record or a journal "
+                         "deletion: " + "; ".join(self.shard_failures_after_input_faults))
+        if self.shard_failures_unexplained:
+            found.append("shard failures (rebuilds) outside every fault's window: "
+                         + "; ".join(self.shard_failures_unexplained))
         if self.shard_failures_unended:
             found.append("shards failing until their coordinator stopped (a rebuild loop): "
                          + "; ".join(self.shard_failures_unended))
-        for verdict in self.audit:
-            if verdict["error"]:
-                found.append(f"the audit of {verdict['queue']} did not run: {verdict['error']}")
-        if self.audit_violations:
-            found.append(f"{self.audit_violations} violations found by `qlayer pipeline "
-                         "reconcile`: " + "; ".join(
-                             f"{v[0]} {v[1]}" for a in self.audit
-                             for v in a["violations"][:10]))
+        if self.plan.get("audit") and not self.audit:
+            found.append("the audit was asked for and did not run")
+        for check in self.audit:
+            found.extend(check["problems"])
         return found
 
 
-
-
 class Publisher(threading.Thread):
-    """Publishes 0..n-1 at a fixed rate; librdkafka keeps retrying through a broker outage."""
+    """Publishes 0..n-1 at a fixed rate; librdkafka keeps retrying through a broker outage.
+
+    It records every value it hands to the producer (``attempted_at``: value → seconds after
+    its start) and the broker's answer for each: confirmed (a delivery report without an
+    error) or failed (its error's name); a value neither is one whose report never came."""
 
     def __init__(self, bootstrap: str, topic: str, plan: SoakPlan) -> None:
         super().__init__(daemon=True, name="soak-publisher")
@@ -266,15 +369,21 @@ class Publisher(threading.Thread):
                                   "message.timeout.ms": 900_000,
                                   # The outages are on purpose: not a line per retry.
                                   "log_level": 2})
-        self.delivered: set[int] = set()
-        self.failures = 0
+        self.attempted_at: list[float] = []
+        self.confirmed: set[int] = set()
+        self.failed: dict[int, str] = {}
         self.started = 0.0
 
+    @property
+    def errors(self) -> Counter[str]:
+        return Counter(self.failed.values())
+
     def _report(self, err: KafkaError | None, msg: Message) -> None:
+        value = int(msg.value() or b"-1")
         if err is None:
-            self.delivered.add(int(msg.value() or b"-1"))
+            self.confirmed.add(value)
         else:
-            self.failures += 1
+            self.failed[value] = err.name()
 
     def run(self) -> None:
         self.started = time.monotonic()
@@ -289,6 +398,8 @@ class Publisher(threading.Thread):
                     break
                 except BufferError:  # the queue is full while the broker is away
                     self.producer.poll(0.1)
+            # Attempted once the producer holds it: from here it may reach the journal.
+            self.attempted_at.append(time.monotonic() - self.started)
             self.producer.poll(0)
         while self.producer.flush(5) > 0:
             pass
@@ -317,6 +428,10 @@ class Soak:
         self.doomed_before: list[str] = []
         self.doomed_after: list[str] = []
         self.recreated_ms: list[int] = []
+        #: The faults done so far, with their exact start and end (seconds since the first
+        #: record, on the soak's monotonic clock: `_now`).
+        self.done_faults: list[Fault] = []
+        self.started = 0.0
 
     def _stack(self, kafka_from: int, postgres_from: int) -> LocalStack:
         kafka_port = free_ports(kafka_from, 2)
@@ -377,56 +492,85 @@ class Soak:
 
     # --- faults -----------------------------------------------------------------------------
 
-    def _fault(self, kind: str) -> str:
-        if kind == "coordinator":
-            name = self.rng.choice(sorted(self.coordinators))
-            proc = self.coordinators[name]
-            self.planned_exits.add(proc.pid)
-            proc.kill()
-            time.sleep(1.0)
-            self._start_coordinator(name)
-            return f"SIGKILL coordinator {name} (pid {proc.pid}), started again"
-        if kind == "consumer":
-            name = self.rng.choice(sorted(self.workers))
-            worker, _, queues = self.workers.pop(name)
-            self.planned_exits.add(worker.pid)
-            worker.kill()
-            self._start_worker(queues)
-            return f"SIGKILL {name} (pid {worker.pid}), a new consumer started"
-        if kind == "broker":
-            pid = self.stack.kafka.kill()
-            self._sleep_supervised(self.plan.outage)
-            self.stack.kafka.up()
-            return f"SIGKILL broker (pid {pid}), down {self.plan.outage:.0f}s, started again"
-        if kind == "postgres":
-            self.stack.postgres.crash()
-            self._sleep_supervised(self.plan.outage)
-            self.stack.postgres.up()
-            return f"PostgreSQL stopped -m immediate, down {self.plan.outage:.0f}s, started again"
-        if kind == "poison":
-            return self._poison()
-        if kind == "journal_deleted":
-            return self._delete_journal()
-        raise ValueError(kind)
+    #: What each kind of fault (report.py `FAULT_KINDS`) does: the method that does it,
+    #: returns when it is over and says what it did. A new kind is a method and a line here.
+    ACTIONS: ClassVar[dict[str, str]] = {
+        "coordinator": "_kill_coordinator", "consumer": "_kill_consumer",
+        "broker": "_kill_broker", "postgres": "_crash_postgres", "poison": "_poison",
+        "journal_deleted": "_delete_journal"}
+
+    def _now(self) -> float:
+        """Seconds since the first record, exact (the faults' and the logs' time axis)."""
+        return time.monotonic() - self.started
+
+    def _fault(self, kind: str) -> Fault:
+        """Does one fault and says when it began and ended, exactly: the start is taken just
+        before its action, the end just after it (the process or server started again, the
+        poison record dead-lettered, the journal made again and read)."""
+        at = self._now()
+        what: str = getattr(self, self.ACTIONS[kind])()
+        return Fault(at, self._now(), kind, what)
+
+    def _kill_coordinator(self) -> str:
+        name = self.rng.choice(sorted(self.coordinators))
+        proc = self.coordinators[name]
+        self.planned_exits.add(proc.pid)
+        proc.kill()
+        time.sleep(1.0)
+        self._start_coordinator(name)
+        return f"SIGKILL coordinator {name} (pid {proc.pid}), started again"
+
+    def _kill_consumer(self) -> str:
+        name = self.rng.choice(sorted(self.workers))
+        worker, _, queues = self.workers.pop(name)
+        self.planned_exits.add(worker.pid)
+        worker.kill()
+        self._start_worker(queues)
+        return f"SIGKILL {name} (pid {worker.pid}), a new consumer started"
+
+    def _kill_broker(self) -> str:
+        pid = self.stack.kafka.kill()
+        self._sleep_supervised(self.plan.outage)
+        self.stack.kafka.up()
+        return f"SIGKILL broker (pid {pid}), down {self.plan.outage:.0f}s, started again"
+
+    def _crash_postgres(self) -> str:
+        self.stack.postgres.crash()
+        self._sleep_supervised(self.plan.outage)
+        self.stack.postgres.up()
+        return f"PostgreSQL stopped -m immediate, down {self.plan.outage:.0f}s, started again"
 
     def _poison(self) -> str:
         """A record the journal takes and the delivery topics do not: it must be
-        dead-lettered (reason too_large) by both queues, and cost no shard a rebuild."""
+        dead-lettered (reason too_large) by both queues, and cost no shard a rebuild. Over
+        once both queues counted it dead-lettered (POISON_WAIT at most): a coordinator behind
+        the journal (after an outage) meets it late, and a failure it causes then must still
+        be in its window."""
         where: list[str] = []
 
         def report(err: KafkaError | None, msg: Message) -> None:
             if err is None:
                 where.append(f"{msg.topic()}/{msg.partition()}/{msg.offset()}")
 
+        before = {q: self._counter_now(q, "dead_lettered") for q in (ALO, AMO)}
         producer = Producer({"bootstrap.servers": self.settings.bootstrap_servers,
                              "message.max.bytes": JOURNAL_MAX_BYTES, "log_level": 2})
         producer.produce(self.journal, os.urandom(POISON_BYTES), key=b"poison",
                          on_delivery=report)
         producer.flush(60)
-        if not where:
-            return "poison record NOT published"
+        published = time.monotonic()
+        left = dict(before)
+        while left and time.monotonic() < published + POISON_WAIT:
+            self._sleep_supervised(0.5)
+            left = {q: n for q, n in left.items()
+                    if (self._counter(q, "dead_lettered") or 0) <= n}
         self.poison.extend(where)
-        return f"poison record of {POISON_BYTES} bytes published at {where[0]}"
+        took = time.monotonic() - published
+        dealt = (f"dead-lettered by both queues within {took:.1f}s" if not left else
+                 f"NOT dead-lettered by {', '.join(sorted(left))} within {POISON_WAIT:.0f}s")
+        if not where:
+            return f"poison record NOT confirmed by the broker; {dealt}"
+        return f"poison record of {POISON_BYTES} bytes published at {where[0]}; {dealt}"
 
     def _delete_journal(self) -> str:
         """The doomed queue's journal deleted once the coordinator admitted its records, with
@@ -484,28 +628,63 @@ class Soak:
         self._publish(self.doomed, self.doomed_after)
         if not any(DOOMED in queues for _, _, queues in self.workers.values()):
             self._start_worker((DOOMED,))
+        # Over once the journal made again is read (its records admitted): a failure reading
+        # it is this fault's, so its window must reach that far.
+        recreated = time.monotonic()
+        want = len(self.doomed_before) + len(self.doomed_after)
+        while (self._doomed_counter("enqueued") < want
+               and time.monotonic() < recreated + RECREATED_WAIT):
+            self._sleep_supervised(0.5)
+        admitted = self._doomed_counter("enqueued") >= want
+        self.result.deleted_journal_recreated_admitted_after.append(
+            round(time.monotonic() - recreated, 1) if admitted else None)
         return (f"journal {self.doomed} deleted ({len(self.doomed_before)} records, {held} "
                 f"entries leased); {expired} entries expired journal_deleted within "
-                f"{seen:.0f}s; made again, {DOOMED_AFTER} records published")
+                f"{seen:.0f}s; made again, {DOOMED_AFTER} records published, "
+                + (f"admitted within {time.monotonic() - recreated:.1f}s" if admitted
+                   else f"NOT all admitted within {RECREATED_WAIT:.0f}s"))
 
     def _publish(self, topic: str, values: list[str]) -> None:
+        """Published and confirmed, every one: the deleted journal's checks count on it."""
+        failed: list[str] = []
+
+        def report(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                failed.append(f"{(msg.value() or b'').decode()}: {err.name()}")
+
         producer = Producer({"bootstrap.servers": self.settings.bootstrap_servers,
                              "linger.ms": 5, "log_level": 2})
         for value in values:
-            producer.produce(topic, value.encode())
+            producer.produce(topic, value.encode(), on_delivery=report)
         if producer.flush(120) != 0:
             raise RuntimeError(f"records to {topic} not published in 120 s")
+        if failed:
+            raise RuntimeError(f"{len(failed)} records to {topic} not confirmed: {failed[:5]}")
 
     def _journal_deleted_count(self) -> int:
         return self._doomed_counter("journal_deleted")
 
     def _doomed_counter(self, name: str) -> int:
+        return self._counter(DOOMED, name) or 0
+
+    def _counter(self, queue: str, name: str) -> int | None:
+        """A queue's counter in PostgreSQL; None when it cannot be read now (restarting)."""
         try:
             with Store(self.settings.database_url) as store:
-                found = store.load_counters(DOOMED).get(DOOMED)
+                found = store.load_counters(queue).get(queue)
         except Exception:  # PostgreSQL may be restarting: asked again
-            return 0
+            return None
         return 0 if found is None else int(getattr(found, name))
+
+    def _counter_now(self, queue: str, name: str) -> int:
+        """A queue's counter, asked again (60 s at most) while PostgreSQL does not answer: a
+        0 read in an outage would make any later value look like a change."""
+        until = time.monotonic() + 60
+        while True:
+            found = self._counter(queue, name)
+            if found is not None or time.monotonic() > until:
+                return found or 0
+            self._sleep_supervised(1.0)
 
     def _sleep_supervised(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -588,22 +767,32 @@ class Soak:
             publisher.start()
             while not publisher.started:
                 time.sleep(0.01)
+            self.started = publisher.started
+            # The epoch second of time 0: the coordinators' log lines are placed on the
+            # soak's clock through it (the two readings are microseconds apart).
             self.origin = time.time() - (time.monotonic() - publisher.started)
             for at, kind in self.plan.faults():
-                while time.monotonic() < publisher.started + at:
+                quiet = quiet_from(kind, self.done_faults)
+                held = quiet - max(at, self._now())
+                while self._now() < max(at, quiet):
                     self._supervise()
-                    time.sleep(0.5)
-                t = time.monotonic() - publisher.started
-                what = self._fault(kind)
-                self.result.faults.append((round(t, 1), kind, what))
-                self.say(f"t={t:6.1f}s {what}")
+                    time.sleep(min(0.5, max(0.0, max(at, quiet) - self._now())))
+                fault = self._fault(kind)
+                if held > 0:
+                    fault = dataclasses.replace(
+                        fault, what=f"{fault.what} (held {held:.1f}s for an earlier fault's "
+                                    "window)")
+                self.done_faults.append(fault)
+                self.result.faults.append(dataclasses.asdict(fault))
+                self.say(f"t={fault.at:7.3f}s-{fault.end:7.3f}s {fault.what}")
             while publisher.is_alive():
                 self._supervise()
                 publisher.join(0.5)
-            self.result.published = len(publisher.delivered)
-            self.result.publish_failures = publisher.failures
-            self.say(f"published {self.result.published} records "
-                     f"({publisher.failures} failed to publish); draining")
+            self.result.attempted = len(publisher.attempted_at)
+            self.result.confirmed = len(publisher.confirmed)
+            self.result.publish_errors = dict(publisher.errors)
+            self.say(f"attempted {self.result.attempted} records, {self.result.confirmed} "
+                     f"confirmed ({dict(publisher.errors) or 'no'} errors); draining")
             ends = self._journal_ends()
             deadline = time.monotonic() + self.plan.drain_timeout
             while time.monotonic() < deadline:
@@ -614,7 +803,7 @@ class Soak:
                 time.sleep(1.0)
             time.sleep(2.0)  # the last acks' events are published after their transaction
             self._stop_processes()
-            self._check(publisher.delivered)
+            self._check(publisher)
             if self.plan.audit:
                 self._audit()
         finally:
@@ -632,90 +821,125 @@ class Soak:
             self.planned_exits.add(proc.pid)
             proc.stop()
 
-    def _check(self, published: set[int]) -> None:
-        # Each line: queue, value, the epoch second it was processed (recorded).
-        processed: dict[str, Counter[str]] = {ALO: Counter(), AMO: Counter(), DOOMED: Counter()}
-        seconds: dict[tuple[str, str], list[float]] = {}
-        for out in self.outputs:
-            for line in out.read_text(encoding="utf-8").splitlines():
-                queue, value, at = [*line.split("\t"), "", ""][:3]
-                if queue in processed and value:
-                    processed[queue][value] += 1
-                    if at:
-                        seconds.setdefault((queue, value), []).append(float(at) - self.origin)
+    def _check(self, publisher: Publisher) -> None:
+        """Every check of tests/soak/checks.py on what the soak recorded, the journal read
+        back and the events."""
         r = self.result
-        alo = Counter({int(v): n for v, n in processed[ALO].items()})
-        amo = Counter({int(v): n for v, n in processed[AMO].items()})
+        journal = self._read_journal()
+        events, r.events_read_complete = self._read_events({ALO, AMO, DOOMED})
+        r.journal_read_complete = journal.complete
+        processed = processed_lines(
+            [out.read_text(encoding="utf-8", errors="replace") for out in self.outputs],
+            (ALO, AMO, DOOMED))
+        r.partial_lines = processed.partial
+        figures = publish_figures(range(len(publisher.attempted_at)), publisher.confirmed,
+                                  journal.values)
+        r.unconfirmed_journaled = figures.unconfirmed_journaled
+        r.unconfirmed_not_journaled = figures.unconfirmed_not_journaled
+        r.confirmed_not_journaled = figures.confirmed_not_journaled
+        r.journaled_not_attempted = figures.journaled_not_attempted
+        r.journaled_twice = sorted(v for v, places in journal.values.items() if len(places) > 1)
+        alo = Counter({int(v): n for v, n in processed.counts[ALO].items() if v.isdigit()})
+        amo = Counter({int(v): n for v, n in processed.counts[AMO].items() if v.isdigit()})
+        r.alo_must_process = len(figures.must_process)
         r.alo_processed = sum(alo.values())
-        r.alo_lost = sorted(published - set(alo))
+        r.alo_lost = lost(figures.must_process, alo)
         r.alo_processed_twice = sum(1 for n in alo.values() if n > 1)
+        r.alo_processed_not_journaled = not_published(alo, figures.journaled)
         r.amo_processed = sum(amo.values())
         r.amo_processed_twice = sorted(v for v, n in amo.items() if n > 1)
-        r.amo_not_processed = len(published - set(amo))
-        acked: dict[str, Counter[str]] = {ALO: Counter(), AMO: Counter()}
-        leased: dict[str, Counter[str]] = {ALO: Counter(), AMO: Counter()}
-        acked_at: dict[tuple[str, str], int] = {}
-        late = 0
-        events = read_events(self.settings, {ALO, AMO, DOOMED})
+        amo_missed = sorted(figures.must_process - set(amo))
+        r.amo_not_processed = len(amo_missed)
+        r.amo_processed_not_journaled = not_published(amo, figures.journaled)
+        # The entries of published values (a value journaled twice is two entries).
+        entries = {b for places in journal.values.values() for b, _ in places}
+        r.alo_entries = len(entries)
+        poison = {b for b, _ in journal.others}
+        r.poison_bookmarks = sorted(poison)
+        #: What the audit must find done: every entry of the journal.
+        self.expected_entries = entries | poison
+        r.poison_reported_not_journaled = sorted(set(self.poison) - poison)
         history: dict[str, list[str]] = {}
+        acked: Counter[str] = Counter()
+        acked_at: dict[str, int] = {}
+        leased_after: set[str] = set()
+        amo_leased: Counter[str] = Counter()
+        enqueued: dict[str, set[str]] = {ALO: set(), AMO: set()}
         for e in events:
-            if e.queue == ALO and e.bookmark is not None:
-                history.setdefault(e.bookmark.format(), []).append(_said(e))
-        for e in events:
-            if e.bookmark is None or e.queue not in acked:
+            if e.bookmark is None or e.queue not in enqueued:
                 continue
             key = e.bookmark.format()
-            if e.type is EventType.ACKED:
-                acked[e.queue][key] += 1
-                acked_at[(e.queue, key)] = e.timestamp_ms
-            elif e.type is EventType.LEASED:
-                leased[e.queue][key] += 1
-                if (e.queue, key) in acked_at and e.timestamp_ms > acked_at[(e.queue, key)]:
-                    late += 1
-        r.alo_entries_without_acked_event = max(0, len(published) - len(acked[ALO]))
-        r.alo_entries_acked_twice = sum(1 for n in acked[ALO].values() if n > 1)
-        r.entries_leased_after_acked = late
-        r.amo_entries_leased_twice = sum(1 for n in leased[AMO].values() if n > 1)
-        where = self._bookmarks_of(published)
-        if r.alo_lost or r.alo_entries_without_acked_event:
-            lost = [where[v][0] for v in r.alo_lost[:8] if v in where]
-            unacked = [b for b, _ in sorted(where.values()) if acked[ALO][b] == 0][:8]
-            for b in dict.fromkeys(lost + unacked):
-                record = next(v for v, w in where.items() if w[0] == b)
-                r.histories[f"{b} (record {record})"] = history.get(b, [])
-        self._check_poison(events)
-        self._check_doomed(events, processed[DOOMED])
+            if e.queue == ALO:
+                history.setdefault(key, []).append(_said(e))
+            if e.type is EventType.ENQUEUED:
+                enqueued[e.queue].add(key)
+            elif e.queue == ALO and e.type is EventType.ACKED:
+                acked[key] += 1
+                acked_at[key] = min(acked_at.get(key, e.timestamp_ms), e.timestamp_ms)
+            elif e.queue == AMO and e.type is EventType.LEASED:
+                amo_leased[key] += 1
+        # Leased after its first ACKED, by time, whatever order the events were read in.
+        for e in events:
+            if (e.queue == ALO and e.type is EventType.LEASED and e.bookmark is not None
+                    and e.timestamp_ms > acked_at.get(e.bookmark.format(), e.timestamp_ms)):
+                leased_after.add(e.bookmark.format())
+        matched = match_acked(entries, acked)
+        r.alo_entries_without_acked_event = matched.without
+        r.alo_entries_acked_twice = matched.twice
+        r.acked_events_unknown = matched.unknown
+        r.entries_leased_after_acked = sorted(leased_after)
+        r.amo_entries_leased_twice = sorted(b for b, n in amo_leased.items() if n > 1)
+        r.not_admitted = {q: sorted((entries | poison) - seen) for q, seen in enqueued.items()}
+        where = {v: places[0] for v, places in journal.values.items()}
+        shown = ([where[v][0] for v in r.alo_lost if v in where][:8]
+                 + matched.without[:8] + matched.twice[:4] + matched.unknown[:4]
+                 + r.entries_leased_after_acked[:4])
+        value_of = {b: v for v, places in journal.values.items() for b, _ in places}
+        for b in dict.fromkeys(shown):
+            r.histories[f"{b} (record {value_of.get(b, '?')})"] = history.get(b, [])
+        self._check_poison(events, poison)
+        self._check_doomed(events, processed.counts[DOOMED])
         failures = self._shard_failures()
-        # The table: lost and not processed by when the record was journaled, duplicates by
-        # when they were processed again.
+
+        def journaled_or_attempted(v: int) -> float:
+            # A value missing from the journal is placed by when it was attempted.
+            return where[v][1] if v in where else publisher.attempted_at[v]
+
+        def second(queue: str, v: int) -> float:
+            return sorted(processed.seconds.get((queue, str(v)), [0.0, 0.0]))[1] - self.origin
+
+        # The table: unconfirmed by when they were attempted, lost and not processed by when
+        # the record was journaled, duplicates by when they were processed again.
         timeline = Timeline(
             acks=[e.timestamp_ms / 1000 - self.origin for e in events
                   if e.queue == ALO and e.type is EventType.ACKED],
-            lost=[where[v][1] for v in r.alo_lost if v in where],
-            duplicated=[sorted(seconds.get((ALO, str(v)), [0.0, 0.0]))[1]
-                        for v, n in alo.items() if n > 1],
-            amo_not_processed=[where[v][1] for v in published - set(amo) if v in where],
-            amo_twice=[sorted(seconds.get((AMO, str(v)), [0.0, 0.0]))[1]
-                       for v in r.amo_processed_twice],
+            unconfirmed=[publisher.attempted_at[v] for v in figures.unconfirmed],
+            lost=[journaled_or_attempted(v) for v in r.alo_lost],
+            duplicated=[second(ALO, v) for v, n in alo.items() if n > 1],
+            amo_not_processed=[journaled_or_attempted(v) for v in amo_missed],
+            amo_twice=[second(AMO, v) for v in r.amo_processed_twice],
             failures=failures)
-        rows = fault_rows([(t, kind) for t, kind, _ in r.faults], timeline,
-                          end=time.time() - self.origin)
+        faults = self.done_faults
+        rows = fault_rows(faults, timeline, end=self._now())
         r.fault_table = [dataclasses.asdict(row) for row in rows]
         r.shard_failures = sum(f.failures for f in failures)
-        r.shard_failures_after_input_faults = sum(
-            row.shard_failures for row in rows if row.kind in ("poison", "journal_deleted"))
-        r.shard_failures_unended = [f"shard {f.shard} from t={f.at:.1f}s" for f in failures
-                                    if not f.ended]
+        r.shard_failures_after_input_faults = [
+            f"{f.said()}, charged to {faults[i].kind} at t={faults[i].at:.3f}s"
+            for f in failures
+            if (i := charged_to(faults, f.at)) is not None and KINDS[faults[i].kind].input]
+        r.shard_failures_unexplained = [f.said() for f in unexplained(faults, failures)]
+        r.shard_failures_unended = [f.said() for f in failures if not f.ended]
 
-    def _check_poison(self, events: list[Event]) -> None:
+    def _check_poison(self, events: list[Event], poison: set[str]) -> None:
+        """Each queue's outcome events of the poison records (the journal's records that are
+        not the publisher's numbers), and the dead letters with reason too_large."""
         r = self.result
-        r.poison_bookmarks = list(self.poison)
-        if not self.poison:
+        if not poison:
             return
         for queue in (ALO, AMO):
             r.poison_outcomes[queue] = [
                 _said(e) for e in events if e.queue == queue and e.bookmark is not None
-                and e.bookmark.format() in self.poison
+                and e.bookmark.format() in poison
                 and e.type in (EventType.EXPIRED, EventType.ACKED,
                                EventType.DELIVERED_AT_MOST_ONCE)]
             r.poison_dead_letters[queue] = sum(
@@ -791,48 +1015,126 @@ class Soak:
             if log.exists():
                 found += shard_failures(log.read_text(encoding="utf-8",
                                                       errors="replace").splitlines(),
-                                        self.origin)
+                                        self.origin, source=log.name)
         return sorted(found, key=lambda f: f.at)
 
     def _audit(self) -> None:
         """`qlayer pipeline reconcile` of both queues, as an operator would run it after the
-        soak: the journal, the events and PostgreSQL compared entry by entry. The doomed
-        queue is not audited: its journal was deleted, so its old entries' records are gone
-        and their bookmarks name records of the journal made again (docs/development.md)."""
+        soak: the journal, the events and PostgreSQL compared entry by entry. Its verdict is
+        checked against the journal's entries (checks.py `audit_check`): its ``done`` count,
+        its ``pending``, and the status of each entry it wrote with ``--output`` (Parquet).
+        The doomed queue is not audited: its journal was deleted, so its old entries' records
+        are gone and their bookmarks name records of the journal made again
+        (docs/development.md)."""
         began = time.monotonic()
         for queue in (ALO, AMO):
+            statuses_dir = self.logs / f"reconcile-{queue}.parquet"
             done = subprocess.run(
                 [sys.executable, "-m", "layer_cli.main", "pipeline", "reconcile", queue,
-                 "--journal", self.journal, "--json"],
+                 "--journal", self.journal, "--json", "--output", str(statuses_dir)],
                 env=_env(self.settings), capture_output=True, text=True, timeout=900,
                 check=False)
             (self.logs / f"reconcile-{queue}.log").write_text(
                 done.stdout + "\n" + done.stderr, encoding="utf-8")
             verdict = audit_verdict(queue, done.returncode, done.stdout, done.stderr)
-            self.say(f"reconcile {queue}: {verdict.done} done, {verdict.pending} pending, "
-                     f"{len(verdict.violations)} violations"
-                     + (f" ({verdict.error})" if verdict.error else ""))
-            self.result.audit.append(dataclasses.asdict(verdict))
+            statuses = None if verdict.error else self._read_statuses(statuses_dir)
+            check = audit_check(verdict, self.expected_entries, statuses)
+            self.say(f"reconcile {queue}: {verdict.done} done (of {check.expected} "
+                     f"expected), {verdict.pending} pending, {len(verdict.violations)} "
+                     "violations" + (f" ({verdict.error})" if verdict.error else ""))
+            self.result.audit.append(dataclasses.asdict(check))
             self.result.audit_violations += len(verdict.violations)
         self.result.audit_seconds = round(time.monotonic() - began, 1)
 
-    def _bookmarks_of(self, published: set[int]) -> dict[int, tuple[str, float]]:
-        """Each published record's bookmark and when it was journaled (seconds since the
-        first record), read back from the journal; the poison records are passed over."""
+    def _read_statuses(self, path: Path) -> dict[str, str] | None:
+        """bookmark → status from reconcile's per-entry output; None when it cannot be read
+        (the audit then fails: its count alone does not show which entries it judged)."""
+        import pyarrow.parquet as pq  # a test dependency, as pyspark is: only the audit needs it
+
+        try:
+            read = pq.read_table(path, columns=["bookmark", "status"]).to_pydict()
+        except Exception as exc:  # the check fails on it, with the reason said
+            self.say(f"reconcile's output {path} not read: {exc}")
+            return None
+        return {str(b): str(st) for b, st in zip(read["bookmark"], read["status"], strict=True)}
+
+    def _read_journal(self) -> JournalRead:
+        """The journal read back to its end: each numbered value's places (bookmark, and when
+        it was journaled, seconds since the first record) and the other records (poison)."""
+        read = JournalRead()
+        for m in self._read_topic(self.journal, read, isolation="read_uncommitted"):
+            value = m.value() or b""
+            place = (f"{m.topic()}/{m.partition()}/{m.offset()}",
+                     m.timestamp()[1] / 1000 - self.origin)
+            if value.isdigit():
+                read.values.setdefault(int(value), []).append(place)
+            else:
+                read.others.append(place)
+        return read
+
+    def _read_events(self, queues: set[str]) -> tuple[list[Event], bool]:
+        """Every committed event of these queues, and whether the topic was read to its end.
+        An event batch published twice (docs/protocol.md §4.4b) counts once, as readers must
+        (as tests/support/processes.py `read_events`, which does not say whether it read to
+        the end)."""
+        codec = Codec()
+        fingerprint = codec.schema(SchemaKind.EVENT_BATCH).fingerprint
+        batches: set[int] = set()
+        found: list[Event] = []
+        progress = JournalRead()
+        for m in self._read_topic(TopicNames(self.settings.topic_prefix).events, progress,
+                                  isolation="read_committed"):
+            value = m.value()
+            if value is None:
+                continue
+            if value[2:10] == fingerprint:
+                batch = codec.decode_event_batch(value)
+                if batch.batch_id in batches:
+                    continue
+                batches.add(batch.batch_id)
+                found.extend(e for e in batch.events if e.queue in queues)
+            else:
+                event = codec.decode_event(value)
+                if event.queue in queues:
+                    found.append(event)
+        return found, progress.complete
+
+    def _read_topic(self, topic: str, progress: JournalRead,
+                    isolation: str) -> Iterable[Message]:
+        """Every record of a topic from its start to its end as of now; ``progress.complete``
+        says whether every partition's position reached its end (a transaction marker at the
+        end is no record, so the position is compared, not the last offset seen)."""
         consumer = Consumer({"bootstrap.servers": self.settings.bootstrap_servers,
-                             "group.id": f"soak-{uuid.uuid4().hex}",
-                             "auto.offset.reset": "earliest", "enable.auto.commit": False})
-        consumer.subscribe([self.journal])
-        found: dict[int, tuple[str, float]] = {}
-        deadline = time.monotonic() + 60
-        while len(found) < len(published) and time.monotonic() < deadline:
-            for m in consumer.consume(10_000, 0.5):
-                value = m.value() if m.error() is None else None
-                if value and value.isdigit():
-                    found[int(value)] = (f"{m.topic()}/{m.partition()}/{m.offset()}",
-                                         m.timestamp()[1] / 1000 - self.origin)
-        consumer.close()
-        return found
+                             "group.id": f"soak-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                             "isolation.level": isolation})
+        try:
+            md = consumer.list_topics(topic, timeout=30).topics[topic]
+            parts = [TopicPartition(topic, p, 0) for p in md.partitions]
+            ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=30)[1]
+                    for tp in parts}
+            consumer.assign(parts)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                for m in consumer.consume(10_000, 0.5):
+                    if m.error() is None:
+                        yield m
+                at = {tp.partition: tp.offset for tp in consumer.position(parts)}
+                if all(at[p] >= end for p, end in ends.items() if end > 0):
+                    progress.complete = True
+                    return
+        finally:
+            consumer.close()
+
+
+@dataclass
+class JournalRead:
+    """A topic read back: the journal's numbered values (value → places, normally one) and
+    its other records (the poison), each place a bookmark and a time; ``complete`` when
+    every partition was read to its end."""
+
+    values: dict[int, list[tuple[str, float]]] = field(default_factory=dict)
+    others: list[tuple[str, float]] = field(default_factory=list)
+    complete: bool = False
 
 
 def _said(e: Event) -> str:
@@ -847,6 +1149,28 @@ def soak_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="qlayer-soak-", dir="/tmp"))
     path.chmod(0o755)
     return path
+
+
+def summary(result: SoakResult) -> list[str]:
+    """The figures, one a line: a list as its length and its first values (the JSON output
+    has them all)."""
+    lines = []
+    for key, value in dataclasses.asdict(result).items():
+        if key in ("plan", "faults", "histories", "fault_table", "audit"):
+            continue
+        if isinstance(value, list):
+            value = f"{len(value)}" + (f" {value[:5]}" if value else "")
+        elif isinstance(value, dict):
+            value = {k: (f"{len(v)} values" if isinstance(v, list) and len(v) > 5 else v)
+                     for k, v in value.items()}
+        lines.append(f"{key:40} {value}")
+    for check in result.audit:
+        lines.append(f"audit {check['queue']}: {check['done']} done of {check['expected']} "
+                     f"expected ({len(check['expected_not_done'])} expected not done, "
+                     f"{len(check['done_not_expected'])} done not expected, statuses read: "
+                     f"{check['statuses_read']}), {check['pending']} pending, "
+                     f"{len(check['violations'])} violations")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -885,14 +1209,8 @@ def main(argv: list[str] | None = None) -> int:
     result = Soak(plan, state_dir, say, keep_stack=args.keep_stack).run()
     args.output.write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n",
                            encoding="utf-8")
-    summary = {k: v for k, v in dataclasses.asdict(result).items()
-               if k not in ("plan", "faults", "alo_lost", "amo_processed_twice", "histories",
-                            "fault_table", "audit")}
-    for key, value in summary.items():
-        say(f"{key:36} {value}")
-    for verdict in result.audit:
-        say(f"audit {verdict['queue']}: {verdict['done']} done, {verdict['pending']} pending, "
-            f"{len(verdict['violations'])} violations")
+    for line in summary(result):
+        say(line)
     for line in table([FaultRow(**row) for row in result.fault_table]):
         say(line)
     problems = result.problems()
