@@ -283,6 +283,18 @@ class PartitionCheck:
         self.loader = loader
         self.interval = interval
         self.next_at = 0.0
+        #: Journals found deleted and not listed again yet: when one is read again, the
+        #: reader is renewed (`_renew_reader`).
+        self.deleted_topics: set[str] = set()
+
+    def _renew_reader(self) -> None:
+        """A journal deleted and made again is read by a new Kafka consumer: the old one may
+        keep the old topic's identity for the partition assigned again under its name, and
+        read nothing from it, silently (found by the fault soak; `JournalReader.renew`)."""
+        renew = getattr(self.loader.reader, "renew", None)
+        if renew is not None:
+            renew()
+            self.core.counters["journal_readers_renewed"] += 1
 
     def run_once(self, now: float, batch: WriteBatch | None = None,
                  out_of_range: set[tuple[str, int]] | None = None) -> None:
@@ -307,6 +319,10 @@ class PartitionCheck:
                 if starts:
                     self.core.add_partitions(name, starts)
                     read_from(self.loader.reader, starts)
+                    back = {topic for topic, _ in starts} & self.deleted_topics
+                    if back:
+                        self.deleted_topics -= back
+                        self._renew_reader()
 
 
     def _lost_journals(self, listed: dict[str, int], out_of_range: set[tuple[str, int]],
@@ -345,6 +361,11 @@ class PartitionCheck:
             if lost:
                 remade.update(tp for tp in lost if tp in ends)
                 journal_deleted(core, self.loader, name, lost, listed, now, batch)
+                # Gone: read by a new consumer once listed again (`run_once`).
+                self.deleted_topics.update(t for t, p in lost if p >= listed.get(t, 0))
+        if remade:
+            # Made again already, and assigned again by `journal_deleted`.
+            self._renew_reader()
         retention = sorted(tp for tp in out_of_range if tp in ends and tp not in remade)
         if retention:
             raise RetentionGap(f"{', '.join(f'{t}[{p}]' for t, p in retention)}: the offset "

@@ -15,6 +15,7 @@ from confluent_kafka import (
     OFFSET_END,
     Consumer,
     KafkaError,
+    KafkaException,
     Message,
     TopicPartition,
 )
@@ -37,6 +38,8 @@ class JournalReader:
         with translated("cannot create a Kafka consumer"):
             self._consumer = self._new_consumer(config, group_id, prefetch_kbytes,
                                                 prefetch_records)
+        # Kept for `renew`.
+        self._settings = (dict(config), group_id, prefetch_kbytes, prefetch_records)
         self._assigned: dict[tuple[str, int], int] = {}
         # Per partition, the offset its next record will have (`position`).
         self._next: dict[tuple[str, int], int] = {}
@@ -114,6 +117,32 @@ class JournalReader:
             self.out_of_range.discard(tp)
         with translated("unassigning journal partitions failed"):
             self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in gone])
+
+    def renew(self) -> None:
+        """Go on with a new Kafka consumer, reading every assigned partition from where this
+        one got to (`position`): nothing is lost (records fetched and not handed out yet are
+        fetched again) and nothing handed out comes again.
+
+        After a journal is deleted and made again, the client may keep what it knew of the
+        old topic (its topic id; Fetch names topics by id) for the partition assigned again
+        under the same name, and then fetch nothing from it, without an error: the fault soak
+        saw a shard never read a journal made again until the shard changed owner, which
+        gives it a new consumer. Renewing is what a takeover does, without the takeover
+        (confluent-kafka-python #1787 reports the same silence)."""
+        config, group_id, prefetch_kbytes, prefetch_records = self._settings
+        positions = {tp: self._next.get(tp, offset) for tp, offset in self._assigned.items()}
+        with translated("cannot create a Kafka consumer"):
+            fresh = self._new_consumer(config, group_id, prefetch_kbytes, prefetch_records)
+        with translated("assigning journal partitions failed"):
+            fresh.assign([TopicPartition(t, p, o) for (t, p), o in positions.items()])
+        old, self._consumer = self._consumer, fresh
+        # A record `wait` took from the old consumer is at `position`: fetched again.
+        self._held = None
+        self._assigned = dict(positions)
+        try:
+            old.close()
+        except KafkaException as exc:  # nothing of it is used any more
+            log.debug("closing the replaced journal consumer: %s", exc)
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         held = self._held
