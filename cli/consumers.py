@@ -72,7 +72,7 @@ def consumers(
     if not found:
         typer.echo("no consumers" + (f" attached to {queue}" if queue else ""))
         return
-    table = new_table("consumer", "session", "queue", "backlog limit", "filter",
+    table = new_table("consumer", "principal", "session", "queue", "backlog limit", "filter",
                       "last heartbeat", "delivery topic")
     for c in found:
         limit = "-" if c.backlog_limit is None else str(c.backlog_limit)
@@ -81,8 +81,8 @@ def consumers(
         heartbeat = f"{age_text(c.heartbeat_age)} ago"
         if c.evict_requested_at is not None:
             heartbeat += " [yellow](eviction requested)[/]"
-        table.add_row(c.consumer_id, c.session_id[:8], c.queue + (" (regex)" if c.is_regex
-                                                                   else ""),
+        table.add_row(c.consumer_id, c.principal or "-", c.session_id[:8],
+                      c.queue + (" (regex)" if c.is_regex else ""),
                       limit, c.filter or "-", heartbeat, c.delivery_topic)
     show(table)
 

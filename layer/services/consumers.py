@@ -56,6 +56,10 @@ class ConsumerInfo:
     heartbeat_age: float
     session_timeout: float
     evict_requested_at: float | None
+    principal: str | None = None
+    """The principal its credential proved (protocol 7); None: anonymous."""
+    shard: int | None = None
+    """The shard holding its session (None: stored before 0013)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,4 +160,6 @@ def _info(row: ConsumerRow, now: float, limits: dict[str, int]) -> ConsumerInfo:
         heartbeat_age=max(now - row.last_heartbeat_at, 0.0),
         session_timeout=row.session_timeout_ms / 1000,
         evict_requested_at=row.evict_requested_at,
+        principal=row.principal,
+        shard=row.shard,
     )
