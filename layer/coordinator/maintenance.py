@@ -78,6 +78,40 @@ class QueueLoader:
         # The version of each queue whose stored definition was found invalid: it is logged
         # and counted once per version, not at every catalog refresh (every few seconds).
         self.invalid: dict[str, int] = {}
+        #: Journals the reader stopped reading because they were deleted (`stop_reading`): a
+        #: partition of one read again, the journal made again, takes a new Kafka consumer
+        #: (`read_from`).
+        self.deleted: set[str] = set()
+
+    def stop_reading(self, pairs: list[tuple[str, int]]) -> None:
+        """The reader no longer reads these partitions: their journal was deleted."""
+        if not pairs:
+            return
+        self.reader.remove(pairs)
+        self.deleted.update(topic for topic, _ in pairs)
+
+    def read_from(self, starts: dict[tuple[str, int], int]) -> None:
+        """Make the reader cover these partitions from at least these offsets; a deleted
+        journal read again (made again) is read by a new Kafka consumer.
+
+        librdkafka (2.16) keeps the leader epoch it last saw for a partition across its
+        topic's deletion, and across an unassign and assign of it. A topic made again starts
+        at epoch 0, below any epoch a broker restart or a leader change gave the old one: the
+        client takes the new topic's metadata for stale and every fetch is answered
+        UNKNOWN_LEADER_EPOCH, retried within the client for ever, without an error to us. The
+        fault soak saw a shard read nothing of a journal made again until the shard changed
+        owner (which gives it a new consumer); confluent-kafka-python #1787 and
+        confluent-kafka-javascript #274 report the same silence. A new consumer knows no old
+        epoch: `JournalReader.renew` goes on from every assigned partition's position."""
+        back = {topic for topic, _ in starts} & self.deleted
+        if back:
+            self.deleted -= back
+            self.reader.renew()
+            self.core.counters["journal_readers_renewed"] += 1
+            log.info("journal %s is read again (made again after it was deleted): the shard "
+                     "reads on with a new Kafka consumer", ", ".join(sorted(back)),
+                     extra=fields(shard=self.core.shard, reason="journal_made_again"))
+        read_from(self.reader, starts)
 
     def add(self, record: QueueRecord, rows: Iterable[ConsumerRow], now: float,
             moved: Mapping[tuple[str, int], tuple[int, int]] | None = None,
@@ -136,8 +170,7 @@ class QueueLoader:
                            self.admin.end_offsets(partitions))
         starts = core.add_queue(state, rows, now)
         self.admin.ensure_topics([TopicSpec(dead_letter_topic(topics, definition), 1)])
-        read_from(self.reader, {tp: min(offset, reads.get(tp, offset))
-                                for tp, offset in starts.items()})
+        self.read_from({tp: min(offset, reads.get(tp, offset)) for tp, offset in starts.items()})
         return True
 
     def journal_partitions(self, definition: QueueDefinition,
@@ -283,18 +316,6 @@ class PartitionCheck:
         self.loader = loader
         self.interval = interval
         self.next_at = 0.0
-        #: Journals found deleted and not listed again yet: when one is read again, the
-        #: reader is renewed (`_renew_reader`).
-        self.deleted_topics: set[str] = set()
-
-    def _renew_reader(self) -> None:
-        """A journal deleted and made again is read by a new Kafka consumer: the old one may
-        keep the old topic's identity for the partition assigned again under its name, and
-        read nothing from it, silently (found by the fault soak; `JournalReader.renew`)."""
-        renew = getattr(self.loader.reader, "renew", None)
-        if renew is not None:
-            renew()
-            self.core.counters["journal_readers_renewed"] += 1
 
     def run_once(self, now: float, batch: WriteBatch | None = None,
                  out_of_range: set[tuple[str, int]] | None = None) -> None:
@@ -318,12 +339,8 @@ class PartitionCheck:
                 starts = self.loader.admin.log_start_offsets(missing, known_only=True)
                 if starts:
                     self.core.add_partitions(name, starts)
-                    read_from(self.loader.reader, starts)
-                    back = {topic for topic, _ in starts} & self.deleted_topics
-                    if back:
-                        self.deleted_topics -= back
-                        self._renew_reader()
-
+                    # A journal made again after it was deleted: a new consumer reads it.
+                    self.loader.read_from(starts)
 
     def _lost_journals(self, listed: dict[str, int], out_of_range: set[tuple[str, int]],
                        now: float, batch: WriteBatch) -> None:
@@ -361,20 +378,14 @@ class PartitionCheck:
             if lost:
                 remade.update(tp for tp in lost if tp in ends)
                 journal_deleted(core, self.loader, name, lost, listed, now, batch)
-                # Gone: read by a new consumer once listed again (`run_once`).
-                self.deleted_topics.update(t for t, p in lost if p >= listed.get(t, 0))
-        if remade:
-            # Made again already, and assigned again by `journal_deleted`.
-            self._renew_reader()
         retention = sorted(tp for tp in out_of_range if tp in ends and tp not in remade)
         if retention:
             raise RetentionGap(f"{', '.join(f'{t}[{p}]' for t, p in retention)}: the offset "
                                "to read was deleted by retention")
         # Partitions of deleted topics no queue reads any more.
-        remove = getattr(self.loader.reader, "remove", None)
-        if remove is not None:
-            remove([tp for tp in self.loader.reader.assignment
-                    if not core.topics.is_internal(tp[0]) and tp[1] >= listed.get(tp[0], 0)])
+        self.loader.stop_reading([tp for tp in self.loader.reader.assignment
+                                  if not core.topics.is_internal(tp[0])
+                                  and tp[1] >= listed.get(tp[0], 0)])
 
 
 def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
@@ -392,9 +403,9 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
     # How far the journal was read: entries the stored admitted offset says the queue had,
     # past it, were not replayed yet after a takeover (queued, never leased: no row).
     reached = {tp: loader.reader.position(*tp) for tp in lost}
-    remove = getattr(loader.reader, "remove", None)
-    if remove is not None:
-        remove(lost)
+    # Read again, once the journal is made again, by a new Kafka consumer (`read_from`): at
+    # once below when it is listed already, else when the partition check finds it again.
+    loader.stop_reading(lost)
     rows = [row for row in loader.store.load_entries(name) if (row.topic, row.partition) in lost]
     stored = [row for row in rows if row.state not in _DONE]
     admitted = loader.store.load_admitted(name)

@@ -60,6 +60,10 @@ class JournalSource(Protocol):
 
     def add(self, positions: Mapping[tuple[str, int], int]) -> None: ...
 
+    def remove(self, pairs: list[tuple[str, int]]) -> None: ...
+
+    def renew(self) -> None: ...
+
     def seek(self, topic: str, partition: int, offset: int) -> None: ...
 
     def position(self, topic: str, partition: int) -> int | None: ...
@@ -138,6 +142,8 @@ class FakeTopicAdmin:
     def delete_topics(self, names: Iterable[str], timeout: float = 30.0) -> None:
         for name in names:
             self.partitions.pop(name, None)
+            if self.journal is not None:
+                self.journal.topic_deleted(name)
 
     def ensure_topics(self, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[str]:
         made = []
@@ -186,6 +192,13 @@ class FakeJournal:
     records: dict[tuple[str, int], list[JournalRecord]] = field(default_factory=dict)
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
     commits: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Every partition this consumer was given, and those of them it reads nothing from any
+    #: more: their topic was deleted (`topic_deleted`), and librdkafka keeps the old topic's
+    #: leader epoch for them, above a topic made again's (`JournalReader.renew`).
+    known: set[tuple[str, int]] = field(default_factory=set)
+    stale: set[tuple[str, int]] = field(default_factory=set)
+    #: How many times the consumer was replaced by a new one (`renew`).
+    renewals: int = 0
 
     def append(self, topic: str, partition: int, value: bytes | None, key: bytes | None = None,
                timestamp_ms: int = 0,
@@ -199,9 +212,25 @@ class FakeJournal:
     def assignment(self) -> list[tuple[str, int]]:
         return list(self.positions)
 
+    def topic_deleted(self, topic: str) -> None:
+        """The topic and its records are gone (`FakeTopicAdmin.delete_topics`)."""
+        for tp in [tp for tp in self.records if tp[0] == topic]:
+            del self.records[tp]
+        self.stale.update(tp for tp in self.known if tp[0] == topic)
+
     def add(self, positions: Mapping[tuple[str, int], int]) -> None:
         for tp, offset in positions.items():
             self.positions.setdefault(tp, max(offset, 0))
+            self.known.add(tp)
+
+    def remove(self, pairs: list[tuple[str, int]]) -> None:
+        for tp in pairs:
+            self.positions.pop(tp, None)
+
+    def renew(self) -> None:
+        self.known = set(self.positions)
+        self.stale.clear()
+        self.renewals += 1
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         self.positions[(topic, partition)] = offset
@@ -212,6 +241,8 @@ class FakeJournal:
     def poll(self, max_records: int, timeout: float) -> list[JournalRecord]:
         out: list[JournalRecord] = []
         for tp, position in self.positions.items():
+            if tp in self.stale:
+                continue  # silently: no error comes (`JournalReader.renew`)
             found = self.records.get(tp, [])[position:position + max_records - len(out)]
             out.extend(found)
             self.positions[tp] = position + len(found)

@@ -54,6 +54,12 @@ class KafkaAdmin:
             # settings may still choose otherwise.
             "metadata.recovery.strategy": "none",
             **config,
+            # A question about a topic (`ping`, a metadata request naming it) must never make
+            # it: the admin client is a producer to librdkafka, whose default is to ask the
+            # broker to create a topic it names (with the broker's auto.create.topics.enable).
+            # The lag-offset commit's ping made a journal deleted a moment before again, in
+            # the fault soak; the topics qlayer needs are made by `ensure_topics`.
+            "allow.auto.create.topics": False,
         }
         self._config = settings
         # Keeps a refused login's reason for the error a failed call raises (LoginWatch).

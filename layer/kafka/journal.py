@@ -107,7 +107,10 @@ class JournalReader:
                 [TopicPartition(t, p, o) for (t, p), o in new.items()])
 
     def remove(self, pairs: list[tuple[str, int]]) -> None:
-        """Stop reading these partitions (a deleted journal's)."""
+        """Stop reading these partitions (a deleted journal's, or a re-read range's).
+
+        librdkafka keeps what it knew of them (their leader epoch): a deleted journal's, read
+        again once it is made again, needs a new consumer (`renew`)."""
         gone = [tp for tp in pairs if tp in self._assigned]
         if not gone:
             return
@@ -123,12 +126,16 @@ class JournalReader:
         one got to (`position`): nothing is lost (records fetched and not handed out yet are
         fetched again) and nothing handed out comes again.
 
-        After a journal is deleted and made again, the client may keep what it knew of the
-        old topic (its topic id; Fetch names topics by id) for the partition assigned again
-        under the same name, and then fetch nothing from it, without an error: the fault soak
-        saw a shard never read a journal made again until the shard changed owner, which
-        gives it a new consumer. Renewing is what a takeover does, without the takeover
-        (confluent-kafka-python #1787 reports the same silence)."""
+        After a journal is deleted and made again, the client keeps the leader epoch it last
+        saw for each partition of the old topic, also across an unassign and assign of the
+        same partition (librdkafka 2.16; the Java client fixed the same in KAFKA-12257). The
+        new topic starts at epoch 0, below the old one's after any broker restart or leader
+        change: its metadata is ignored as stale ("ignoring outdated metadata update") and
+        every fetch is answered UNKNOWN_LEADER_EPOCH, retried within the client for ever
+        without an error to the application. The fault soak saw a shard never read a journal
+        made again until the shard changed owner, which gives it a new consumer. Renewing is
+        what a takeover does, without the takeover (confluent-kafka-python #1787,
+        confluent-kafka-javascript #274 report the same silence)."""
         config, group_id, prefetch_kbytes, prefetch_records = self._settings
         positions = {tp: self._next.get(tp, offset) for tp, offset in self._assigned.items()}
         with translated("cannot create a Kafka consumer"):
