@@ -9,7 +9,10 @@ Every check compares sets and names what differs (values, bookmarks), so a summa
   values, bookmark by bookmark;
 - `audit_problems`: `qlayer pipeline reconcile`'s ``done`` and ``pending``, and its status of
   each entry, against the entries of published values;
-- `processed_lines`: the consumers' records of what they processed, whole lines only.
+- `processed_lines`: the consumers' records of what they processed, whole lines only;
+- `hostile_problems`: a hostile tenant's phase (tests/soak/hostile.py): the canary's worst
+  gap in its window, every hostile record refused and counted, nothing of the soak's
+  consumers' sessions changed, nothing of the tenant's written to the journal or the events.
 
 docs/development.md ("The fault-injection soak") states each definition; keep them in step.
 """
@@ -17,10 +20,11 @@ docs/development.md ("The fault-injection soak") states each definition; keep th
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tests.soak.report import AuditVerdict
+from tests.soak.report import AuditVerdict, worst_gap
 
 
 @dataclass(frozen=True)
@@ -212,3 +216,176 @@ def processed_lines(texts: Iterable[str], queues: Iterable[str]) -> Processed:
             found.seconds.setdefault((queue, value), []).append(seconds)
     return found
 
+
+
+# --- the hostile tenant ---------------------------------------------------------------------
+
+#: The most the canary (the at-least-once queue) may go without processing a record in the
+#: hostile phase's window (seconds): docs/security.md "Cost isolation" (0.05 s for a refused
+#: filter and under 1 s for the ack flood, measured alone).
+MAX_CANARY_GAP = 1.0
+#: Events that end or change a session (a Replace moves it; a Subscribe under its id with
+#: another session takes the id over).
+SESSION_CHANGES = frozenset({"CONSUMER_UNSUBSCRIBED", "CONSUMER_TIMED_OUT",
+                             "CONSUMER_EVICTED", "CONSUMER_REPLACED"})
+
+
+@dataclass
+class HostileOutcome:
+    """One hostile phase (tests/soak/hostile.py) and what it changed; `hostile_problems`
+    judges it. Times are seconds since the soak's first record; its window is ``[at,
+    closes]``.
+
+    Filled when the phase ends: ``expected`` (`Attack.expected`: ``[what, how many,
+    counters]``), ``counted`` (each stored counter's increment over the phase, added up over
+    the shards), ``answers`` and ``replies`` (the tenant's own Subscribes: request id →
+    ``[what, status it must get]``, and the status that came), ``broker_refused``, the
+    ``victims`` (``[consumer id, session id]`` of every live session of the soak's consumers
+    the forgeries named) and ``victims_gone`` (those whose session the store no longer had
+    when the phase ended). Filled by the soak's final check: the canary's worst gap in the
+    window (None: not measured, as publishing had ended before the window closed) and in as
+    long a span just before it (``canary_before``, for comparison), the events of the
+    tenant's ids and sessions that are not refusals (``hostile_events``), the victims'
+    sessions ended or changed in the window (``sessions_ended``), the journal's records that
+    carry qlayer headers (``journal_records``: a delivery or a reply written there) and the
+    events topic's records that are no event (``events_foreign``)."""
+
+    at: float
+    end: float
+    closes: float
+    expected: list[list[Any]] = field(default_factory=list)
+    counted: dict[str, int] = field(default_factory=dict)
+    answers: dict[str, list[str]] = field(default_factory=dict)
+    replies: dict[str, str] = field(default_factory=dict)
+    broker_refused: dict[str, list[str]] = field(default_factory=dict)
+    records: int = 0
+    wrote_for: float = 0.0
+    victims: list[list[str]] = field(default_factory=list)
+    victims_gone: list[str] = field(default_factory=list)
+    #: The machine's load averages (1 min) when the phase began and ended: CPU contention
+    #: from other work widens the canary's gaps.
+    load: list[float] = field(default_factory=list)
+    canary_gap: float | None = None
+    canary_before: float | None = None
+    publishing_ended: float | None = None
+    refused_events: int = 0
+    hostile_events: list[str] = field(default_factory=list)
+    sessions_ended: list[str] = field(default_factory=list)
+    journal_records: list[str] = field(default_factory=list)
+    events_foreign: int = 0
+
+
+def increments(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """Each counter's increment from ``before`` to ``after`` (totals over the shards), the
+    counters that moved only."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def canary_gap(processed: Sequence[float], start: float, end: float,
+               publishing_ended: float) -> float | None:
+    """The canary's worst gap in ``[start, end]`` (`report.worst_gap` over the at-least-once
+    queue's processing times, sorted), or None when publishing ended before ``end``: with
+    nothing left to deliver, a gap says nothing of the phase."""
+    if publishing_ended < end:
+        return None
+    return worst_gap(processed, start, end)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """An event as the hostile checks need it: when (seconds since the first record), its
+    type's name, its consumer and session ids."""
+
+    at: float
+    type: str
+    consumer_id: str | None
+    session_id: str | None
+
+
+def hostile_events(events: Iterable[Seen], consumer_ids: Collection[str],
+                   sessions: Collection[str], victims: Iterable[Sequence[str]], start: float,
+                   end: float) -> tuple[list[str], list[str], int]:
+    """What the tenant's records left on the events topic: its events that are not
+    ``SUBSCRIBE_REFUSED`` (any time: a session of its, a lease, ...), the victims' sessions
+    ended or changed in ``[start, end]`` (an Unsubscribe, a time-out, an eviction, a Replace,
+    or a Subscribe of the victim's id with another session), and how many refusals."""
+    ids, own = set(consumer_ids), set(sessions)
+    victim_of = {str(c): str(s) for c, s in victims}
+    found: list[str] = []
+    ended: list[str] = []
+    refusals = 0
+    for e in events:
+        said = f"{e.type}@{e.at:.3f}s {e.consumer_id}/{e.session_id}"
+        if e.consumer_id in ids or e.session_id in own:
+            if e.type == "SUBSCRIBE_REFUSED":
+                refusals += 1
+            else:
+                found.append(said)
+        if e.consumer_id in victim_of and start <= e.at <= end:
+            session = victim_of[e.consumer_id]
+            if ((e.type in SESSION_CHANGES and e.session_id == session)
+                    or (e.type == "CONSUMER_SUBSCRIBED" and e.session_id != session)):
+                ended.append(said)
+    return found, ended, refusals
+
+
+def refusals_missing(expected: Iterable[Sequence[Any]], counted: Mapping[str, int]
+                     ) -> list[str]:
+    """Each kind of hostile record (``[what, how many, counters]``) whose counters, added up,
+    moved less than it had records: a record not refused and counted (acted on, or lost).
+    Kinds that name the same counters are judged together (their records added up), or a
+    count of one kind's records would pass another kind's missing ones."""
+    kinds: dict[tuple[str, ...], tuple[list[str], int]] = {}
+    for what, count, counters in expected:
+        names, total = kinds.get(tuple(counters), ([], 0))
+        kinds[tuple(counters)] = ([*names, str(what)], total + int(count))
+    missing = []
+    for counters, (names, count) in kinds.items():
+        got = sum(counted.get(name, 0) for name in counters)
+        if got < count:
+            missing.append(f"{' and '.join(names)}: {count} written, {got} refusals counted "
+                           f"({' + '.join(counters)})")
+    return missing
+
+
+def hostile_problems(o: HostileOutcome, max_gap: float = MAX_CANARY_GAP) -> list[str]:
+    """Why a hostile phase failed: the canary waited more than ``max_gap`` in its window (or
+    could not be measured); a record was not counted as refused; one of the tenant's own
+    Subscribes was not answered, or not as it must be (the hostile ones refused, the
+    principal's control accepted); no session to forge records against; a victim's session
+    ended or changed; an event of the tenant's that is not a refusal; a delivery or reply in
+    the journal; a record on the events topic that is no event."""
+    found: list[str] = []
+    where = f"hostile phase at t={o.at:.1f}s"
+    if o.canary_gap is None:
+        found.append(f"{where}: the canary was not measured: publishing ended at "
+                     f"t={o.publishing_ended}s, before the window closed at t={o.closes:.1f}s")
+    elif o.canary_gap > max_gap:
+        found.append(f"{where}: the canary (the at-least-once queue) went {o.canary_gap:.2f}s "
+                     f"without processing a record in the window, over {max_gap:g}s "
+                     f"(before it: {o.canary_before}s; load {o.load})")
+    found.extend(f"{where}: {m}" for m in refusals_missing(o.expected, o.counted))
+    for request_id, (what, status) in o.answers.items():
+        got = o.replies.get(request_id)
+        if got is None:
+            found.append(f"{where}: {what}: no answer on the tenant's delivery topic")
+        elif got != status:
+            found.append(f"{where}: {what}: answered {got}, not {status}")
+    if not o.victims:
+        found.append(f"{where}: no live session of a soak consumer to forge records against")
+    if o.victims_gone:
+        found.append(f"{where}: sessions of soak consumers gone from the store: "
+                     + ", ".join(o.victims_gone))
+    if o.sessions_ended:
+        found.append(f"{where}: sessions of soak consumers ended or changed in its window: "
+                     + "; ".join(o.sessions_ended[:10]))
+    if o.hostile_events:
+        found.append(f"{where}: events of the tenant's ids or sessions that are no refusal: "
+                     + "; ".join(o.hostile_events[:10]))
+    if o.journal_records:
+        found.append(f"{where}: records with qlayer headers in the journal (a delivery or a "
+                     f"reply written there): {o.journal_records[:10]}")
+    if o.events_foreign:
+        found.append(f"{where}: {o.events_foreign} records on the events topic that are no "
+                     "event")
+    return found

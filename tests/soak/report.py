@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -55,6 +55,11 @@ class FaultKind:
     #: Faults known to fail shards for a while after they end (an outage): an input fault
     #: waits until their window has closed.
     holds_input: bool = False
+    #: Its window overlaps no other fault's: it starts only once every earlier fault's window
+    #: has closed (a coordinator SIGKILL's too), and no fault starts while its window is open.
+    #: For a phase whose effect is measured against a quiet baseline (the hostile tenant's
+    #: canary gap): a takeover's stall in its window would be charged to it.
+    apart: bool = False
 
 
 #: The faults of the soak, in the order `SoakPlan.faults` draws them. The settle times are
@@ -63,7 +68,8 @@ class FaultKind:
 #: after an outage a process's pooled PostgreSQL connections, or its Kafka clients, fail
 #: once each when next used, and a shard's retries back off up to 30 s; the poison record's
 #: and the deleted journal's actions wait until the coordinators have dealt with them, so
-#: their settle covers only the iteration that does.
+#: their settle covers only the iteration that does; so does the hostile tenant's, which waits
+#: until the shards counted every record it wrote.
 FAULT_KINDS: tuple[FaultKind, ...] = (
     FaultKind("coordinator", "coordinator_kills", settle=20.0),
     # A consumer's death breaks its leases (a session timeout); no shard rebuilds for it.
@@ -72,6 +78,12 @@ FAULT_KINDS: tuple[FaultKind, ...] = (
     FaultKind("postgres", "postgres_crashes", settle=30.0, holds_input=True),
     FaultKind("poison", "poison_records", settle=10.0, input=True),
     FaultKind("journal_deleted", "journal_deletions", settle=10.0, input=True),
+    # Hostile records (filters over the limits, an ack flood, forgeries, oversized and
+    # malformed records: tests/soak/hostile.py) must cost no shard a failure, like bad input,
+    # and are judged by the canary's gap in their window, so nothing else may share it. Its
+    # action lasts until the shards stored every record's refusal count, which only an
+    # iteration that committed does: a failure it causes comes before that.
+    FaultKind("hostile", "hostile_phases", settle=5.0, input=True, apart=True),
 )
 KINDS: dict[str, FaultKind] = {k.name: k for k in FAULT_KINDS}
 
@@ -117,11 +129,13 @@ def charged_to(faults: Sequence[Fault], t: float) -> int | None:
 
 def quiet_from(kind: str, done: Sequence[Fault]) -> float:
     """The earliest time a fault of ``kind`` may start after the faults ``done``: once every
-    input fault's window has closed (nothing starts inside one), and for an input fault also
-    every ``holds_input`` fault's (an outage's late failures are not charged to it)."""
+    input or ``apart`` fault's window has closed (nothing starts inside one), for an input
+    fault also every ``holds_input`` fault's (an outage's late failures are not charged to
+    it), and for an ``apart`` fault every fault's window."""
     it = KINDS[kind]
     closes = [f.closes for f in done if f.closes is not None
-              and (KINDS[f.kind].input or (it.input and KINDS[f.kind].holds_input))]
+              and (it.apart or KINDS[f.kind].input or KINDS[f.kind].apart
+                   or (it.input and KINDS[f.kind].holds_input))]
     return max((c for c in closes if c is not None), default=0.0)
 
 
@@ -228,20 +242,25 @@ class FaultRow:
     recovery: float | None
     #: Shard failures (each one a rebuild from stored state) charged to this fault.
     shard_failures: int
+    #: The canary's worst gap: the longest time the at-least-once queue's consumers went
+    #: without processing a record (`checks.worst_gap`), over the fault's window, or over the
+    #: row's span for a row without one. None: nothing was processed after the fault.
+    canary_gap: float | None = None
 
     def cells(self) -> list[str]:
-        def s(v: float | None) -> str:
-            return "-" if v is None else f"{v:.1f}s"
+        def s(v: float | None, digits: int = 1) -> str:
+            return "-" if v is None else f"{v:.{digits}f}s"
 
         window = "-" if self.closes is None else f"{self.at:.1f}-{self.closes:.1f}"
         return [f"{self.at:.1f}", self.kind, window, str(self.unconfirmed), str(self.lost),
                 str(self.duplicated), str(self.amo_not_processed), str(self.amo_twice),
-                s(self.ack_pause), s(self.recovery), str(self.shard_failures)]
+                s(self.ack_pause), s(self.recovery), str(self.shard_failures),
+                s(self.canary_gap, 2)]
 
 
 TABLE_HEADER = ["t (s)", "fault", "window (s)", "unconfirmed", "lost", "duplicated",
                 "amo not processed", "amo twice", "pause in acks", "recovery",
-                "shard failures"]
+                "shard failures", "canary gap"]
 
 
 @dataclass
@@ -255,6 +274,8 @@ class Timeline:
     amo_not_processed: list[float] = field(default_factory=list)
     amo_twice: list[float] = field(default_factory=list)
     failures: list[ShardFailure] = field(default_factory=list)
+    #: When the at-least-once queue's consumers processed a record (each time, repeats too).
+    processed: list[float] = field(default_factory=list)
 
 
 def unexplained(faults: Sequence[Fault], failures: Iterable[ShardFailure]
@@ -265,10 +286,12 @@ def unexplained(faults: Sequence[Fault], failures: Iterable[ShardFailure]
 
 def fault_rows(faults: Sequence[Fault], timeline: Timeline, end: float) -> list[FaultRow]:
     """A row per fault; records over ``[its start, the next fault's start)`` (the last one's up
-    to ``end``), shard failures charged by `charged_to`. A first row ``before faults`` when a
-    record was counted before the first fault, and a last row ``no fault`` with the shard
-    failures no window holds."""
+    to ``end``), shard failures charged by `charged_to`, the canary's gap over its window
+    (over the span for a row without one). A first row ``before faults`` when a record was
+    counted before the first fault, and a last row ``no fault`` with the shard failures no
+    window holds."""
     acks = sorted(timeline.acks)
+    processed = sorted(timeline.processed)
     faults = sorted(faults, key=lambda f: f.at)
     charged = [0] * len(faults)
     for failure in timeline.failures:
@@ -287,11 +310,12 @@ def fault_rows(faults: Sequence[Fault], timeline: Timeline, end: float) -> list[
             return sum(1 for t in times if lo <= t < hi)
 
         pause, recovery = _pause(acks, at, until)
-        row = FaultRow(at, kind, None if fault is None else fault.end,
-                       None if fault is None else fault.closes, count(timeline.unconfirmed),
-                       count(timeline.lost), count(timeline.duplicated),
-                       count(timeline.amo_not_processed), count(timeline.amo_twice),
-                       pause, recovery, failures)
+        closes = None if fault is None else fault.closes
+        row = FaultRow(at, kind, None if fault is None else fault.end, closes,
+                       count(timeline.unconfirmed), count(timeline.lost),
+                       count(timeline.duplicated), count(timeline.amo_not_processed),
+                       count(timeline.amo_twice), pause, recovery, failures,
+                       worst_gap(processed, at, until if closes is None else closes))
         if kind == BEFORE_FAULTS and not (row.unconfirmed or row.lost or row.duplicated
                                           or row.amo_twice or row.amo_not_processed):
             continue
@@ -319,6 +343,17 @@ def _pause(acks: list[float], at: float, until: float) -> tuple[float | None, fl
         if b - a > best:
             best, ended = b - a, b
     return best, ended - at
+
+
+def worst_gap(times: Sequence[float], start: float, end: float) -> float:
+    """The canary's worst gap in ``[start, end]``: the longest time without one of ``times``
+    (sorted; when the at-least-once queue's consumers processed a record), counting from
+    ``start`` to the first and from the last to ``end``, so a stall that runs past either
+    edge counts up to it (one that began before ``start`` is not the window's doing); the
+    whole span when nothing was processed in it."""
+    inside = times[bisect_left(times, start):bisect_right(times, end)]
+    points = [start, *inside, max(start, end)]
+    return max(b - a for a, b in pairwise(points))
 
 
 def table(rows: Sequence[FaultRow]) -> list[str]:

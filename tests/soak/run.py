@@ -8,8 +8,10 @@ that two queues read: one at-least-once, one at-most-once. Meanwhile, at seeded 
 it SIGKILLs coordinators (and starts them again), SIGKILLs consumers (and starts new ones),
 SIGKILLs the broker and crashes PostgreSQL (`pg_ctl stop -m immediate`), each for a while, then
 starts them again, as an operator's supervisor would. It also publishes a poison record (larger
-than the delivery topics take) to the journal, and deletes (and makes again) the journal of a
-third, at-least-once queue while its entries are queued and leased.
+than the delivery topics take) to the journal, deletes (and makes again) the journal of a
+third, at-least-once queue while its entries are queued and leased, and lets a hostile tenant
+write what it may to the control and ack topics (`tests/soak/hostile.py`) while the
+at-least-once queue serves as the canary.
 
 When every record is published and every fault done, it waits until both queues' recovery
 points in PostgreSQL reach the journal's end, stops everything and checks what a user would,
@@ -28,11 +30,16 @@ as sets, naming what differs (`tests/soak/checks.py`; docs/development.md define
   the deleted journal expired with reason ``journal_deleted``, every record of the journal
   made again was processed; no shard failure (a rebuild) is charged to either, none falls
   outside every fault's window, and no shard failed until the end (a rebuild loop);
+- the hostile tenant's phase: the canary's worst gap in its window at most 1 s, every hostile
+  record refused and counted by the shards, none changing a soak consumer's session, nothing
+  of it in the journal or the events but refusals, no shard failure charged to it
+  (checks.py `hostile_problems`);
 - `qlayer pipeline reconcile` (Spark) finds no violation in either queue, nothing pending,
   and exactly the journal's entries done: its count and its per-entry output.
 
 It prints a table per fault (unconfirmed, lost, duplicated, the pause in acks and the recovery
-time, the shard failures charged to it by its window: `tests/soak/report.py`).
+time, the shard failures charged to it by its window, the canary's worst gap:
+`tests/soak/report.py`).
 
 The figures and the fault log go to ``--output`` (JSON); the exit status is 1 when a check
 failed. The integration test `tests/integration/test_soak.py` runs a short plan of it in CI.
@@ -63,21 +70,30 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from layer.localstack import StackConfig
 from layer.localstack.process import LocalStackError
 from layer.localstack.stack import Endpoints, LocalStack
-from layer.protocol import Codec, Event, EventType, SchemaKind, TopicNames
+from layer.protocol import Codec, Event, EventType, ProtocolError, SchemaKind, TopicNames
 from layer.protocol.headers import DLQ_REASON
 from layer.sdk import QueueConsumer
+from layer.services.principals import PrincipalService
 from layer.settings import Settings
 from layer.store import migrate
 from layer.store.rows import PartitionKey
 from layer.store.store import Store
 from tests.soak.checks import (
+    HostileOutcome,
+    Seen,
     audit_check,
+    canary_gap,
+    hostile_events,
+    hostile_problems,
+    increments,
     lost,
     match_acked,
     not_published,
     processed_lines,
     publish_figures,
+    refusals_missing,
 )
+from tests.soak.hostile import HostileTenant, Victim
 from tests.soak.report import (
     FAULT_KINDS,
     KINDS,
@@ -92,6 +108,7 @@ from tests.soak.report import (
     shard_failures,
     table,
     unexplained,
+    worst_gap,
 )
 from tests.support.coordinator import put_queues
 from tests.support.kafka import create_topic
@@ -106,6 +123,13 @@ ALO = "SoakAtLeastOnce"
 AMO = "SoakAtMostOnce"
 #: At-least-once, on a journal of its own: the one the soak deletes and makes again.
 DOOMED = "SoakDeletedJournal"
+#: For the hostile tenant, on an empty journal of their own: a queue granted to a principal
+#: (closed to anonymous consumers, so never one of the soak's own queues) and an open queue
+#: on a shard the soak's queues are not on (all three hash to shard 0 of 4).
+GRANTED, ELSEWHERE, PRINCIPAL = "SoakGranted", "SoakElsewhere", "soaktenant"
+SHARDS = 4
+#: How long the hostile phase waits for the shards to count every record it wrote (seconds).
+HOSTILE_WAIT = 60.0
 
 #: The journal takes records up to this size; the coordinator's producer writes 1 MB at most,
 #: so the poison record (1.5 MB) can be journaled and never delivered (`too_large`).
@@ -139,6 +163,10 @@ class SoakPlan:
     #: journal, and deletions (each followed by making it again) of the third queue's journal.
     poison_records: int = 1
     journal_deletions: int = 1
+    #: Hostile tenant phases (tests/soak/hostile.py): filters over the limits, an ack flood,
+    #: forged, malformed and oversized records and wrong credentials, within seconds, while
+    #: the at-least-once queue is the canary.
+    hostile_phases: int = 1
     #: How long the broker or PostgreSQL stays down before it is started again (seconds).
     outage: float = 10.0
     lease_period: str = "10s"
@@ -250,6 +278,8 @@ class SoakResult:
     audit: list[dict[str, Any]] = field(default_factory=list)
     audit_violations: int = 0
     audit_seconds: float = 0.0
+    #: Each hostile phase and what it changed (tests/soak/checks.py `HostileOutcome`).
+    hostile: list[dict[str, Any]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         found = []
@@ -339,14 +369,20 @@ class SoakResult:
             found.append(f"{self.deleted_journal_recreated_not_processed} records of the "
                          "journal made again never processed")
         if self.shard_failures_after_input_faults:
-            found.append("shard failures (rebuilds) charged to a poison record or a journal "
-                         "deletion: " + "; ".join(self.shard_failures_after_input_faults))
+            found.append("shard failures (rebuilds) charged to a poison record, a journal "
+                         "deletion or the hostile tenant: "
+                         + "; ".join(self.shard_failures_after_input_faults))
         if self.shard_failures_unexplained:
             found.append("shard failures (rebuilds) outside every fault's window: "
                          + "; ".join(self.shard_failures_unexplained))
         if self.shard_failures_unended:
             found.append("shards failing until their coordinator stopped (a rebuild loop): "
                          + "; ".join(self.shard_failures_unended))
+        if len(self.hostile) < (self.plan.get("hostile_phases") or 0):
+            found.append(f"{len(self.hostile)} hostile phases ran, of "
+                         f"{self.plan.get('hostile_phases')} planned")
+        for outcome in self.hostile:
+            found.extend(hostile_problems(HostileOutcome(**outcome)))
         if self.plan.get("audit") and not self.audit:
             found.append("the audit was asked for and did not run")
         for check in self.audit:
@@ -432,6 +468,15 @@ class Soak:
         #: record, on the soak's monotonic clock: `_now`).
         self.done_faults: list[Fault] = []
         self.started = 0.0
+        #: Each hostile phase's outcome as its action left it; the final check adds what
+        #: only the end can show (the canary, the events, the journal).
+        self.hostile_outcomes: list[HostileOutcome] = []
+        #: The hostile tenant's consumer ids and sessions (its events must be refusals), and
+        #: the principal's credential it is refused without.
+        self.hostile_ids: list[str] = []
+        self.hostile_sessions: list[str] = []
+        self.victims: list[Victim] = []
+        self.credential = ""
 
     def _stack(self, kafka_from: int, postgres_from: int) -> LocalStack:
         kafka_port = free_ports(kafka_from, 2)
@@ -497,7 +542,11 @@ class Soak:
     ACTIONS: ClassVar[dict[str, str]] = {
         "coordinator": "_kill_coordinator", "consumer": "_kill_consumer",
         "broker": "_kill_broker", "postgres": "_crash_postgres", "poison": "_poison",
-        "journal_deleted": "_delete_journal"}
+        "journal_deleted": "_delete_journal", "hostile": "_hostile"}
+    #: What must hold before a fault of a kind starts, its window with it: a method that waits
+    #: for it (the soak's consumers subscribed, for a phase judged by the canary: their
+    #: start-up is no gap of its).
+    PREPARE: ClassVar[dict[str, str]] = {"hostile": "_await_victims"}
 
     def _now(self) -> float:
         """Seconds since the first record, exact (the faults' and the logs' time axis)."""
@@ -507,6 +556,8 @@ class Soak:
         """Does one fault and says when it began and ended, exactly: the start is taken just
         before its action, the end just after it (the process or server started again, the
         poison record dead-lettered, the journal made again and read)."""
+        if kind in self.PREPARE:
+            getattr(self, self.PREPARE[kind])()
         at = self._now()
         what: str = getattr(self, self.ACTIONS[kind])()
         return Fault(at, self._now(), kind, what)
@@ -644,6 +695,112 @@ class Soak:
                 + (f"admitted within {time.monotonic() - recreated:.1f}s" if admitted
                    else f"NOT all admitted within {RECREATED_WAIT:.0f}s"))
 
+    def _hostile(self) -> str:
+        """A hostile tenant's records (tests/soak/hostile.py) against every live session of
+        the soak's consumers, within seconds; over once the shards counted every one as
+        refused (`HOSTILE_WAIT` at most), so that the window covers their reading them."""
+        load = [round(os.getloadavg()[0], 2)]
+        victims = self.victims
+        before = self._shard_counters_now()
+        tenant = HostileTenant(self.settings.bootstrap_servers, self.settings.topic_prefix,
+                               SHARDS, journal=self.journal, queue=ALO, granted=GRANTED,
+                               elsewhere=ELSEWHERE, principal=PRINCIPAL,
+                               credential=self.credential, say=self.say)
+        attack = tenant.run(victims)
+        wrote = time.monotonic()
+        counted: dict[str, int] = {}
+        while True:
+            now = self._shard_counters()
+            if now is not None:
+                counted = increments(before, now)
+                if not refusals_missing(attack.expected, counted):
+                    break
+            if time.monotonic() > wrote + HOSTILE_WAIT:
+                break
+            self._sleep_supervised(0.5)
+        took = time.monotonic() - wrote
+        missing = refusals_missing(attack.expected, counted)
+        live = {(r.consumer_id, r.session_id) for r in self._consumers()}
+        load.append(round(os.getloadavg()[0], 2))
+        self.hostile_outcomes.append(HostileOutcome(
+            at=0.0, end=0.0, closes=0.0, expected=attack.expected, counted=counted,
+            answers=attack.answers, replies=attack.replies,
+            broker_refused=attack.broker_refused, records=attack.records,
+            wrote_for=attack.wrote_for,
+            victims=[[v.consumer_id, v.session_id] for v in victims],
+            victims_gone=[f"{v.consumer_id}/{v.session_id}" for v in victims
+                          if (v.consumer_id, v.session_id) not in live],
+            load=load))
+        self.hostile_ids += attack.consumer_ids
+        self.hostile_sessions += attack.sessions
+        refused = sum(1 for rid, (_, status) in attack.answers.items()
+                      if attack.replies.get(rid) == status)
+        return (f"hostile tenant: {attack.records} records in {attack.wrote_for:.1f}s against "
+                f"{len(victims)} live sessions; {refused} of its {len(attack.answers)} own "
+                "Subscribes answered as they must be; "
+                + (f"every record counted refused within {took:.1f}s" if not missing else
+                   f"NOT all counted within {HOSTILE_WAIT:.0f}s: {missing}"))
+
+    def _await_victims(self) -> None:
+        """The victims of the next hostile phase, once the soak's consumers subscribed."""
+        began = time.monotonic()
+        self.victims = self._victims()
+        self.say(f"hostile tenant: {len(self.victims)} live sessions of soak consumers after "
+                 f"{time.monotonic() - began:.1f}s")
+
+    def _victims(self, wait: float = 30.0) -> list[Victim]:
+        """Every live, proven session of a running soak consumer (the consumer ids its
+        worker wrote, the sessions the store has); waiting (``wait`` seconds at most) for
+        workers started a moment ago (after a consumer SIGKILL) to subscribe."""
+        until = time.monotonic() + wait
+        while True:
+            ids: set[str] = set()
+            starting = 0
+            for worker, out, _ in self.workers.values():
+                path = out.with_suffix(".ids")
+                if worker.proc.poll() is not None:
+                    continue
+                if not path.exists():
+                    starting += 1
+                    continue
+                ids.update(line.split("\t")[1] for line in
+                           path.read_text(encoding="utf-8").splitlines() if "\t" in line)
+            found = [Victim(r.consumer_id, r.session_id, r.queue, r.shard)
+                     for r in self._consumers() if r.consumer_id in ids
+                     and r.secret_hash is not None and r.shard is not None]
+            if (not starting and len(found) == len(ids)) or time.monotonic() > until:
+                return found
+            self._sleep_supervised(0.5)
+
+    def _consumers(self) -> list[Any]:
+        try:
+            with Store(self.settings.database_url) as store:
+                return list(store.load_consumers())
+        except Exception:  # PostgreSQL may be restarting: none known now
+            return []
+
+    def _shard_counters(self) -> dict[str, int] | None:
+        """The shards' stored counters added up (refusals included: `refused:KIND:REASON:
+        PRINCIPAL`); None when PostgreSQL does not answer now."""
+        try:
+            with Store(self.settings.database_url) as store:
+                stored = store.all_shard_counters()
+        except Exception:  # PostgreSQL may be restarting: asked again
+            return None
+        total: Counter[str] = Counter()
+        for counters in stored.values():
+            total.update(counters)
+        return dict(total)
+
+    def _shard_counters_now(self) -> dict[str, int]:
+        """`_shard_counters`, asked again (60 s at most) while PostgreSQL does not answer."""
+        until = time.monotonic() + 60
+        while True:
+            found = self._shard_counters()
+            if found is not None or time.monotonic() > until:
+                return found or {}
+            self._sleep_supervised(1.0)
+
     def _publish(self, topic: str, values: list[str]) -> None:
         """Published and confirmed, every one: the deleted journal's checks count on it."""
         failed: list[str] = []
@@ -738,7 +895,7 @@ class Soak:
                                  topic_prefix=f"soak{uuid.uuid4().hex[:6]}.")
         self.say(f"stack up: {endpoints.bootstrap_servers}, {endpoints.database_url}")
         try:
-            migrate.upgrade(self.settings.database_url, shard_count=4)
+            migrate.upgrade(self.settings.database_url, shard_count=SHARDS)
             journal = self.journal = f"soak-journal-{uuid.uuid4().hex[:6]}"
             self.doomed = f"soak-doomed-{uuid.uuid4().hex[:6]}"
             admin = AdminClient({"bootstrap.servers": self.settings.bootstrap_servers})
@@ -757,6 +914,8 @@ class Soak:
                         "lease_period": self.plan.lease_period},
                        {"name": DOOMED, "underlying_topic": self.doomed,
                         "lease_period": self.plan.lease_period})
+            if self.plan.hostile_phases:
+                self._hostile_setup()
             self.doomed_after = [f"d{i}" for i in range(DOOMED_BEFORE)]
             self._publish(self.doomed, self.doomed_after)
             for i in range(self.plan.coordinators):
@@ -813,6 +972,18 @@ class Soak:
             self.result.seconds = round(time.monotonic() - began, 1)
         return self.result
 
+    def _hostile_setup(self) -> None:
+        """The hostile tenant's targets: a queue granted to a principal (as `qlayer security
+        principal add` makes one) and an open queue on another shard than the soak's, on an
+        empty journal of their own (nothing is ever leased from them)."""
+        side = f"soak-side-{uuid.uuid4().hex[:6]}"
+        create_topic(self.settings.bootstrap_servers, side, 1)
+        put_queues(self.settings,
+                   {"name": GRANTED, "underlying_topic": side, "shard": 2},
+                   {"name": ELSEWHERE, "underlying_topic": side, "shard": 1})
+        with Store(self.settings.database_url) as store:
+            self.credential = str(PrincipalService(store=store).add(PRINCIPAL, [GRANTED]))
+
     def _stop_processes(self) -> None:
         for worker, _, _ in self.workers.values():
             self.planned_exits.add(worker.pid)
@@ -826,7 +997,9 @@ class Soak:
         back and the events."""
         r = self.result
         journal = self._read_journal()
-        events, r.events_read_complete = self._read_events({ALO, AMO, DOOMED})
+        # Every queue's events, the hostile tenant's targets' too; each check below takes
+        # its queue's.
+        events, r.events_read_complete, foreign = self._read_events()
         r.journal_read_complete = journal.complete
         processed = processed_lines(
             [out.read_text(encoding="utf-8", errors="replace") for out in self.outputs],
@@ -908,9 +1081,13 @@ class Soak:
         def second(queue: str, v: int) -> float:
             return sorted(processed.seconds.get((queue, str(v)), [0.0, 0.0]))[1] - self.origin
 
+        # The canary: whenever a consumer processed a record of the at-least-once queue.
+        canary = sorted(t - self.origin for (queue, _), times in processed.seconds.items()
+                        if queue == ALO for t in times)
         # The table: unconfirmed by when they were attempted, lost and not processed by when
         # the record was journaled, duplicates by when they were processed again.
         timeline = Timeline(
+            processed=canary,
             acks=[e.timestamp_ms / 1000 - self.origin for e in events
                   if e.queue == ALO and e.type is EventType.ACKED],
             unconfirmed=[publisher.attempted_at[v] for v in figures.unconfirmed],
@@ -929,6 +1106,31 @@ class Soak:
             if (i := charged_to(faults, f.at)) is not None and KINDS[faults[i].kind].input]
         r.shard_failures_unexplained = [f.said() for f in unexplained(faults, failures)]
         r.shard_failures_unended = [f.said() for f in failures if not f.ended]
+        self._check_hostile(events, canary, publisher, journal, foreign)
+
+    def _check_hostile(self, events: list[Event], canary: list[float], publisher: Publisher,
+                       journal: JournalRead, foreign: int) -> None:
+        """Each hostile phase's outcome completed with what only the end shows: its exact
+        window, the canary's worst gap in it (and in as long a span before it), the events
+        of the tenant's records and of the victims' sessions, the journal's and the events
+        topic's records that no one should have written (checks.py `hostile_problems`)."""
+        phases = [f for f in self.done_faults if f.kind == "hostile"]
+        seen = [Seen(e.timestamp_ms / 1000 - self.origin, e.type.value, e.consumer_id,
+                     e.session_id) for e in events]
+        ended = publisher.attempted_at[-1] if publisher.attempted_at else 0.0
+        for fault, outcome in zip(phases, self.hostile_outcomes, strict=False):
+            closes = fault.closes if fault.closes is not None else fault.end
+            o = dataclasses.replace(outcome, at=fault.at, end=fault.end, closes=closes,
+                                    publishing_ended=round(ended, 3))
+            gap = canary_gap(canary, fault.at, closes, ended)
+            o.canary_gap = None if gap is None else round(gap, 3)
+            o.canary_before = round(
+                worst_gap(canary, max(0.0, 2 * fault.at - closes), fault.at), 3)
+            o.hostile_events, o.sessions_ended, o.refused_events = hostile_events(
+                seen, self.hostile_ids, self.hostile_sessions, o.victims, fault.at, closes)
+            o.journal_records = journal.stamped
+            o.events_foreign = foreign
+            self.result.hostile.append(dataclasses.asdict(o))
 
     def _check_poison(self, events: list[Event], poison: set[str]) -> None:
         """Each queue's outcome events of the poison records (the journal's records that are
@@ -1060,20 +1262,25 @@ class Soak:
 
     def _read_journal(self) -> JournalRead:
         """The journal read back to its end: each numbered value's places (bookmark, and when
-        it was journaled, seconds since the first record) and the other records (poison)."""
+        it was journaled, seconds since the first record), the other records (poison), and
+        those with a qlayer header, which no producer of the soak writes (a delivery or a
+        reply the coordinator was made to write there)."""
         read = JournalRead()
         for m in self._read_topic(self.journal, read, isolation="read_uncommitted"):
             value = m.value() or b""
             place = (f"{m.topic()}/{m.partition()}/{m.offset()}",
                      m.timestamp()[1] / 1000 - self.origin)
+            if any(k.startswith("qlayer.") for k, _ in m.headers() or []):
+                read.stamped.append(place[0])
             if value.isdigit():
                 read.values.setdefault(int(value), []).append(place)
             else:
                 read.others.append(place)
         return read
 
-    def _read_events(self, queues: set[str]) -> tuple[list[Event], bool]:
-        """Every committed event of these queues, and whether the topic was read to its end.
+    def _read_events(self) -> tuple[list[Event], bool, int]:
+        """Every committed event, whether the topic was read to its end, and how many of its
+        records are no event (a delivery or reply the coordinator was made to write there).
         An event batch published twice (docs/protocol.md §4.4b) counts once, as readers must
         (as tests/support/processes.py `read_events`, which does not say whether it read to
         the end)."""
@@ -1081,23 +1288,23 @@ class Soak:
         fingerprint = codec.schema(SchemaKind.EVENT_BATCH).fingerprint
         batches: set[int] = set()
         found: list[Event] = []
+        foreign = 0
         progress = JournalRead()
         for m in self._read_topic(TopicNames(self.settings.topic_prefix).events, progress,
                                   isolation="read_committed"):
             value = m.value()
-            if value is None:
-                continue
-            if value[2:10] == fingerprint:
-                batch = codec.decode_event_batch(value)
-                if batch.batch_id in batches:
-                    continue
-                batches.add(batch.batch_id)
-                found.extend(e for e in batch.events if e.queue in queues)
-            else:
-                event = codec.decode_event(value)
-                if event.queue in queues:
-                    found.append(event)
-        return found, progress.complete
+            try:
+                if value is not None and value[2:10] == fingerprint:
+                    batch = codec.decode_event_batch(value)
+                    if batch.batch_id in batches:
+                        continue
+                    batches.add(batch.batch_id)
+                    found.extend(batch.events)
+                else:
+                    found.append(codec.decode_event(value))
+            except ProtocolError:
+                foreign += 1
+        return found, progress.complete, foreign
 
     def _read_topic(self, topic: str, progress: JournalRead,
                     isolation: str) -> Iterable[Message]:
@@ -1135,6 +1342,8 @@ class JournalRead:
     values: dict[int, list[tuple[str, float]]] = field(default_factory=dict)
     others: list[tuple[str, float]] = field(default_factory=list)
     complete: bool = False
+    #: Bookmarks of records with a qlayer header (the publisher's and the poison have none).
+    stamped: list[str] = field(default_factory=list)
 
 
 def _said(e: Event) -> str:
@@ -1156,7 +1365,7 @@ def summary(result: SoakResult) -> list[str]:
     has them all)."""
     lines = []
     for key, value in dataclasses.asdict(result).items():
-        if key in ("plan", "faults", "histories", "fault_table", "audit"):
+        if key in ("plan", "faults", "histories", "fault_table", "audit", "hostile"):
             continue
         if isinstance(value, list):
             value = f"{len(value)}" + (f" {value[:5]}" if value else "")
@@ -1170,6 +1379,21 @@ def summary(result: SoakResult) -> list[str]:
                      f"{len(check['done_not_expected'])} done not expected, statuses read: "
                      f"{check['statuses_read']}), {check['pending']} pending, "
                      f"{len(check['violations'])} violations")
+    for h in result.hostile:
+        short = refusals_missing(h["expected"], h["counted"])
+        lines.append(
+            f"hostile phase t={h['at']:.1f}-{h['closes']:.1f}s: canary's worst gap "
+            f"{h['canary_gap']}s (before it: {h['canary_before']}s; load {h['load']}); "
+            f"{h['records']} records in {h['wrote_for']}s, "
+            f"{sum(int(n) for _, n, _ in h['expected'])} refusals expected, "
+            f"{len(short)} kinds of record short of them, broker refused "
+            f"{sum(len(v) for v in h['broker_refused'].values())}; "
+            f"{sum(h['replies'].get(r) == want for r, (_, want) in h['answers'].items())} of "
+            f"{len(h['answers'])} own Subscribes answered as they must be; "
+            f"{len(h['victims'])} sessions forged against, {len(h['sessions_ended'])} ended; "
+            f"{h['refused_events']} SUBSCRIBE_REFUSED events, {len(h['hostile_events'])} "
+            f"other events of its own, {len(h['journal_records'])} records in the journal, "
+            f"{h['events_foreign']} non-events on the events topic")
     return lines
 
 

@@ -7,6 +7,9 @@ as a duplicate), never acked and unrecorded (which would look like a lost messag
 coordinator refused (`LeaseLostError`: the lease ended first) are printed and the worker goes
 on. Runs until SIGTERM. Exits with status 3 when the SDK raises, after printing why: the soak
 counts that as an unplanned exit and starts another worker, as a supervisor would.
+
+Once subscribed it writes each consumer's id to OUT with the suffix ``.ids``
+(``queue<TAB>consumer id`` lines): the soak's hostile tenant forges records naming them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from types import FrameType
 
 from layer.sdk import LeaseLostError, NoCoordinatorError, QueueConsumer, UnknownQueueError
@@ -46,6 +50,10 @@ def main(out_path: str, queues: list[str]) -> int:
     prefix = os.environ["QLAYER_TOPIC_PREFIX"]
     try:
         consumers = [_consumer(q, bootstrap, prefix) for q in queues]
+        # Not in OUT: its lines are what was processed.
+        with open(Path(out_path).with_suffix(".ids"), "w", encoding="utf-8") as ids:
+            ids.writelines(f"{q}\t{c.consumer_id}\n" for q, c in zip(queues, consumers,
+                                                                     strict=True))
         with open(out_path, "a", encoding="utf-8") as out:
             while not stop.is_set():
                 for queue, consumer in zip(queues, consumers, strict=True):

@@ -95,7 +95,7 @@ def test_each_fault_gets_what_followed_it_until_the_next_one() -> None:
     acks = [x * 0.1 for x in range(0, 100)] + [14.0 + x * 0.1 for x in range(60)]
     timeline = Timeline(acks=acks, unconfirmed=[10.1, 10.2], lost=[],
                         duplicated=[12.0, 15.5, 15.6], amo_not_processed=[10.2], amo_twice=[],
-                        failures=[ShardFailure(10.5, 1, 3, ended=True)])
+                        failures=[ShardFailure(10.5, 1, 3, ended=True)], processed=acks)
     rows = fault_rows([_fault(5.0, "consumer"), _fault(10.0, "broker", 12.0),
                        _fault(16.0, "poison")], timeline, end=30.0)
     assert [(r.kind, r.unconfirmed, r.duplicated, r.amo_not_processed, r.shard_failures)
@@ -111,8 +111,12 @@ def test_each_fault_gets_what_followed_it_until_the_next_one() -> None:
     assert [(r.kind, r.ack_pause, r.recovery) for r in late] == [("broker", None, None)]
     lines = table(rows)
     assert lines[0].startswith("| t (s) | fault | window (s) | unconfirmed | lost |")
-    # The broker's window: from its start to its end (12.0) and 30 s of settling.
-    assert lines[3] == "| 10.0 | broker | 10.0-42.0 | 2 | 0 | 3 | 1 | 0 | 4.0s | 4.0s | 3 |"
+    # The broker's window: from its start to its end (12.0) and 30 s of settling. Its canary
+    # gap is over that window: nothing processed from 19.9 s to its end at 42.0 s.
+    assert lines[3] == ("| 10.0 | broker | 10.0-42.0 | 2 | 0 | 3 | 1 | 0 | 4.0s | 4.0s | 3 "
+                        "| 22.10s |")
+    # A consumer's SIGKILL has no window: over its row's span, 5.0 to 10.0 s.
+    assert rows[0].canary_gap is not None and round(rows[0].canary_gap, 3) == 0.1
     assert lines[2].split(" | ")[2] == "-"  # a consumer's SIGKILL has no window
 
 
