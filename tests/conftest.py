@@ -21,13 +21,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 from filelock import FileLock
+from hypothesis import settings as hypothesis_settings
 
 from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
+from tests.support.examples import PROFILE_ENV, QUICK_PROFILE
 from tests.support.report import report_times
 
 if TYPE_CHECKING:
     from layer.localstack import LocalStack
+
+# `make check` (QLAYER_HYPOTHESIS_PROFILE=check): a tenth of the examples
+# (tests/support/examples.py); `make test`: Hypothesis's defaults and every test's full count.
+hypothesis_settings.register_profile(QUICK_PROFILE, max_examples=10)
+hypothesis_settings.load_profile(os.environ.get(PROFILE_ENV) or "default")
 
 #: Names this run (a controller and all its xdist workers): set by the controller (or the one
 #: process) before any worker starts, so the workers inherit it.
@@ -70,6 +77,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         del os.environ["QLAYER_SDK_STATE_DIR"]
 
 
+# First: xdist's own hook reads the groups (it appends them to the node ids) after this.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share something of their own run on one xdist worker (`--dist loadgroup`):
     the secured broker (one per worker that asks for it, so one in all) and Spark (a JVM and

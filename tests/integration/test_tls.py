@@ -27,7 +27,9 @@ from tests.support.coordinator import counters, put_queues, running_coordinator,
 from tests.support.kafka import create_topic
 from tests.support.ports import reserve_ports
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its TLS broker (module-scoped, in
+# <QLAYER_TEST_STATE_DIR>/tls) is started once, on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("tls")]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ that of its tests, its *span* the wall time from its first test's start to its l
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -57,6 +58,12 @@ def report_times(terminal: pytest.TerminalReporter) -> None:
         tiers[_directory(report.nodeid, 2)].add(report)
         directories[_directory(report.nodeid, 3)].add(report)
     terminal.write_sep("=", "where the time went (summed: its tests' time; span: wall time)")
+    # Steps run before pytest (`make test`, `make check`): "lint 4210 typecheck 38020" (ms).
+    steps = os.environ.get("QLAYER_TIER_TIMES", "").split()
+    if steps:
+        terminal.write_line("before the tests: " + ", ".join(
+            f"{name} {int(ms) / 1000:.1f}s" for name, ms in zip(steps[::2], steps[1::2],
+                                                               strict=True)))
     terminal.write_line(f"{'tier / directory':44} {'tests':>6} {'summed s':>9} {'span s':>7}")
     for tier in sorted(tiers):
         t = tiers[tier]

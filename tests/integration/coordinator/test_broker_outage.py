@@ -40,7 +40,9 @@ from tests.support.kafka import create_topic
 from tests.support.ports import reserve_ports
 from tests.support.processes import CoordinatorSubprocess, audit, produce_numbers, read_events
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its broker of its own (module-scoped) is started once,
+# on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("outage")]
 
 #: How long the broker stays dead (its restart comes on top): longer than the consumer's
 #: session timeout (10 s) and the coordinators' group session timeout (6 s), so both must
