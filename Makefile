@@ -1,12 +1,13 @@
 # qlayer: the two commands of the README, and their parts.
 #   make demo   start the local stack (Kafka + PostgreSQL, no Docker) and run the main job
 #   make test   lint, type-check and run the whole test suite against a real broker and database
+#   make check  the quick tier for every change: lint, type-check, the unit tests (fewer examples)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qlayer-installed
 
-.PHONY: install browser demo test lint typecheck unit integration acceptance bench bench-scale soak clean
+.PHONY: install browser jars demo check test lint typecheck unit integration acceptance bench bench-scale soak clean
 
 NATIVE_SOURCES := native/Cargo.toml native/pyproject.toml $(wildcard native/src/*.rs)
 
@@ -43,23 +44,52 @@ browser:
 demo: install
 	$(VENV)/bin/qlayer demo
 
+# The suite runs on parallel workers (pytest-xdist) over one shared local stack; tests that
+# share a broker of their own, or Spark, are kept on one worker each (xdist_group, loadgroup).
+# Most tests wait on the protocol rather than compute, so more workers than the 2 cores pay:
+# the counts were measured (docs/development.md, "Where the time goes"). WORKERS=0 runs in one
+# process.
+WORKERS ?= 6
+UNIT_WORKERS ?= 2
+XDIST = -n $(1) --dist loadgroup
+
+# Each step says how long it took; `make test` hands lint's and type-check's times to pytest,
+# which prints them with the tiers' and the ten slowest tests at the end of the run
+# (tests/support/report.py).
+NOW_MS = $$(date +%s%3N)
+
 lint: install
 	$(PY) -m ruff check .
 
 typecheck: install
 	$(PY) -m mypy
 
-unit: install
-	$(PY) -m pytest tests/unit
+# The Kafka jars (the local stack's brokers) and Spark's Kafka source jars, resolved once into
+# ~/.cache/qlayer before the workers start, so no two of them fetch at once.
+jars: install
+	$(PY) -m tests.support.jars
 
-integration: install
-	$(PY) -m pytest tests/integration
+unit: install jars
+	$(PY) -m pytest tests/unit $(call XDIST,$(UNIT_WORKERS))
 
-acceptance: install browser
-	$(PY) -m pytest tests/acceptance
+integration: install jars
+	$(PY) -m pytest tests/integration $(call XDIST,$(WORKERS))
 
-test: lint typecheck browser
-	$(PY) -m pytest
+acceptance: install browser jars
+	$(PY) -m pytest tests/acceptance $(call XDIST,$(WORKERS))
+
+# The quick tier, for every change (about 2 minutes): lint, type-check, and the unit tests with
+# the Hypothesis machines and properties at a tenth of their examples (tests/support/examples.py).
+check: install jars
+	@t=$(NOW_MS); $(PY) -m ruff check . && l=$(NOW_MS) && $(PY) -m mypy && m=$(NOW_MS) && \
+	QLAYER_HYPOTHESIS_PROFILE=check QLAYER_TIER_TIMES="lint $$((l - t)) typecheck $$((m - l))" \
+	$(PY) -m pytest tests/unit $(call XDIST,$(UNIT_WORKERS)) --durations=10
+
+# The whole suite: lint, type-check and every test with its full examples (CI runs this).
+test: install browser jars
+	@t=$(NOW_MS); $(PY) -m ruff check . && l=$(NOW_MS) && $(PY) -m mypy && m=$(NOW_MS) && \
+	QLAYER_TIER_TIMES="lint $$((l - t)) typecheck $$((m - l))" \
+	$(PY) -m pytest $(call XDIST,$(WORKERS)) --durations=10
 
 # Side by side with the raw Kafka relay and Kafka share groups on the local stack (quick,
 # ~5 minutes; BENCH_FULL=1 for the full matrix; BENCH_ARGS="--bootstrap-servers ... --database-url

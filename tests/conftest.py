@@ -8,22 +8,101 @@ template migrated once per session.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from filelock import FileLock
+from hypothesis import settings as hypothesis_settings
 
 from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
+from tests.support.examples import PROFILE_ENV, QUICK_PROFILE
+from tests.support.report import report_times
 
-# Session secrets the SDK keeps for restarted consumers (layer/sdk/identity.py) go to a
-# directory of this run, not the user's ~/.local/state; child processes inherit it.
-os.environ.setdefault("QLAYER_SDK_STATE_DIR", tempfile.mkdtemp(prefix="qlayer-sdk-state-"))
+if TYPE_CHECKING:
+    from layer.localstack import LocalStack
+
+# `make check` (QLAYER_HYPOTHESIS_PROFILE=check): a tenth of the examples
+# (tests/support/examples.py); `make test`: Hypothesis's defaults and every test's full count.
+hypothesis_settings.register_profile(QUICK_PROFILE, max_examples=10)
+hypothesis_settings.load_profile(os.environ.get(PROFILE_ENV) or "default")
+
+#: Names this run (a controller and all its xdist workers): set by the controller (or the one
+#: process) before any worker starts, so the workers inherit it.
+RUN_ENV = "QLAYER_TEST_RUN"
+_SDK_STATE_MADE = "QLAYER_TEST_SDK_STATE_MADE"
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _has_workers(config: pytest.Config) -> bool:
+    """True in the controller of an xdist run (it runs no test; its workers do)."""
+    return not _is_worker(config) and config.pluginmanager.getplugin("dsession") is not None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_worker(config):
+        # Session secrets the SDK keeps for restarted consumers (layer/sdk/identity.py) are
+        # files named by topic prefix and consumer id: each worker keeps its own, so two tests
+        # using one id at once never read each other's.
+        worker = str(config.workerinput["workerid"])  # type: ignore[attr-defined]
+        os.environ["QLAYER_SDK_STATE_DIR"] = os.path.join(os.environ["QLAYER_SDK_STATE_DIR"],
+                                                          worker)
+        return
+    os.environ[RUN_ENV] = uuid.uuid4().hex
+    # Session secrets go to a directory of this run, not the user's ~/.local/state; child
+    # processes (and xdist workers) inherit it; removed when the run ends.
+    if "QLAYER_SDK_STATE_DIR" not in os.environ:
+        os.environ["QLAYER_SDK_STATE_DIR"] = tempfile.mkdtemp(prefix="qlayer-sdk-state-")
+        os.environ[_SDK_STATE_MADE] = os.environ["QLAYER_SDK_STATE_DIR"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _is_worker(config):
+        return
+    made = os.environ.pop(_SDK_STATE_MADE, None)
+    if made is not None and os.environ.get("QLAYER_SDK_STATE_DIR") == made:
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ["QLAYER_SDK_STATE_DIR"]
+
+
+# First: xdist's own hook reads the groups (it appends them to the node ids) after this.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share something of their own run on one xdist worker (`--dist loadgroup`):
+    the secured broker (one per worker that asks for it, so one in all) and Spark (a JVM and
+    a session per worker; one worker runs them all, one session reused)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        names = getattr(item, "fixturenames", ())
+        if "secured" in names:
+            item.add_marker(pytest.mark.xdist_group("secured"))
+        elif "spark" in names:
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # The shared local stack outlives every worker's session: the controller stops what this
+    # run started once all of them are done (without workers the fixture does it).
+    if _has_workers(session.config):
+        _stop_started(*_test_stack())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _is_worker(terminalreporter.config):
+        report_times(terminalreporter)
 
 #: The shard count of the tests' databases (QLAYER_TEST_SHARDS overrides it).
 TEST_SHARD_COUNT = int(os.environ.get("QLAYER_TEST_SHARDS", "4"))
@@ -31,7 +110,11 @@ TEST_SHARD_COUNT = int(os.environ.get("QLAYER_TEST_SHARDS", "4"))
 
 @pytest.fixture(scope="session")
 def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
-    """{'bootstrap_servers': ..., 'admin_database_url': ...} for the session."""
+    """{'bootstrap_servers': ..., 'admin_database_url': ...} for the session.
+
+    The local stack is one per run: the first xdist worker that asks starts it (under a file
+    lock), the others find it started by their run, and what the run started is stopped once:
+    by this fixture without workers, by the controller (`pytest_sessionfinish`) with them."""
     terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
     capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
 
@@ -51,48 +134,18 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
     cleanups: list[Callable[[], object]] = []
     try:
         if Backend.LOCALSTACK in (choice.kafka, choice.postgres):
-            from layer.localstack import LocalStack, StackConfig
-
-            state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
-                         or Path(tempfile.gettempdir()) / "qlayer-test-stack")
-            config = StackConfig.from_env(
-                {}, state_dir=state,
-                kafka_port=int(os.environ.get("QLAYER_TEST_KAFKA_PORT", "39092")),
-                controller_port=int(os.environ.get("QLAYER_TEST_KAFKA_PORT", "39092")) + 1,
-                postgres_port=int(os.environ.get("QLAYER_TEST_POSTGRES_PORT", "35432")),
-                fast_postgres=True,
-            )
-            stack = LocalStack(config)
-            was_running = {s.name for s in stack.status() if s.running}
+            state, stack = _test_stack()
+            found.update(_local_stack(stack, state, choice, say))
+            if not _is_worker(pytestconfig):
+                cleanups.append(lambda: _stop_started(state, stack))
             if choice.postgres == Backend.LOCALSTACK:
-                found["admin_database_url"] = stack.postgres.config.url_for("postgres")
-                say(f"starting PostgreSQL (local stack, {state}) ...")
-                stack.postgres.up()
-                say(f"PostgreSQL ready at {found['admin_database_url']} "
-                    f"(pid {stack.postgres.pid()})")
-                if "postgres" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
-                    cleanups.append(stack.postgres.down)
                 _watch(pytestconfig, "PostgreSQL", stack.postgres.pid, stack.postgres.log_file)
             if choice.kafka == Backend.LOCALSTACK:
-                held = stack.kafka.partitions()
-                if "kafka" in was_running and held > KEPT_BROKER_PARTITIONS:
-                    say(f"the kept Kafka holds {held:,} partitions; restarting it empty ...")
-                    stack.kafka.down()
-                    was_running.discard("kafka")
-                if "kafka" not in was_running:
-                    # A session leaves thousands of topics behind, each holding open files in
-                    # the broker. Kept from session to session in the same state directory they
-                    # exhausted its open-file limit (a CI run died at ~19,900 partitions), so a
-                    # broker the suite starts starts empty.
-                    stack.kafka.wipe()
-                say("starting Kafka (local stack, KRaft) ...")
-                found["bootstrap_servers"] = stack.kafka.up()
-                say(f"Kafka ready at {found['bootstrap_servers']} (pid {stack.kafka.pid()})")
-                if "kafka" not in was_running and not os.environ.get("QLAYER_TEST_KEEP_STACK"):
-                    cleanups.append(stack.kafka.down)
                 _watch(pytestconfig, "Kafka", stack.kafka.pid, stack.kafka.log_file,
                        stack.kafka.death_hint)
         if Backend.TESTCONTAINERS in (choice.kafka, choice.postgres):
+            # One set of containers per xdist worker: each is isolated, and Docker (where
+            # there is one) starts them in seconds.
             if choice.kafka == Backend.TESTCONTAINERS:
                 from testcontainers.kafka import KafkaContainer
 
@@ -119,6 +172,93 @@ def services(pytestconfig: pytest.Config) -> Iterator[dict[str, str]]:
         for cleanup in reversed(cleanups):
             with contextlib.suppress(Exception):
                 cleanup()
+
+
+def _test_stack() -> tuple[Path, LocalStack]:
+    """The test stack's state directory and the stack, as the variables choose them."""
+    from layer.localstack import LocalStack, StackConfig
+
+    state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
+                 or Path(tempfile.gettempdir()) / "qlayer-test-stack")
+    kafka_port = int(os.environ.get("QLAYER_TEST_KAFKA_PORT", "39092"))
+    config = StackConfig.from_env(
+        {}, state_dir=state, kafka_port=kafka_port, controller_port=kafka_port + 1,
+        postgres_port=int(os.environ.get("QLAYER_TEST_POSTGRES_PORT", "35432")),
+        fast_postgres=True,
+    )
+    return state, LocalStack(config)
+
+
+def _lock(state: Path) -> FileLock:
+    state.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(state.parent / f"{state.name}.lock")
+
+
+#: In the state directory: which run started which of its servers ({"run": id, "started":
+#: [...]}), read by the later workers of that run and by whoever stops them.
+STARTED_BY = "started-by.json"
+
+
+def _started(state: Path) -> dict[str, object]:
+    try:
+        return dict(json.loads((state / STARTED_BY).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _local_stack(stack: LocalStack, state: Path, choice: object,
+                 say: Callable[[str], None]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    run = os.environ.get(RUN_ENV, "")
+    keep = bool(os.environ.get("QLAYER_TEST_KEEP_STACK"))
+    with _lock(state):
+        record = _started(state)
+        # The first process of this run to get here decides (starts, wipes, restarts); the
+        # other workers of the run take the stack as it left it.
+        first = record.get("run") != run
+        started: list[str] = [] if first else list(record.get("started", []))  # type: ignore[call-overload]
+        was_running = {s.name for s in stack.status() if s.running}
+        if getattr(choice, "postgres", None) == Backend.LOCALSTACK:
+            found["admin_database_url"] = stack.postgres.config.url_for("postgres")
+            say(f"starting PostgreSQL (local stack, {state}) ...")
+            stack.postgres.up()
+            say(f"PostgreSQL ready at {found['admin_database_url']} "
+                f"(pid {stack.postgres.pid()})")
+            if first and "postgres" not in was_running and not keep:
+                started.append("postgres")
+        if getattr(choice, "kafka", None) == Backend.LOCALSTACK:
+            if first:
+                held = stack.kafka.partitions()
+                if "kafka" in was_running and held > KEPT_BROKER_PARTITIONS:
+                    say(f"the kept Kafka holds {held:,} partitions; restarting it empty ...")
+                    stack.kafka.down()
+                    was_running.discard("kafka")
+                if "kafka" not in was_running:
+                    # A session leaves thousands of topics behind, each holding open files in
+                    # the broker. Kept from session to session in the same state directory
+                    # they exhausted its open-file limit (a CI run died at ~19,900
+                    # partitions), so a broker the suite starts starts empty.
+                    stack.kafka.wipe()
+            say("starting Kafka (local stack, KRaft) ...")
+            found["bootstrap_servers"] = stack.kafka.up()
+            say(f"Kafka ready at {found['bootstrap_servers']} (pid {stack.kafka.pid()})")
+            if first and "kafka" not in was_running and not keep:
+                started.append("kafka")
+        state.mkdir(parents=True, exist_ok=True)
+        (state / STARTED_BY).write_text(json.dumps({"run": run, "started": started}))
+    return found
+
+
+def _stop_started(state: Path, stack: LocalStack) -> None:
+    """Stop the servers this run started (none when another run started them, or none)."""
+    with _lock(state):
+        record = _started(state)
+        if record.get("run") != os.environ.get(RUN_ENV, ""):
+            return
+        for name in reversed(list(record.get("started", []))):  # type: ignore[call-overload]
+            with contextlib.suppress(Exception):
+                (stack.kafka if name == "kafka" else stack.postgres).down()
+        (state / STARTED_BY).unlink(missing_ok=True)
 
 
 # A kept test broker (QLAYER_TEST_KEEP_STACK=1) holding more partitions than this is restarted

@@ -43,7 +43,7 @@ from tests.support.coordinator import (
     wait_for_counters,
     wait_until,
 )
-from tests.support.ports import free_ports
+from tests.support.ports import PortReservation, reserve_ports
 
 pytestmark = pytest.mark.acceptance
 
@@ -103,9 +103,11 @@ def console(tmp_path: Path) -> Iterator[Callable[[Settings], str]]:
     """`console(settings)` starts `qlayer console --allow-actions` on a free port and returns
     its address once it answers; stopped (SIGTERM, as Ctrl-C) when the test ends."""
     started: list[subprocess.Popen[bytes]] = []
+    reserved: list[PortReservation] = []
 
     def start(settings: Settings) -> str:
-        port = free_ports(36600, 1)
+        reserved.append(reserve_ports(36600, 1))
+        port = reserved[-1].first
         log = tmp_path / "console.log"
         env = {**os.environ, "QLAYER_DATABASE_URL": settings.database_url,
                "QLAYER_BOOTSTRAP_SERVERS": settings.bootstrap_servers,

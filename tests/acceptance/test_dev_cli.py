@@ -17,7 +17,9 @@ import pytest
 from layer.localstack import KafkaConfig, KafkaNode
 from layer.localstack.process import pid_alive
 
-pytestmark = pytest.mark.acceptance
+# One xdist group (`--dist loadgroup`): its tests share the dev stack's ports, so one
+# `qlayer dev up` at a time.
+pytestmark = [pytest.mark.acceptance, pytest.mark.xdist_group("dev-cli")]
 
 # Overridable, for a run beside another suite's (the ports are this module's alone). Below
 # Linux's ephemeral range (32768-60999), so no client connection's local end can hold one when

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ports import free_ports
+from tests.support.ports import reserve_ports
 
 pytestmark = pytest.mark.acceptance
 
@@ -85,11 +85,15 @@ def child_session(step: str, state: Path, tests: Path, database_url: str,
 
 
 def test_a_started_broker_is_empty_and_a_dead_one_ends_the_run(
-        state: Path, tmp_path: Path, admin_database_url: str) -> None:
+        state: Path, tmp_path: Path, admin_database_url: str,
+        request: pytest.FixtureRequest) -> None:
     tests = tmp_path / "test_child.py"
     tests.write_text(CHILD_TESTS)
 
-    kafka_port = free_ports(KAFKA_PORTS_FROM, 2)
+    # Reserved for the whole test: the child's broker is down between its two sessions.
+    reserved = reserve_ports(KAFKA_PORTS_FROM, 2)
+    request.addfinalizer(reserved.release)
+    kafka_port = reserved.first
     first = child_session("leave", state, tests, admin_database_url, kafka_port)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "2 passed" in first.stdout

@@ -17,7 +17,8 @@ import pytest
 
 from tests.soak.run import ALO, Soak, SoakPlan, soak_dir
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its stack of its own and its timed faults on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("soak")]
 
 
 def test_a_short_soak_loses_nothing_and_processes_nothing_twice_at_most_once() -> None:

@@ -25,25 +25,29 @@ from layer.settings import Settings
 from layer_cli.main import app
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 from tests.support.kafka import create_topic
-from tests.support.ports import free_ports
+from tests.support.ports import reserve_ports
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its TLS broker (module-scoped, in
+# <QLAYER_TEST_STATE_DIR>/tls) is started once, on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("tls")]
 
 
 @pytest.fixture(scope="module")
 def tls_node() -> Iterator[KafkaNode]:
-    base = free_ports(31_192, 3)
+    reserved = reserve_ports(31_192, 3)
+    base = reserved.first
     state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
                  or Path(tempfile.gettempdir()) / "qlayer-test-stack") / "tls"
     node = KafkaNode(KafkaConfig(state_dir=state, cache_dir=default_cache_dir(),
                                  port=base, controller_port=base + 1, ssl_port=base + 2))
-    node.down()
-    node.wipe()
-    node.up()
     try:
+        node.down()
+        node.wipe()
+        node.up()
         yield node
     finally:
         node.down()
+        reserved.release()
 
 
 def test_coordinator_sdk_and_cli_work_over_tls_and_a_client_without_the_ca_is_told_so(

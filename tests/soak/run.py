@@ -112,7 +112,7 @@ from tests.soak.report import (
 )
 from tests.support.coordinator import put_queues
 from tests.support.kafka import create_topic
-from tests.support.ports import free_ports
+from tests.support.ports import PortReservation, reserve_ports
 from tests.support.processes import CoordinatorSubprocess, Subprocess, _env
 
 #: Below Linux's ephemeral port range (32768-60999), so no client connection holds them.
@@ -445,6 +445,9 @@ class Soak:
     def __init__(self, plan: SoakPlan, state_dir: Path, say: Callable[[str], None],
                  keep_stack: bool = False) -> None:
         self.plan, self.state_dir, self.say, self.keep_stack = plan, state_dir, say, keep_stack
+        #: The stack's ports, reserved while it runs: the soak kills its broker and PostgreSQL,
+        #: and while they are down nothing else may take their ports (tests/support/ports.py).
+        self.reserved: list[PortReservation] = []
         self.stack = self._stack(KAFKA_PORTS_FROM, POSTGRES_PORTS_FROM)
         self.logs = state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -479,8 +482,10 @@ class Soak:
         self.credential = ""
 
     def _stack(self, kafka_from: int, postgres_from: int) -> LocalStack:
-        kafka_port = free_ports(kafka_from, 2)
-        pg_port = free_ports(postgres_from, 1)
+        for reservation in self.reserved:
+            reservation.release()
+        self.reserved = [reserve_ports(kafka_from, 2), reserve_ports(postgres_from, 1)]
+        kafka_port, pg_port = (r.first for r in self.reserved)
         return LocalStack(StackConfig.from_env(
             {}, state_dir=self.state_dir / f"stack-{kafka_port}", kafka_port=kafka_port,
             postgres_port=pg_port))
@@ -969,6 +974,8 @@ class Soak:
             self._stop_processes()
             if not self.keep_stack:
                 self.stack.down()
+                for reservation in self.reserved:
+                    reservation.release()
             self.result.seconds = round(time.monotonic() - began, 1)
         return self.result
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from layer.localstack.kafka import KafkaConfig, KafkaNode, sasl_client_config
 from layer.localstack.stack import default_cache_dir
-from tests.support.ports import free_ports
+from tests.support.ports import reserve_ports
 
 __all__ = ["SecuredKafka", "secured_kafka"]
 
@@ -54,16 +54,20 @@ def secured_kafka() -> Iterator[SecuredKafka]:
     # Three free ports below the ephemeral range (a fixed port next to the session's broker
     # was once held by a client connection: "Address already in use").
     wanted = os.environ.get("QLAYER_TEST_SECURED_KAFKA_PORT")
-    base = int(wanted) if wanted else free_ports(31_092, 3)
+    # Reserved while it runs, so no other session or worker takes them (tests/support/ports.py).
+    reserved = None if wanted else reserve_ports(31_092, 3)
+    base = int(wanted) if wanted else reserved.first  # type: ignore[union-attr]
     state = Path(os.environ.get("QLAYER_TEST_STATE_DIR")
                  or Path(tempfile.gettempdir()) / "qlayer-test-stack") / "secured"
     node = KafkaNode(KafkaConfig(state_dir=state, cache_dir=default_cache_dir(),
                                  port=base, controller_port=base + 1, sasl_port=base + 2))
-    # Its ports change from run to run: a broker kept from an earlier run is stopped first.
-    node.down()
-    node.wipe()
-    node.up()
     try:
+        # Its ports change from run to run: a broker kept from an earlier run is stopped first.
+        node.down()
+        node.wipe()
+        node.up()
         yield SecuredKafka(node)
     finally:
         node.down()
+        if reserved is not None:
+            reserved.release()

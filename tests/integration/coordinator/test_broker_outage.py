@@ -37,10 +37,12 @@ from layer.settings import Settings
 from layer.store.store import Store
 from tests.support.coordinator import Delivered, RawConsumer, TopicReader, counters, put_queues
 from tests.support.kafka import create_topic
-from tests.support.ports import free_ports
+from tests.support.ports import reserve_ports
 from tests.support.processes import CoordinatorSubprocess, audit, produce_numbers, read_events
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its broker of its own (module-scoped) is started once,
+# on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("outage")]
 
 #: How long the broker stays dead (its restart comes on top): longer than the consumer's
 #: session timeout (10 s) and the coordinators' group session timeout (6 s), so both must
@@ -68,15 +70,20 @@ def outage_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaNod
     # reconnect to its port again and again, and on loopback a connect whose ephemeral local
     # port happens to be the port itself connects to itself (TCP simultaneous open) and holds
     # it, so the restarted broker failed with "Address already in use" (CI, port 43092).
-    port = int(wanted) if wanted else free_ports(27_092, 2)
+    # Reserved until the module ends, so no other session or worker takes them while the
+    # broker is dead (tests/support/ports.py).
+    reserved = None if wanted else reserve_ports(27_092, 2)
+    port = int(wanted) if wanted else reserved.first  # type: ignore[union-attr]
     config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("outage-stack"),
                                   kafka_port=port, controller_port=port + 1)
     node = KafkaNode(config.kafka())
-    node.up()
     try:
+        node.up()
         yield node
     finally:
         node.down()
+        if reserved is not None:
+            reserved.release()
 
 
 @pytest.fixture

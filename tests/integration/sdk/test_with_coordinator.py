@@ -16,8 +16,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from layer.coordinator.options import CoordinatorOptions
 from layer.protocol import AckStatus
 from layer.sdk import LeaseLostError, Message, QueueConsumer, QueuePublisher, UnknownQueueError
+from layer.services.queues import QueueService
 from layer.settings import Settings
 from tests.support.coordinator import counters, put_queues, running_coordinator, wait_until
 
@@ -211,6 +213,33 @@ def test_unknown_queue_and_replace_with_the_coordinator(
         reader.close()
         wait_until(lambda: counters(settings, "Mail").get("acked") == 2 or None,
                    timeout=20, what="both acks applied")
+
+
+def test_a_consumer_subscribing_the_instant_apply_returns_is_served(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    """What deployment scripts do: `qlayer queue apply` (its service, on the store), then a
+    consumer at once. The coordinator's catalog is loaded every `refresh_interval` (the
+    default here, not the tests' short one), so it does not know the queue yet when the
+    Subscribe comes; the Subscribe waits for a catalog loaded after it (docs/coordinator.md,
+    "The catalog") and is served, never answered UnknownQueueError. Twenty fresh queues, each
+    subscribed to in the instant its apply returned."""
+    work = create_topic(unique_name("Work"), partitions=1)
+    publish_mail(settings, work, "anyone")
+    refresh = CoordinatorOptions().refresh_interval
+    with running_coordinator(settings, refresh_interval=refresh), \
+            QueueService.from_settings(settings) as service:
+        for i in range(20):
+            name = f"Fresh{i}"
+            applied = service.apply(f"queues:\n  - name: {name}\n    underlying_topic: {work}\n")
+            assert [c.name for c in applied.plan.of("create")] == [name]
+            reader = consumer(settings, name)  # subscribes: raises UnknownQueueError if refused
+            try:
+                got = reader.receive(timeout=30)
+                assert got is not None and got.json() == {"to": "anyone"}, name
+                got.ack()
+            finally:
+                reader.close()
 
 
 def test_filtered_subscription_gets_entries_enqueued_before_it_subscribed(

@@ -49,6 +49,7 @@ from layer.protocol import (
     forwarded_hops,
 )
 from layer.store.rows import ConsumerRow, EntryRow, QueueRecord
+from tests.support.examples import examples
 
 TOPICS = TopicNames("qt.")
 CODEC = Codec()
@@ -573,6 +574,6 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 CoreMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
+    max_examples=examples(60), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestCoreMachine = CoreMachine.TestCase

@@ -46,6 +46,7 @@ from layer.protocol import (
 from layer.protocol.batch import DELIVERY_FORMAT
 from layer.protocol.headers import DELIVER_AT
 from layer.store.rows import QueueRecord
+from tests.support.examples import examples
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="never: make install builds it")
 
@@ -251,6 +252,6 @@ class Twins(RuleBasedStateMachine):
         self.step([])
 
 
-Twins.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+Twins.TestCase.settings = settings(max_examples=examples(120), stateful_step_count=40,
+                                   deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestTwins = Twins.TestCase

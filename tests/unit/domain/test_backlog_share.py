@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from layer.domain.consumers import BacklogShare
 from layer.domain.engine import QueueEngine
+from tests.support.examples import examples
 
 from .engine_helpers import engine, leases, offer, settle
 
@@ -74,7 +75,7 @@ def test_leaving_one_queue_takes_it_out_of_the_share() -> None:
     assert len(leases(second.dispatch(0.0))) == 3
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(backlog=st.integers(min_value=0, max_value=6),
        sizes=st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=4),
        acks=st.lists(st.integers(min_value=0, max_value=20), max_size=12))

@@ -20,6 +20,7 @@ from layer.domain.expressions import (
     parse_document,
     project,
 )
+from tests.support.examples import examples
 
 ORDER: dict[str, Any] = {
     "region": "EU",
@@ -777,7 +778,7 @@ def _logic(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
 expressions = st.recursive(_predicates(), _logic, max_leaves=5)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(text=expressions, doc=documents)
 def test_evaluate_never_raises_and_matches_agrees(text: str, doc: object) -> None:
     expression = compile_expression(text)
@@ -785,7 +786,7 @@ def test_evaluate_never_raises_and_matches_agrees(text: str, doc: object) -> Non
     assert expression.matches(doc) is (value is True)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=expressions, doc=documents)
 def test_not_is_the_three_valued_complement_for_any_expression(text: str, doc: object) -> None:
     value = compile_expression(text).evaluate(doc)
@@ -794,7 +795,7 @@ def test_not_is_the_three_valued_complement_for_any_expression(text: str, doc: o
     assert negated is expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(left=expressions, right=expressions, doc=documents)
 def test_de_morgan_holds_in_three_valued_logic(left: str, right: str, doc: object) -> None:
     a = compile_expression(f"NOT (({left}) AND ({right}))").evaluate(doc)
@@ -802,14 +803,14 @@ def test_de_morgan_holds_in_three_valued_logic(left: str, right: str, doc: objec
     assert a is b
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=expressions, doc=documents)
 def test_projection_gives_the_same_result(text: str, doc: object) -> None:
     expression = compile_expression(text)
     assert expression.evaluate(project(doc, expression.fields())) == expression.evaluate(doc)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
 def test_parse_document_never_raises(raw: bytes) -> None:
     document = parse_document(raw)
@@ -818,7 +819,7 @@ def test_parse_document_never_raises(raw: bytes) -> None:
         json.dumps(document)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(text=st.text(alphabet=st.sampled_from(list("/ab01 ()'=<>!+-*%,.NOTANDINLKE")), max_size=30))
 def test_compile_raises_only_expression_errors(text: str) -> None:
     try:
@@ -835,7 +836,7 @@ def test_compile_raises_only_expression_errors(text: str) -> None:
 MIRRORED = {"=": "=", "!=": "!=", "<>": "<>", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     path=paths,
     op=st.sampled_from(sorted(MIRRORED)),
@@ -854,7 +855,7 @@ def test_comparison_is_symmetric_under_mirroring(
 # --- documents parsed on first read ------------------------------------------------------------
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(expressions, documents)
 def test_a_raw_document_evaluates_as_its_parsed_json(text: str, doc: Any) -> None:
     # The coordinator hands queues the record's bytes (RawDocument), parsed when a filter

@@ -34,6 +34,7 @@ from layer.domain.events import EntryLeased, Outbox
 from layer.domain.expressions import RawDocument, project
 from layer.domain.native import NativeQueueEngine, native_available
 from layer.domain.states import AckType, Bookmark, ExpiryReason, LeaveReason
+from tests.support.examples import examples
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="never: make install builds it")
 
@@ -43,7 +44,7 @@ FILTERS = (None, "/k = 0", "/k <> 0", "/k IS NULL")
 #: Destructive rules (admin acks, retention, restarts) act on one draw in five, so queues get
 #: deep enough for dispatch to matter.
 ROLL = st.integers(0, 4)
-MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=examples(150), stateful_step_count=50, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])
 
 documents = st.one_of(

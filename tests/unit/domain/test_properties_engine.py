@@ -59,6 +59,7 @@ from layer.domain.events import (
 )
 from layer.domain.expressions import Expression, compile_expression
 from layer.domain.states import AckOutcome, AckSource, AckType, Bookmark, EntryState
+from tests.support.examples import examples
 
 from .engine_helpers import TOPIC, engine, record
 
@@ -66,7 +67,7 @@ settings.register_profile("engine-deep", max_examples=1000, stateful_step_count=
 # CI budget, unless a profile asks for more (pytest --hypothesis-profile=engine-deep).
 _PROFILE = settings.default
 MACHINE_SETTINGS = settings(
-    max_examples=max(120, _PROFILE.max_examples),
+    max_examples=examples(max(120, _PROFILE.max_examples)),
     stateful_step_count=40 if _PROFILE.stateful_step_count <= 50 else _PROFILE.stateful_step_count,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

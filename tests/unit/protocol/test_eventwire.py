@@ -22,6 +22,7 @@ from layer.protocol import (
     SchemaKind,
 )
 from layer.protocol.eventwire import encode_long
+from tests.support.examples import examples
 
 _LONGS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 _INTS = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -55,7 +56,7 @@ def _fastavro(codec: Codec, event: Event) -> bytes:
     return out.getvalue()
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(st.lists(_EVENTS, min_size=1, max_size=5))
 def test_the_encoder_writes_fastavros_bytes_and_they_decode_back(events: list[Event]) -> None:
     # Several events through one codec: the encoder's caches must not leak one event's
@@ -104,7 +105,7 @@ _ACKS = st.builds(AckRecord, consumer_id=_TEXT, session_id=_TEXT, sent_at_ms=_LO
                   items=st.lists(_ACK_ITEMS, max_size=6).map(tuple))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(_ACKS)
 def test_ack_records_are_fastavros_bytes_and_decode_back(record: AckRecord) -> None:
     codec = Codec()
