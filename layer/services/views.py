@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from layer.domain.definitions import QueueDefinition
-from layer.domain.errors import QueueConfigError
+from layer.domain.errors import QueueConfigError, UnknownQueueError
 from layer.domain.expressions import Document, as_number, compile_expression, parse_document
 from layer.domain.likepattern import name_matcher
 from layer.kafka import JournalRecord, KafkaAdmin
@@ -78,26 +78,8 @@ def _start_positions(admin: KafkaAdmin, definition: QueueDefinition,
                      ) -> dict[tuple[str, int], int]:
     """Each partition's recovery point; where none is stored yet, where the queue would start
     (its `recovery_point` setting), exactly as the coordinator decides it."""
-    starts: dict[tuple[str, int], int] = {}
-    fresh = []
-    for topic, partition in pairs:
-        point = stored.get(PartitionKey(definition.name, topic, partition))
-        if point is None:
-            fresh.append((topic, partition))
-        else:
-            starts[(topic, partition)] = point
-    if fresh:
-        if definition.recovery_point == "end":
-            starts.update(admin.end_offsets(fresh))
-        elif definition.recovery_point == "beginning":
-            starts.update(admin.log_start_offsets(fresh))
-        else:
-            moment = definition.recovery_timestamp
-            assert moment is not None
-            starts.update(admin.offsets_for_time(fresh, int(moment.timestamp() * 1000)))
-    # Retention may have deleted what a recovery point still points at.
-    firsts = admin.log_start_offsets(list(starts))
-    return {tp: max(offset, firsts.get(tp, 0)) for tp, offset in starts.items()}
+    name = definition.name
+    return _all_start_positions(admin, {name: definition}, {name: pairs}, stored)[name]
 
 
 # --- view --------------------------------------------------------------------------------------
@@ -361,23 +343,37 @@ def _subscribed(row: ConsumerRow, queue: str) -> bool:
     return row.queue == queue
 
 
-def _oldest_timestamps(settings: Settings, starts: Mapping[tuple[str, int], int],
+def _oldest_timestamps(settings: Settings, wanted: Mapping[str, Mapping[tuple[str, int], int]],
                        ends: Mapping[tuple[str, int], int],
-                       done: set[tuple[str, int, int]]) -> int | None:
-    """The timestamp of the first not-done record at or after each recovery point."""
-    oldest: int | None = None
-    seen: set[tuple[str, int]] = set()
+                       done: Mapping[str, set[tuple[str, int, int]]]) -> dict[str, int]:
+    """Per queue, the timestamp of its first not-done record at or after each start.
+
+    One Kafka consumer for all queues: a partition is read once per *layer*, a set of queues
+    none of which shares it with another (queues on journals of their own are one layer), and
+    each partition stops being read at its first not-done record."""
+    layers: list[dict[tuple[str, int], str]] = []
+    for queue in sorted(wanted):
+        for tp in wanted[queue]:
+            layer = next((x for x in layers if tp not in x), None)
+            if layer is None:
+                layer = {}
+                layers.append(layer)
+            layer[tp] = queue
+    oldest: dict[str, int] = {}
+    if not layers:
+        return oldest
     reader = RangeScanner(settings.kafka_config(), settings.topic_prefix + "cli")
     try:
-        for record in reader.read(starts, ends):
-            tp = (record.topic, record.partition)
-            if tp in seen or (record.topic, record.partition, record.offset) in done:
-                continue
-            seen.add(tp)
-            if oldest is None or record.timestamp_ms < oldest:
-                oldest = record.timestamp_ms
-            if len(seen) == len(starts):
-                break
+        for layer in layers:
+            starts = {tp: wanted[queue][tp] for tp, queue in layer.items()}
+            for record in reader.read(starts, {tp: ends[tp] for tp in layer}):
+                tp = (record.topic, record.partition)
+                queue = layer[tp]
+                if (record.topic, record.partition, record.offset) in done.get(queue, ()):
+                    continue
+                reader.stop(tp)
+                if queue not in oldest or record.timestamp_ms < oldest[queue]:
+                    oldest[queue] = record.timestamp_ms
     finally:
         reader.close()
     return oldest
@@ -388,47 +384,113 @@ def _counter_values(counters: QueueCounters | None) -> dict[str, int]:
             for name in (*RATE_COUNTERS, *FAULT_COUNTERS)}
 
 
+def _all_start_positions(admin: KafkaAdmin, definitions: Mapping[str, QueueDefinition],
+                         pairs: Mapping[str, list[tuple[str, int]]],
+                         stored: Mapping[PartitionKey, int]
+                         ) -> dict[str, dict[tuple[str, int], int]]:
+    """`_start_positions` of every queue in a constant number of offset requests: one per
+    kind of ``recovery_point`` among queues with no stored point, and one for log starts."""
+    starts: dict[str, dict[tuple[str, int], int]] = {name: {} for name in pairs}
+    fresh: dict[str, list[tuple[str, tuple[str, int]]]] = {}
+    for name, queue_pairs in pairs.items():
+        definition = definitions[name]
+        for tp in queue_pairs:
+            point = stored.get(PartitionKey(name, *tp))
+            if point is not None:
+                starts[name][tp] = point
+                continue
+            kind = definition.recovery_point
+            if kind not in ("end", "beginning"):
+                moment = definition.recovery_timestamp
+                assert moment is not None
+                kind = str(int(moment.timestamp() * 1000))
+            fresh.setdefault(kind, []).append((name, tp))
+    for kind, wanted in fresh.items():
+        tps = sorted({tp for _, tp in wanted})
+        if kind == "end":
+            found = admin.end_offsets(tps)
+        elif kind == "beginning":
+            found = admin.log_start_offsets(tps)
+        else:
+            found = admin.offsets_for_time(tps, int(kind))
+        for name, tp in wanted:
+            starts[name][tp] = found[tp]
+    # Retention may have deleted what a recovery point still points at.
+    every = sorted({tp for queue_starts in starts.values() for tp in queue_starts})
+    firsts = admin.log_start_offsets(every) if every else {}
+    return {name: {tp: max(offset, firsts.get(tp, 0)) for tp, offset in queue_starts.items()}
+            for name, queue_starts in starts.items()}
+
+
 def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float
                 ) -> list[QueueStats]:
-    """One sample of every queue's figures (or of the named ones)."""
+    """One sample of every queue's figures (or of the named ones).
+
+    In a constant number of round trips, whatever the number of queues (issue 33): a few
+    PostgreSQL queries for every queue's definition, consumers, counters, recovery points and
+    entries; one topic listing and a few offset requests for every journal partition; one
+    Kafka consumer for the oldest records (`_oldest_timestamps`)."""
     admin = KafkaAdmin(settings.kafka_config())
-    out: list[QueueStats] = []
     with Store(settings.database_url) as store:
-        names = (sorted(queues) if queues is not None
-                 else sorted(r.name for r in store.list_queues()))
+        records = {r.name: r for r in store.list_queues()}
+        names = sorted(records) if queues is None else sorted(set(queues))
+        missing = [name for name in names if name not in records]
+        if missing:
+            raise UnknownQueueError(missing[0])
         consumers = store.load_consumers()
         counters = store.load_counters()
-        for name in names:
-            try:
-                definition = queue_definition(store, name)
-            except QueueConfigError as exc:
-                # One queue's bad definition must not hide every other queue's figures.
-                out.append(QueueStats(
-                    queue=name, depth=0,
-                    leased=sum(1 for r in store.load_entries(name) if r.state == "LEASED"),
-                    consumers=sum(1 for c in consumers if _subscribed(c, name)),
-                    oldest_available_age=None, counters=_counter_values(counters.get(name)),
-                    partitions=[], sampled_at=now,
-                    problem=f"not served: its stored definition is invalid ({exc})"))
-                continue
-            stored = store.load_recovery_points(name)
-            rows = store.load_entries(name)
-            pairs = _journal_partitions(admin, definition, settings.topic_prefix)
-            starts = _start_positions(admin, definition, pairs, stored) if pairs else {}
-            ends = admin.end_offsets(pairs) if pairs else {}
-            lags = [PartitionLag(t, p, starts[(t, p)], ends.get((t, p), starts[(t, p)]))
-                    for t, p in pairs]
-            done = {(r.topic, r.partition, r.offset) for r in rows if r.state in _DONE
-                    and r.offset >= starts.get((r.topic, r.partition), 0)}
-            depth = max(0, sum(lag.lag for lag in lags) - len(done))
-            oldest = (_oldest_timestamps(settings, starts, ends, done) if depth else None)
+        stored = store.load_recovery_points()
+        entries = store.load_entries_of(names)
+    definitions: dict[str, QueueDefinition] = {}
+    problems: dict[str, str] = {}
+    for name in names:
+        try:
+            definitions[name] = QueueDefinition.from_mapping(records[name].definition)
+        except QueueConfigError as exc:
+            # One queue's bad definition must not hide every other queue's figures.
+            problems[name] = f"not served: its stored definition is invalid ({exc})"
+    listed = admin.topics() if definitions else {}
+    internal = TopicNames(settings.topic_prefix)
+    pairs = {name: [(topic, p) for topic, count in sorted(listed.items())
+                    if not internal.is_internal(topic) and definition.matches_topic(topic)
+                    for p in range(count)]
+             for name, definition in definitions.items()}
+    starts = _all_start_positions(admin, definitions, pairs, stored)
+    every = sorted({tp for queue_pairs in pairs.values() for tp in queue_pairs})
+    ends = admin.end_offsets(every) if every else {}
+    out: list[QueueStats] = []
+    lags: dict[str, list[PartitionLag]] = {}
+    done: dict[str, set[tuple[str, int, int]]] = {}
+    wanted: dict[str, dict[tuple[str, int], int]] = {}
+    for name in definitions:
+        queue_starts = starts[name]
+        lags[name] = [PartitionLag(t, p, queue_starts[(t, p)],
+                                   ends.get((t, p), queue_starts[(t, p)]))
+                      for t, p in pairs[name]]
+        done[name] = {(r.topic, r.partition, r.offset) for r in entries.get(name, ())
+                      if r.state in _DONE
+                      and r.offset >= queue_starts.get((r.topic, r.partition), 0)}
+        if sum(lag.lag for lag in lags[name]) > len(done[name]):
+            wanted[name] = {(lag.topic, lag.partition): lag.recovery_point
+                            for lag in lags[name] if lag.lag}
+    oldest = _oldest_timestamps(settings, wanted, ends, done)
+    for name in names:
+        rows = entries.get(name, ())
+        leased = sum(1 for r in rows if r.state == "LEASED")
+        subscribed = sum(1 for c in consumers if _subscribed(c, name))
+        values = _counter_values(counters.get(name))
+        if name in problems:
             out.append(QueueStats(
-                queue=name, depth=depth,
-                leased=sum(1 for r in rows if r.state == "LEASED"),
-                consumers=sum(1 for c in consumers if _subscribed(c, name)),
-                oldest_available_age=None if oldest is None else max(0.0, now - oldest / 1000),
-                counters=_counter_values(counters.get(name)),
-                partitions=lags, sampled_at=now))
+                queue=name, depth=0, leased=leased, consumers=subscribed,
+                oldest_available_age=None, counters=values, partitions=[], sampled_at=now,
+                problem=problems[name]))
+            continue
+        first = oldest.get(name)
+        out.append(QueueStats(
+            queue=name, depth=max(0, sum(lag.lag for lag in lags[name]) - len(done[name])),
+            leased=leased, consumers=subscribed,
+            oldest_available_age=None if first is None else max(0.0, now - first / 1000),
+            counters=values, partitions=lags[name], sampled_at=now))
     return out
 
 

@@ -498,7 +498,7 @@ SELECT_OUTBOX: Final = (
 # --- restart recovery --------------------------------------------------------------------------
 
 _rp_of_entry = recovery_points.c
-SELECT_ENTRIES_TO_RECOVER: Final = (
+_ENTRIES_TO_RECOVER: Final = (
     select(
         entries.c.queue,
         entries.c.topic,
@@ -522,17 +522,19 @@ SELECT_ENTRIES_TO_RECOVER: Final = (
             & (_rp_of_entry.partition == entries.c.partition),
         )
     )
-    .where(
-        entries.c.queue == bindparam("queue"),
-        or_(_rp_of_entry.offset.is_(None), entries.c.offset >= _rp_of_entry.offset),
-    )
-    .order_by(entries.c.topic, entries.c.partition, entries.c.offset)
+    .where(or_(_rp_of_entry.offset.is_(None), entries.c.offset >= _rp_of_entry.offset))
+    .order_by(entries.c.queue, entries.c.topic, entries.c.partition, entries.c.offset)
 )
+SELECT_ENTRIES_TO_RECOVER: Final = _ENTRIES_TO_RECOVER.where(entries.c.queue == bindparam("queue"))
+#: The same for several queues in one round trip (`qlayer stats`, the console's queue list).
+SELECT_ENTRIES_OF_QUEUES: Final = _ENTRIES_TO_RECOVER.where(
+    entries.c.queue.in_(bindparam("queues", expanding=True)))
 
 # The runs a restart needs: those with an offset at or above their recovery point, with the
 # point (the offsets below it are done and left out).
-SELECT_RUNS_TO_RECOVER: Final = (
+_RUNS_TO_RECOVER: Final = (
     select(
+        entry_runs.c.queue,
         entry_runs.c.topic,
         entry_runs.c.partition,
         entry_runs.c.offsets,
@@ -553,12 +555,12 @@ SELECT_RUNS_TO_RECOVER: Final = (
             & (_rp_of_entry.partition == entry_runs.c.partition),
         )
     )
-    .where(
-        entry_runs.c.queue == bindparam("queue"),
-        or_(_rp_of_entry.offset.is_(None), entry_runs.c.last_offset >= _rp_of_entry.offset),
-    )
+    .where(or_(_rp_of_entry.offset.is_(None), entry_runs.c.last_offset >= _rp_of_entry.offset))
     .order_by(entry_runs.c.seq)
 )
+SELECT_RUNS_TO_RECOVER: Final = _RUNS_TO_RECOVER.where(entry_runs.c.queue == bindparam("queue"))
+SELECT_RUNS_OF_QUEUES: Final = _RUNS_TO_RECOVER.where(
+    entry_runs.c.queue.in_(bindparam("queues", expanding=True)))
 
 SELECT_RECOVERY_POINTS: Final = select(
     recovery_points.c.queue,

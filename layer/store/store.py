@@ -15,7 +15,7 @@ decides nothing. Driver errors leave as `StoreError` (see `layer.store.errors`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -409,41 +409,19 @@ class Store:
             # fetchall, then build: iterating the result would fetch row by row (~2x slower).
             result = conn.execute(sql.SELECT_ENTRIES_TO_RECOVER, {"queue": queue}).all()
             runs = conn.execute(sql.SELECT_RUNS_TO_RECOVER, {"queue": queue}).all()
-        latest: dict[tuple[str, int, int], tuple[int, EntryRow]] = {
-            (row[1], row[2], row[3]): (row[12], EntryRow(
-                queue=row[0],
-                topic=row[1],
-                partition=row[2],
-                offset=row[3],
-                state=row[4],
-                delivery_count=row[5],
-                cancel_count=row[6],
-                lease_consumer=row[7],
-                lease_token=row[8],
-                lease_deadline=_to_seconds_or_none(row[9]),
-                available_at=_to_seconds_or_none(row[10]),
-                reason=row[11],
-            ))
-            for row in result
-        }
-        for (topic, partition, offsets, state, delivery_count, cancel_count, consumer, tokens,
-             deadline, seq, point) in runs:
-            token_of = tokens.split(",") if tokens is not None else None
-            seconds = _to_seconds_or_none(deadline)
-            for i, offset in enumerate(offsets):
-                if offset < point:
-                    continue
-                key = (topic, partition, offset)
-                known = latest.get(key)
-                if known is not None and known[0] > seq:
-                    continue
-                latest[key] = (seq, EntryRow(
-                    queue=queue, topic=topic, partition=partition, offset=offset, state=state,
-                    delivery_count=delivery_count, cancel_count=cancel_count,
-                    lease_consumer=consumer,
-                    lease_token=token_of[i] if token_of is not None else None,
-                    lease_deadline=seconds, available_at=None, reason=None))
-        return [latest[key][1] for key in sorted(latest)]
+        return _latest_entries(result, runs).get(queue, [])
+
+    def load_entries_of(self, queues: Iterable[str]) -> dict[str, list[EntryRow]]:
+        """`load_entries` of several queues in two round trips, whatever their number (`qlayer
+        stats` and the console's queue list): queue -> its entries (a queue without any is
+        left out)."""
+        names = sorted(set(queues))
+        if not names:
+            return {}
+        with translate_errors("loading entries of queues"), self._engine.connect() as conn:
+            result = conn.execute(sql.SELECT_ENTRIES_OF_QUEUES, {"queues": names}).all()
+            runs = conn.execute(sql.SELECT_RUNS_OF_QUEUES, {"queues": names}).all()
+        return _latest_entries(result, runs)
 
     def load_recovery_points(self, queue: str | None = None) -> dict[PartitionKey, int]:
         """Recovery points of one queue, or of every queue."""
@@ -731,6 +709,50 @@ class Store:
 # --- batch writers: one statement per kind, rows sorted by key -----------------------------------
 # Sorting gives every transaction the same lock order, so two writers that share rows (a regex
 # consumer seen by two coordinators) cannot deadlock.
+
+
+def _latest_entries(result: Iterable[Sequence[Any]], runs: Iterable[Sequence[Any]]
+                    ) -> dict[str, list[EntryRow]]:
+    """Entries of rows and runs (`SELECT_ENTRIES_*`, `SELECT_RUNS_*`): per queue, one row per
+    entry in bookmark order, the latest write (highest ``seq``) of each."""
+    latest: dict[tuple[str, str, int, int], tuple[int, EntryRow]] = {
+        (row[0], row[1], row[2], row[3]): (row[12], EntryRow(
+            queue=row[0],
+            topic=row[1],
+            partition=row[2],
+            offset=row[3],
+            state=row[4],
+            delivery_count=row[5],
+            cancel_count=row[6],
+            lease_consumer=row[7],
+            lease_token=row[8],
+            lease_deadline=_to_seconds_or_none(row[9]),
+            available_at=_to_seconds_or_none(row[10]),
+            reason=row[11],
+        ))
+        for row in result
+    }
+    for (queue, topic, partition, offsets, state, delivery_count, cancel_count, consumer, tokens,
+         deadline, seq, point) in runs:
+        token_of = tokens.split(",") if tokens is not None else None
+        seconds = _to_seconds_or_none(deadline)
+        for i, offset in enumerate(offsets):
+            if offset < point:
+                continue
+            key = (queue, topic, partition, offset)
+            known = latest.get(key)
+            if known is not None and known[0] > seq:
+                continue
+            latest[key] = (seq, EntryRow(
+                queue=queue, topic=topic, partition=partition, offset=offset, state=state,
+                delivery_count=delivery_count, cancel_count=cancel_count,
+                lease_consumer=consumer,
+                lease_token=token_of[i] if token_of is not None else None,
+                lease_deadline=seconds, available_at=None, reason=None))
+    out: dict[str, list[EntryRow]] = {}
+    for key in sorted(latest):
+        out.setdefault(key[0], []).append(latest[key][1])
+    return out
 
 
 def _split_passed_entries(batch: WriteBatch) -> tuple[dict[EntryKey, EntryRow], set[EntryKey]]:
