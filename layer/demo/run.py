@@ -21,6 +21,7 @@ owns the database's queues: then that one serves the demo); the local stack stay
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -199,6 +200,11 @@ def _coordinator(settings: Settings, progress: Progress) -> Iterator[tuple[str, 
         yield live[0].owner_id, False
         return
     owner_id = f"qlayer-demo-{default_owner_id()}"
+    # The coordinator's log lines (its Kafka clients' too: "GETPID [rdkafka#producer-7] ...
+    # Coordinator load in progress") would land in the middle of the demo's story through
+    # Python's last-resort handler: they go to a file of their own, named at the end.
+    log_path = os.path.join(tempfile.gettempdir(), f"qlayer-demo-{os.getuid()}.log")
+    handler = _quiet_layer_logs(log_path)
     # No Kafka transactions: the demo's coordinator is alone and lives for a minute; fencing
     # buys nothing here and transactions add latency to every delivery.
     coordinator = CoordinatorProcess(settings, CoordinatorOptions(
@@ -225,6 +231,24 @@ def _coordinator(settings: Settings, progress: Progress) -> Iterator[tuple[str, 
     finally:
         coordinator.stop()
         thread.join(30)
+        if handler is not None:
+            logging.getLogger("layer").removeHandler(handler)
+            handler.close()
+            if os.path.getsize(log_path):
+                progress(f"the coordinator's log lines are in {log_path}")
+
+
+def _quiet_layer_logs(path: str) -> logging.Handler | None:
+    """Send the `layer` loggers' lines (WARNING and up) to ``path`` instead of the terminal,
+    unless the program set up logging itself (then its choice stands)."""
+    layer = logging.getLogger("layer")
+    if layer.handlers or logging.getLogger().handlers:
+        return None
+    handler = logging.FileHandler(path, mode="w")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    layer.addHandler(handler)
+    return handler
 
 
 def _consumer(settings: Settings, queue: str, consumer_id: str, **kwargs: Any) -> QueueConsumer:
