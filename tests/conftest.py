@@ -60,6 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["QLAYER_SDK_STATE_DIR"] = os.path.join(os.environ["QLAYER_SDK_STATE_DIR"],
                                                           worker)
         return
+    _check_loadgroup(config)
     os.environ[RUN_ENV] = uuid.uuid4().hex
     # Session secrets go to a directory of this run, not the user's ~/.local/state; child
     # processes (and xdist workers) inherit it; removed when the run ends.
@@ -91,6 +92,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("secured"))
         elif "spark" in names:
             item.add_marker(pytest.mark.xdist_group("spark"))
+
+
+def _check_loadgroup(config: pytest.Config) -> None:
+    """pytest-xdist up to 3.8 cannot group tests under pytest 9 (below): refuse to run so,
+    with a message (the workers' own check, below, can only crash them)."""
+    if config.getoption("dist", "no") != "loadgroup" or not config.getoption("numprocesses",
+                                                                                None):
+        return
+    from importlib.metadata import version
+
+    xdist = tuple(int(p) for p in version("pytest-xdist").split(".")[:3] if p.isdigit())
+    if int(pytest.__version__.split(".")[0]) >= 9 and xdist <= (3, 8, 0):
+        raise pytest.UsageError(
+            f"pytest-xdist {version('pytest-xdist')} does not group tests (--dist loadgroup) "
+            f"under pytest {pytest.__version__}: tests that share a broker of their own would "
+            "run on several workers at once. Install the versions pyproject.toml names "
+            "(make install), or run without workers (make test WORKERS=0).")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker with `--dist loadgroup`: every test of an `xdist_group` must carry
+    its group in its node id (xdist's way of sending a group to one worker). pytest 9 made
+    xdist 3.8's renaming a no-op, and the groups were spread silently over the workers: two
+    of them started the secured broker in one directory. Better no run than that one."""
+    config = session.config
+    if not _is_worker(config) or not config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's loadgroup does not group tests with this pytest ({pytest.__version__}"
+            f"): {lost[0]} and {len(lost) - 1} more have no @group in their node id; install "
+            "the versions pyproject.toml names (make install)")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
