@@ -65,8 +65,11 @@ def test_a_subscribe_on_another_shard_neither_shadows_nor_deletes_a_live_session
         assert [(r.session_id, r.queue) for r in rows] == [(victim.session_id, "A")]
         assert rows[0].shard == 0
         assert coordinator.counters["session_timeouts"] == 0
-        assert (coordinator.refusals[("subscribe", "consumer_id_live_elsewhere", "anonymous")]
-                + coordinator.counters["registry_conflicts"]) == 1
+        # Refused once: by shard 1's check of the registry, or, when its view of the registry
+        # was older than the victim's row (a loaded machine), by the guarded write of the row,
+        # which counts the refusal and a registry conflict (control.py): never accepted.
+        assert coordinator.refusals[("subscribe", "consumer_id_live_elsewhere", "anonymous")] == 1
+        assert coordinator.counters["registry_conflicts"] in (0, 1)
         # Its lease, and its next messages, are still its own.
         victim.ack([held])
         produce(settings.bootstrap_servers, a, [b"2"])

@@ -36,13 +36,14 @@ from tests.support.coordinator import (
     wait_until,
 )
 from tests.support.kafka import create_topic
-from tests.support.ports import free_ports
+from tests.support.ports import reserve_ports
 
 from .test_options_expiry_and_backoff import core
 
 __all__ = ["core"]
 
-pytestmark = pytest.mark.integration
+# One xdist group (`--dist loadgroup`): its broker of its own, restarted, on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("remade-epoch")]
 
 #: The shapes of the soak: the journal made again at once (the broker creates a topic on its
 #: first use; the coordinator's own lag-offset commit did, before the fix), while the shard
@@ -56,15 +57,18 @@ RECORDS = 100
 def restarted_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaNode]:
     """A broker of this module alone, stopped (by its PID) when the module ends."""
     # Below Linux's ephemeral range, as test_broker_outage's broker (tests/support/ports.py).
-    port = free_ports(28_092, 2)
+    # Reserved while the broker may be down (restarted), so no other worker or run takes them.
+    reserved = reserve_ports(28_092, 2)
+    port = reserved.first
     config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("remade-stack"),
                                   kafka_port=port, controller_port=port + 1)
     node = KafkaNode(config.kafka())
-    node.up()
     try:
+        node.up()
         yield node
     finally:
         node.down()
+        reserved.release()
 
 
 @pytest.fixture(scope="module")
