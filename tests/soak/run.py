@@ -908,6 +908,10 @@ class Soak:
             for future in admin.create_topics([NewTopic(journal, self.plan.partitions, 1,
                                                         config=config)]).values():
                 future.result(30)
+            # Gone now: kept for the whole run, its client wrote 31 raw librdkafka lines
+            # ("%3|...|FAIL|rdkafka#producer-2|... Connection refused") into the soak's
+            # output during the broker's outage.
+            del admin
             # Made already: this waits until every partition has a leader.
             create_topic(self.settings.bootstrap_servers, journal, self.plan.partitions,
                          exist_ok=True)
