@@ -131,21 +131,20 @@ def test_stats_of_all_queues_equal_each_queues_own_also_on_a_shared_journal(
     produce(settings.bootstrap_servers, shared,
             [json.dumps({"n": n}).encode() for n in range(6, 8)])
     produce(settings.bootstrap_servers, alone, [b'{"n": 0}'])
-    with running_coordinator(settings):
-        # Ahead acks its first six records; Behind, on the same partition, acks none.
-        with QueueConsumer("Ahead", settings.bootstrap_servers,
-                           topic_prefix=settings.topic_prefix, max_backlog=6) as ahead:
-            got = [m for m in iter(lambda: ahead.receive(timeout=10), None)][:6]
-            for message in got:
-                message.ack()
+    def acked() -> bool | None:
+        with Store(settings.database_url) as store:
+            points = store.load_recovery_points("Ahead")
+            counters = store.load_counters("Ahead")
+        return (sum(points.values()) >= 6 and counters["Ahead"].acked >= 6) or None
 
-            def acked() -> bool | None:
-                with Store(settings.database_url) as store:
-                    points = store.load_recovery_points("Ahead")
-                    counters = store.load_counters("Ahead")
-                return (sum(points.values()) >= 6 and counters["Ahead"].acked >= 6) or None
-
-            wait_until(acked, what="Ahead's first six records acked in PostgreSQL")
+    # Ahead acks its first six records; Behind, on the same partition, acks none.
+    with running_coordinator(settings), QueueConsumer(
+            "Ahead", settings.bootstrap_servers, topic_prefix=settings.topic_prefix,
+            max_backlog=6) as ahead:
+        got = [m for m in iter(lambda: ahead.receive(timeout=10), None)][:6]
+        for message in got:
+            message.ack()
+        wait_until(acked, what="Ahead's first six records acked in PostgreSQL")
     now = time.time()
     together = {s.queue: _figures(s) for s in queue_stats(settings, now=now)}
     each = {name: _figures(queue_stats(settings, [name], now=now)[0])
