@@ -147,8 +147,10 @@ def test_describe_shows_live_figures_and_purge_waits_for_the_coordinator(
     with running_coordinator(settings):
         wait_until(lambda: len(recovery_points(settings, "Work")) == 2 or None,
                    what="recovery points of both partitions")
+        # It sends no heartbeat while the CLI runs (seconds a command on a loaded machine; its
+        # default 10 s session timed out once): a minute keeps it attached throughout.
         holder = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Work",
-                             max_backlog=2, consumer_id="holder-1")
+                             max_backlog=2, consumer_id="holder-1", session_timeout_ms=60_000)
         try:
             holder.subscribe()
             assert len(holder.receive(2)) == 2

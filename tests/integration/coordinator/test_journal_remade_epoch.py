@@ -58,7 +58,7 @@ def restarted_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kafka
     """A broker of this module alone, stopped (by its PID) when the module ends."""
     # Below Linux's ephemeral range, as test_broker_outage's broker (tests/support/ports.py).
     # Reserved while the broker may be down (restarted), so no other worker or run takes them.
-    reserved = reserve_ports(28_092, 2)
+    reserved = reserve_ports(26_092, 2)
     port = reserved.first
     config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("remade-stack"),
                                   kafka_port=port, controller_port=port + 1)
