@@ -193,8 +193,8 @@ class CoordinatorProcess:
     def counters(self) -> Counter[str]:
         """Every loop's counters added up, with the process's own."""
         total: Counter[str] = Counter(self._process_counters)
-        for loop in self._loops.values():
-            total.update(loop.counters)
+        for loop in tuple(self._loops.values()):  # read from other threads: a copy (see shards)
+            total.update(dict(loop.counters))
         return total
 
     @property
@@ -207,8 +207,8 @@ class CoordinatorProcess:
         """Records and sessions this process refused, by (kind, reason, principal), added up
         over its loops (since it started; the stored totals are the shards')."""
         total: Counter[tuple[str, str, str]] = Counter()
-        for loop in self._loops.values():
-            total.update(loop.refusals.counts)
+        for loop in tuple(self._loops.values()):
+            total.update(dict(loop.refusals.counts))
         return total
 
     @property
@@ -218,7 +218,10 @@ class CoordinatorProcess:
     @property
     def shards(self) -> list[int]:
         """The shards this process runs now (holds the epoch of)."""
-        return sorted(s for s, slot in self._slots.items() if slot.loop.epoch is not None)
+        # Read from other threads (tests, tools) while the process's thread takes and drops
+        # shards: a copy first, made in one step (iterating the dict itself raised "dictionary
+        # changed size during iteration" once, on a loaded machine).
+        return sorted(s for s, slot in tuple(self._slots.items()) if slot.loop.epoch is not None)
 
     @property
     def is_owner(self) -> bool:
@@ -235,7 +238,7 @@ class CoordinatorProcess:
 
     def loop_for(self, queue: str) -> ShardLoop | None:
         """The running loop that serves ``queue`` in this process, if any."""
-        for slot in self._slots.values():
+        for slot in tuple(self._slots.values()):
             if queue in slot.loop.engines:
                 return slot.loop
         return None
@@ -787,8 +790,8 @@ class CoordinatorProcess:
         elif not reasons:
             reasons.append("starting")
         acks: dict[str, int] = {}
-        for loop in self._loops.values():
-            for consumer, n in loop.core.consumer_acks.items():
+        for loop in tuple(self._loops.values()):
+            for consumer, n in tuple(loop.core.consumer_acks.items()):
                 acks[consumer] = acks.get(consumer, 0) + n
         self._metrics.publish(Snapshot(
             taken_at=now, owner_id=self.options.owner_id,
