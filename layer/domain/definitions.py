@@ -548,6 +548,13 @@ class QueueDefinition(BaseModel):
             return matcher.search(topic) is not None
         return matcher.fullmatch(topic) is not None
 
+    def journal_topics(self, listed: Mapping[str, int]) -> list[str]:
+        """The topics of ``listed`` (name -> partitions) whose records are offered to this
+        queue, sorted: a name is looked up, a regex tried on each (`matches_topic`)."""
+        if not self.is_regex_topic:
+            return [self.underlying_topic] if self.underlying_topic in listed else []
+        return sorted(topic for topic in listed if self.matches_topic(topic))
+
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A changed copy, validated like a new definition (raises QueueConfigError).
 

@@ -587,6 +587,9 @@ def test_dead_letter_topic_must_not_feed_the_queue() -> None:
 def test_matches_topic(underlying: str, topic: str, expected: bool) -> None:
     queue = QueueDefinition.from_mapping({"name": "Q", "underlying_topic": underlying})
     assert queue.matches_topic(topic) is expected
+    # journal_topics (a lookup for a name) picks exactly the topics matches_topic accepts.
+    listed = {topic: 1, "orders.eu": 3, "unrelated": 1}
+    assert queue.journal_topics(listed) == sorted(t for t in listed if queue.matches_topic(t))
 
 
 # -- queue files ------------------------------------------------------------------------------
