@@ -1,0 +1,205 @@
+"""Operating many queues (issue 33): `qlayer stats`, `stats --json`, `queue list` and the
+console's queue list over a stack holding a thousand queues, timed as a user meets them (each
+command a whole new process; the console's /queues page, whole, from a running console).
+
+It makes a scratch database and ``--queues`` queues, each on a journal of its own (one
+partition), with ``--records`` records on ``--busy`` of them (the others idle, as most queues
+of a large installation are), then times each command ``--runs`` times and prints the
+median, min and max. With ``--before DIR`` (a checkout of an earlier commit) each command runs
+from that tree too, alternated with the current one, so both are measured in one run on one
+machine: `git worktree add /tmp/before <commit>`, then ``--before /tmp/before``.
+
+    python benchmarks/many_queues.py --bootstrap-servers 127.0.0.1:9092 \\
+        --admin-database-url postgresql+psycopg://postgres@127.0.0.1:15432/postgres \\
+        [--queues 1000 --busy 50 --records 200 --runs 5 --before /tmp/before] \\
+        [--output benchmarks/results/many-queues.json]
+
+No coordinator runs: the figures come from PostgreSQL and the journals, which is what these
+commands read. The topics and the database are deleted at the end (``--keep`` keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import delete_topics, drop_database, machine, scratch_database
+from layer.store.store import Store
+
+COMMANDS: dict[str, list[str]] = {
+    "stats": ["stats"],
+    "stats --json": ["stats", "--json"],
+    "queue list": ["queue", "list"],
+}
+
+
+def make_queues(bootstrap: str, url: str, prefix: str, count: int, busy: int,
+                records: int) -> list[str]:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = [f"{prefix}journal-{i:04d}" for i in range(count)]
+    for start in range(0, count, 200):
+        futures = admin.create_topics([NewTopic(t, 1, 1) for t in topics[start:start + 200]])
+        for future in futures.values():
+            future.result(60)
+    now = time.time()
+    with Store(url) as store:
+        for i, topic in enumerate(topics):
+            store.put_queue(f"Q{i:04d}", {"name": f"Q{i:04d}", "underlying_topic": topic}, now)
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    for topic in topics[:busy]:
+        for n in range(records):
+            producer.produce(topic, json.dumps({"n": n, "pad": "x" * 200}).encode())
+            producer.poll(0)
+    producer.flush(60)
+    return topics
+
+
+def _shim(tree: Path) -> Path:
+    """A directory that makes ``layer`` and ``layer_cli`` import from ``tree`` (PYTHONPATH
+    comes before the installed editable finder)."""
+    shim = Path(tempfile.mkdtemp(prefix="qlayer-tree-"))
+    for name, source in (("layer", "layer"), ("layer_cli", "cli"),
+                         ("layer_migrations", "migrations")):
+        (shim / name).symlink_to(tree / source)
+    return shim
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    # cwd: not the checkout, whose layer/ would come first on sys.path.
+    done = subprocess.run([sys.executable, "-m", "layer_cli.main", *argv], env=env,
+                          cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
+    took = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"`qlayer {' '.join(argv)}` failed:\n{done.stdout}\n{done.stderr}")
+    return took
+
+
+def console_times(env: dict[str, str], runs: int, port: int) -> list[float]:
+    """`qlayer console`'s queue list (/queues), the whole response, ``runs`` times: the page
+    samples every queue when asked (`ConsoleState.sample`)."""
+    console = subprocess.Popen(
+        [sys.executable, "-m", "layer_cli.main", "console", "--port", str(port),
+         "--sample-interval", "3600"], env=env, cwd=tempfile.gettempdir(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/queues"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # up, and its first sample (the sampler's) taken
+            try:
+                with urllib.request.urlopen(url, timeout=300) as answer:
+                    answer.read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        out = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            with urllib.request.urlopen(url, timeout=600) as answer:
+                answer.read()
+            out.append(time.perf_counter() - started)
+        return out
+    finally:
+        console.terminate()
+        console.wait(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
+    parser.add_argument("--admin-database-url",
+                        default="postgresql+psycopg://postgres@127.0.0.1:15432/postgres")
+    parser.add_argument("--queues", type=int, default=1000)
+    parser.add_argument("--busy", type=int, default=50)
+    parser.add_argument("--records", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--before-runs", type=int, default=None,
+                        help="runs of the earlier tree (default: --runs; it may take minutes "
+                             "a run at a thousand queues)")
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit")
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--port", type=int, default=28_880, help="the console's port")
+    args = parser.parse_args(argv)
+
+    url = scratch_database(args.admin_database_url)
+    prefix = f"mq{uuid.uuid4().hex[:6]}."
+    trees: dict[str, Path | None] = {"after": None}
+    if args.before is not None:
+        trees = {"before": _shim(args.before.resolve()), "after": None}
+    topics: list[str] = []
+    try:
+        started = time.perf_counter()
+        topics = make_queues(args.bootstrap_servers, url, prefix, args.queues, args.busy,
+                             args.records)
+        print(f"{args.queues} queues ({args.busy} with {args.records} records) made in "
+              f"{time.perf_counter() - started:.1f}s", flush=True)
+        env = {**os.environ, "QLAYER_BOOTSTRAP_SERVERS": args.bootstrap_servers,
+               "QLAYER_DATABASE_URL": url, "QLAYER_TOPIC_PREFIX": prefix,
+               "QLAYER_CONFIG": os.devnull, "COLUMNS": "200"}
+        times: dict[str, dict[str, list[float]]] = {
+            label: {name: [] for name in COMMANDS} for label in trees}
+        runs = {"before": args.runs if args.before_runs is None else args.before_runs,
+                "after": args.runs}
+        for run in range(max(runs.values())):
+            for name, command in COMMANDS.items():
+                for label, shim in trees.items():
+                    if run >= runs[label]:
+                        continue
+                    run_env = dict(env)
+                    if shim is not None:
+                        run_env["PYTHONPATH"] = str(shim)
+                    took = timed(command, run_env)
+                    times[label][name].append(took)
+                    print(f"run {run + 1}: {label:6} qlayer {name:14} {took:7.2f}s", flush=True)
+        for label, shim in trees.items():
+            run_env = dict(env)
+            if shim is not None:
+                run_env["PYTHONPATH"] = str(shim)
+            times[label]["console /queues"] = console_times(run_env, runs[label], args.port)
+            print(f"{label:6} console /queues " + " ".join(
+                f"{t:.2f}s" for t in times[label]["console /queues"]), flush=True)
+        result: dict[str, Any] = {
+            "command": "python benchmarks/many_queues.py " + " ".join(sys.argv[1:]),
+            "machine": machine(), "queues": args.queues, "busy": args.busy,
+            "records": args.records, "runs": args.runs, "results": {}}
+        print(f"\n{'command':16} " + " ".join(f"{label + ' median (min-max) s':>28}"
+                                              for label in trees))
+        for name in [*COMMANDS, "console /queues"]:
+            cells = []
+            for label in trees:
+                values = times[label][name]
+                result["results"].setdefault(name, {})[label] = {
+                    "seconds": [round(v, 3) for v in values],
+                    "median": round(statistics.median(values), 3)}
+                cells.append(f"{statistics.median(values):10.2f} ({min(values):.2f}-"
+                             f"{max(values):.2f})")
+            print(f"{name:16} " + " ".join(f"{c:>28}" for c in cells))
+        if args.output is not None:
+            args.output.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        if not args.keep:
+            delete_topics(args.bootstrap_servers, topics)
+            drop_database(url)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
