@@ -83,10 +83,12 @@ def test_evict_moves_the_consumers_leases_to_another_consumer(
                   "--lease-period", "120s").exit_code == 0
     produce(settings.bootstrap_servers, work, [f"job {i}".encode() for i in range(4)])
     with running_coordinator(settings):
+        # Neither heartbeats while the CLI runs (seconds a command on a loaded machine, where
+        # the default 10 s session once timed out before `evict` found the victim): a minute.
         victim = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Work",
-                             max_backlog=4, consumer_id="victim")
+                             max_backlog=4, consumer_id="victim", session_timeout_ms=60_000)
         other = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Work",
-                            max_backlog=4, consumer_id="other")
+                            max_backlog=4, consumer_id="other", session_timeout_ms=60_000)
         try:
             victim.subscribe()
             held = victim.receive(4)
