@@ -27,6 +27,12 @@ _RUNS_AGAIN = re.compile(r"^shard (\d+) runs again, [\d.]+s and (\d+) failures a
 #: starts again (the soak SIGKILLed it): not a loop, though it never said it ran again.
 _GIVES_UP = re.compile(r"^coordinator \S+ gives up shard (\d+):")
 _STARTS = "shard core: "
+#: ... or the shard is taken again (its owner runs it from stored state under a new epoch), or
+#: the process found Kafka answering again after an outage and starts every shard again: a
+#: shard that failed and then ran on like that logs no "runs again" (the soak once called such
+#: a shard a rebuild loop).
+_TAKES = re.compile(r"^coordinator \S+ took shard (\d+) at epoch")
+_KAFKA_BACK = "Kafka answers again"
 
 
 # --- the kinds of fault -----------------------------------------------------------------
@@ -192,11 +198,11 @@ def shard_failures(lines: Iterable[str], origin: float, source: str = "") -> lis
             if shard in open_:
                 found.append(_run(shard, open_.pop(shard), count, True, source))
             continue
-        given_up = _GIVES_UP.match(message)
+        given_up = _GIVES_UP.match(message) or _TAKES.match(message)
         if given_up and int(given_up.group(1)) in open_:
             shard = int(given_up.group(1))
             found.append(_run(shard, open_.pop(shard), 1, True, source))
-        elif message.startswith(_STARTS):
+        elif message.startswith((_STARTS, _KAFKA_BACK)):
             found.extend(_run(shard, first, 1, True, source) for shard, first in open_.items())
             open_.clear()
     found.extend(_run(shard, first, 1, False, source) for shard, first in open_.items())

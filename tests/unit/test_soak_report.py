@@ -83,6 +83,20 @@ def test_a_run_of_failures_ends_when_the_shard_is_given_up_or_the_process_starts
     assert _runs(shard_failures(lines, ORIGIN)) == [(10.0, 1, 1, True), (11.0, 2, 1, True)]
 
 
+def test_a_run_of_failures_ends_when_the_shard_is_taken_again_or_kafka_answers_again() -> None:
+    # The CI's soak: shard 1 failed after the broker's restart, the process's Kafka outage
+    # handling started it again, and it was taken again: no "runs again" line, no loop.
+    lines = [_failed(10.0, 1), _failed(10.5, 2),
+             _line(12.0, "Kafka answers again, 18.0s after the first failure; the shards start "
+                   "again from stored state", logging.WARNING),
+             _failed(13.0, 3),
+             _line(15.0, "coordinator c1 took shard 3 at epoch 3: assigned again by the "
+                   "coordinators' group", logging.INFO),
+             _failed(20.0, 4)]
+    assert _runs(shard_failures(lines, ORIGIN)) == [
+        (10.0, 1, 1, True), (10.5, 2, 1, True), (13.0, 3, 1, True), (20.0, 4, 1, False)]
+
+
 def _fault(at: float, kind: str, end: float | None = None) -> Fault:
     return Fault(at, at + 1.0 if end is None else end, kind)
 
