@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from layer.localstack import StackConfig
+from layer.localstack.kafka import KafkaNode
+from tests.support.ports import reserve_ports
 
 
 def create_topic(bootstrap_servers: str, name: str, partitions: int = 3, *,
@@ -28,3 +35,24 @@ def create_topic(bootstrap_servers: str, name: str, partitions: int = 3, *,
             return
         time.sleep(0.1)
     raise TimeoutError(f"topic {name} has no leaders after 30s")
+
+
+@contextmanager
+def broker_of_its_own(state_dir: Path, ports_from: int, port: int | None = None
+                      ) -> Iterator[KafkaNode]:
+    """A broker for a test module alone (it stops or restarts it), in ``state_dir``, on two
+    ports reserved from ``ports_from`` (or on ``port`` and the next, as given) until it stops:
+    no other session or worker takes them while the broker is down (tests/support/ports.py).
+    Stopped by its PID when the block ends."""
+    reserved = None if port is not None else reserve_ports(ports_from, 2)
+    first = port if port is not None else reserved.first  # type: ignore[union-attr]
+    config = StackConfig.from_env({}, state_dir=state_dir, kafka_port=first,
+                                  controller_port=first + 1)
+    node = KafkaNode(config.kafka())
+    try:
+        node.up()
+        yield node
+    finally:
+        node.down()
+        if reserved is not None:
+            reserved.release()

@@ -30,14 +30,12 @@ import pytest
 
 from layer.kafka import OutgoingRecord, RecordWriter
 from layer.kafka.errors import DeliveryFailed
-from layer.localstack import StackConfig
 from layer.localstack.kafka import KafkaNode
 from layer.protocol import AckType
 from layer.settings import Settings
 from layer.store.store import Store
 from tests.support.coordinator import Delivered, RawConsumer, TopicReader, counters, put_queues
-from tests.support.kafka import create_topic
-from tests.support.ports import reserve_ports
+from tests.support.kafka import broker_of_its_own, create_topic
 from tests.support.processes import CoordinatorSubprocess, audit, produce_numbers, read_events
 
 # One xdist group (`--dist loadgroup`): its broker of its own (module-scoped) is started once,
@@ -72,18 +70,9 @@ def outage_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaNod
     # it, so the restarted broker failed with "Address already in use" (CI, port 43092).
     # Reserved until the module ends, so no other session or worker takes them while the
     # broker is dead (tests/support/ports.py).
-    reserved = None if wanted else reserve_ports(27_092, 2)
-    port = int(wanted) if wanted else reserved.first  # type: ignore[union-attr]
-    config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("outage-stack"),
-                                  kafka_port=port, controller_port=port + 1)
-    node = KafkaNode(config.kafka())
-    try:
-        node.up()
+    with broker_of_its_own(tmp_path_factory.mktemp("outage-stack"), 27_092,
+                           int(wanted) if wanted else None) as node:
         yield node
-    finally:
-        node.down()
-        if reserved is not None:
-            reserved.release()
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from layer.kafka import KafkaAdapterError
-from layer.localstack import StackConfig
 from layer.localstack.kafka import KafkaNode
 from layer.settings import Settings
 from tests.support.coordinator import (
@@ -35,8 +34,7 @@ from tests.support.coordinator import (
     wait_for_counters,
     wait_until,
 )
-from tests.support.kafka import create_topic
-from tests.support.ports import reserve_ports
+from tests.support.kafka import broker_of_its_own, create_topic
 
 from .test_options_expiry_and_backoff import core
 
@@ -57,18 +55,8 @@ RECORDS = 100
 def restarted_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaNode]:
     """A broker of this module alone, stopped (by its PID) when the module ends."""
     # Below Linux's ephemeral range, as test_broker_outage's broker (tests/support/ports.py).
-    # Reserved while the broker may be down (restarted), so no other worker or run takes them.
-    reserved = reserve_ports(26_092, 2)
-    port = reserved.first
-    config = StackConfig.from_env({}, state_dir=tmp_path_factory.mktemp("remade-stack"),
-                                  kafka_port=port, controller_port=port + 1)
-    node = KafkaNode(config.kafka())
-    try:
-        node.up()
+    with broker_of_its_own(tmp_path_factory.mktemp("remade-stack"), 26_092) as node:
         yield node
-    finally:
-        node.down()
-        reserved.release()
 
 
 @pytest.fixture(scope="module")
