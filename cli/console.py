@@ -45,17 +45,28 @@ def console(
         "--password-file", help="File holding the basic-auth password (one line); default: "
         "the QLAYER_CONSOLE_PASSWORD variable.")] = None,
     sample_interval: Annotated[float, typer.Option(
-        "--sample-interval", min=1.0, help="Seconds between two samples of every queue for "
-        "the charts (kept in memory for the last hour).")] = 15.0,
+        "--sample-interval", min=1.0, help="Seconds between two samplings of every queue: "
+        "the figures the queue list and the overview show, and the charts' resolution.")
+                               ] = 15.0,
+    window: Annotated[float, typer.Option(
+        "--window", min=60.0, help="Seconds the charts reach back.")] = 3600.0,
+    history_retention: Annotated[float, typer.Option(
+        "--history-retention", min=60.0, help="Seconds the samples stay in PostgreSQL "
+        "(at least --window); older ones are deleted by the console.")] = 86400.0,
+    refresh: Annotated[float, typer.Option(
+        "--refresh", min=0.0, help="Seconds between two live refreshes of an open page's "
+        "figures (0: only on reload).")] = 5.0,
     bootstrap_servers: BootstrapServers = None,
     database_url: DatabaseUrl = None,
     topic_prefix: TopicPrefix = None,
 ) -> None:
-    """A web console: queues (depth, rates over the last hour), a queue's entries, consumers,
-    leases and dead letters, coordinators and shards. Ctrl-C stops it.
+    """A web console: an overview, the queues (searchable, sortable, paged, with rates and
+    charts), a queue's entries, consumers, leases and dead letters, one message with its
+    events, coordinators and shards. Ctrl-C stops it.
 
-    Read-only unless started with --allow-actions. The charts come from samples this console
-    takes while it runs (nothing stores a history): they start empty.
+    Read-only unless started with --allow-actions. The charts come from samples the console
+    takes every --sample-interval and keeps in PostgreSQL for --history-retention, so they
+    survive a restart (`qlayer db upgrade` adds their table).
     """
     password = _password(password_file)
     if (user is None) != (password is None):
@@ -70,8 +81,13 @@ def console(
 
     from layer.console.app import ConsoleOptions, ConsoleState, create_app
 
+    if history_retention < window:
+        raise typer.BadParameter(f"--history-retention ({history_retention:g}s) must be at "
+                                 f"least --window ({window:g}s)",
+                                 param_hint="--history-retention")
     options = ConsoleOptions(allow_actions=allow_actions, user=user, password=password,
-                             sample_interval=sample_interval)
+                             sample_interval=sample_interval, window=window,
+                             history_retention=history_retention, refresh=refresh)
     app = create_app(ConsoleState(settings, options))
     where = f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
     mode = "actions allowed" if allow_actions else "read-only"

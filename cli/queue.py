@@ -303,6 +303,8 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
         "reset_pending": d.record.reset_pending,
         "positions_from": d.record.positions_from,
         "definition": d.definition,
+        "shard": d.record.shard,
+        "owner": _placement_json(d),
         "counters": counters,
         "journal_backlog": d.journal_backlog,
         "partitions": [{"topic": p.topic, "partition": p.partition,
@@ -319,6 +321,24 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
     }
 
 
+def _placement_json(d: QueueDescription) -> dict[str, Any] | None:
+    """The process running the queue's shard: None when no process holds it."""
+    p = d.placement
+    if p is None or p.owner_id is None:
+        return None
+    return {"owner_id": p.owner_id, "epoch": p.epoch, "host": p.host, "pid": p.pid,
+            "running": p.running}
+
+
+def _placement_text(d: QueueDescription) -> str:
+    p = d.placement
+    if p is None or p.owner_id is None:
+        return "no coordinator holds the shard: the queue is not served"
+    where = f" on {p.host} pid {p.pid}" if p.host is not None else ""
+    state = "" if p.running else " (silent: not reporting; the group moves the shard)"
+    return f"{p.owner_id}{where}, epoch {p.epoch}{state}"
+
+
 def _print_describe(d: QueueDescription) -> None:
     record = d.record
     definition = new_table("field", "value", title=f"queue {record.name} "
@@ -326,6 +346,8 @@ def _print_describe(d: QueueDescription) -> None:
     for field, value in d.definition.items():
         definition.add_row(field, value_text(field, value))
     state = new_table("figure", "value", title="state")
+    state.add_row("shard", str(record.shard))
+    state.add_row("served by", _placement_text(d))
     state.add_row("created", time_text(record.created_at))
     state.add_row("updated", time_text(record.updated_at))
     if record.purge_requested_at is not None:

@@ -1,131 +1,54 @@
 """`qlayer console`: a read-mostly web console over what the `qlayer` commands compute.
 
-Server-rendered (Starlette + Jinja2, inline SVG charts, one vendored stylesheet; no JavaScript
-build, nothing from a CDN). Every page reads the same services as the CLI: `qlayer stats`
-(`queue_stats`), `qlayer view` (`view_queue`), `qlayer dlq list | redrive`, `qlayer consumers`
-and `qlayer coordinators`; SQL stays in `layer/store`. The one action, a redrive of a queue's
-dead letters, exists only when the console was started with ``allow_actions``: a confirmation
-page with a dry run first, then a POST carrying a per-process CSRF token (and, from a browser,
-a same-origin ``Origin``). Endpoints are plain functions: Starlette runs them in its thread
-pool, so a slow Kafka read blocks one request, not the server.
+Server-rendered (Starlette + Jinja2, inline SVG charts, one vendored stylesheet and one small
+script of our own; no JavaScript build, nothing from a CDN; every page works with scripts
+off, the script only refreshes the open page's figures in place). Every page reads the same
+services as the CLI: `qlayer stats` (`queue_stats`, sampled in the background by
+`layer.console.state`), `qlayer view` (`view_queue`), `qlayer dlq list | redrive`, `qlayer
+consumers` and `qlayer coordinators`; SQL stays in `layer/store`. The one action, a redrive of
+a queue's dead letters, exists only when the console was started with ``allow_actions``: a
+confirmation page with a dry run first, then a POST carrying a per-process CSRF token (and,
+from a browser, a same-origin ``Origin``). Endpoints are plain functions: Starlette runs them
+in its thread pool, so a slow Kafka read blocks one request, not the server.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
-import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 from jinja2 import Environment, PackageLoader, select_autoescape
-from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from layer.console.history import CHARTED_RATES, History, Sample, svg_chart
+from layer.console.history import CHARTED_RATES
+from layer.console.listing import SORTS, ListQuery, list_page
+from layer.console.pages import charts_of, overview, queue_details
 from layer.console.security import basic_auth_ok, csrf_token, csrf_token_ok, same_origin
+from layer.console.state import ConsoleOptions, ConsoleState, Sampler
 from layer.domain.durations import format_duration
 from layer.domain.errors import QlayerError, UnknownQueueError
-from layer.settings import Settings
-
-if TYPE_CHECKING:  # the services load SQLAlchemy and the Kafka client: imported where used
-    from layer.services.views import QueueStats
 
 __all__ = ["ConsoleOptions", "ConsoleState", "create_app"]
 
 log = logging.getLogger(__name__)
 
-#: How many active entries and dead letters a queue's page lists.
-PAGE_ROWS = 50
+#: The header the page script sends to get the page's live part only.
+FRAGMENT_HEADER = "x-qlayer-fragment"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class ConsoleOptions:
-    allow_actions: bool = False
-    """Offer and accept the redrive; without it the console is read-only (403 on actions)."""
-    user: str | None = None
-    password: str | None = None
-    """Basic auth on every page when both are set."""
-    sample_interval: float = 15.0
-    """Seconds between two samples of every queue (the charts' resolution)."""
-    window: float = 3600.0
-    """How far back the charts reach (kept in memory, lost when the console stops)."""
-
-
-@dataclass
-class ConsoleState:
-    """What one console process holds: its settings, options, chart history and secret."""
-
-    settings: Settings
-    options: ConsoleOptions
-    clock: Callable[[], float] = time.time
-    history: History = field(init=False)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
-
-    def __post_init__(self) -> None:
-        self.history = History(self.options.window, min_gap=self.options.sample_interval / 2)
-
-    def sample(self) -> list[QueueStats]:
-        """Every queue's figures now (as `qlayer stats` computes them), remembered for the
-        charts."""
-        from layer.services.views import queue_stats
-
-        now = self.clock()
-        found = queue_stats(self.settings, now=now)
-        with self.lock:
-            for s in found:
-                self.history.add(s.queue, Sample(now, s.depth, dict(s.counters)))
-            self.history.keep_only(s.queue for s in found)
-        return found
-
-
-class Sampler:
-    """Samples every queue each ``interval`` seconds on a daemon thread, so the charts cover the
-    time nobody was looking. A failed sample (Kafka or PostgreSQL away) is logged and retried at
-    the next tick; the console keeps serving."""
-
-    def __init__(self, state: ConsoleState) -> None:
-        self.state = state
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="console-sampler", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.state.sample()
-            except QlayerError as exc:  # a service away, no schema: one line, the next may do
-                log.warning("console: sampling the queues failed (%s); retrying in %ss", exc,
-                            self.state.options.sample_interval)
-            except Exception:  # anything else is a bug: its traceback, and go on serving
-                log.exception("console: sampling the queues failed; retrying in %ss",
-                              self.state.options.sample_interval)
-            self._stop.wait(self.state.options.sample_interval)
 
 
 class BasicAuth:
@@ -165,6 +88,16 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
 
 
+def _ms(epoch_ms: int | None) -> str:
+    return "-" if epoch_ms is None else _when(epoch_ms / 1000)
+
+
+def _rate(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}/s" if value < 100 else f"{value:,.0f}/s"
+
+
 def _payload(value: bytes | None, limit: int = 80) -> str:
     if value is None:
         return "-"
@@ -196,7 +129,8 @@ def _value(value: Any, field: str | None = None) -> str:
 def _environment() -> Environment:
     env = Environment(loader=PackageLoader("layer.console", "templates"),
                       autoescape=select_autoescape(["html"]))
-    env.filters.update(age=_age, when=_when, payload=_payload, value=_value)
+    env.filters.update(age=_age, when=_when, ms=_ms, rate=_rate, payload=_payload,
+                       value=_value)
     return env
 
 
@@ -205,16 +139,23 @@ def _environment() -> Environment:
 
 def create_app(state: ConsoleState, *, sampler: bool = True) -> Starlette:
     """The console's ASGI app. ``sampler`` starts the background sampling with the app (tests
-    of single routes leave it off and sample through the pages)."""
+    of single routes leave it off; the pages then sample when they find no sampling yet)."""
     env = _environment()
     options = state.options
 
     def page(request: Request, template: str, status_code: int = 200,
              **context: Any) -> HTMLResponse:
-        body = env.get_template(template).render(
-            request=request, allow_actions=options.allow_actions, path=request.url.path,
-            **context)
-        return HTMLResponse(body, status_code=status_code)
+        tmpl = env.get_template(template)
+        values = {"request": request, "allow_actions": options.allow_actions,
+                  "path": request.url.path, "refresh": options.refresh,
+                  "history_problem": state.history_problem, **context}
+        if request.headers.get(FRAGMENT_HEADER) == "live" and "live" in tmpl.blocks:
+            # The page script's refresh: the live part only, laid out as on the page.
+            body = "".join(tmpl.blocks["live"](tmpl.new_context(values)))
+        else:
+            body = tmpl.render(values)
+        return HTMLResponse(body, status_code=status_code,
+                            headers={"Cache-Control": "no-store"})
 
     def not_found(request: Request, what: str) -> HTMLResponse:
         return page(request, "error.html", 404, title="not found", message=what)
@@ -224,35 +165,51 @@ def create_app(state: ConsoleState, *, sampler: bool = True) -> Starlette:
                     message="this console is read-only: start it with `qlayer console "
                     "--allow-actions` to redrive dead letters")
 
-    def home(request: Request) -> Response:
-        return RedirectResponse("/queues", status_code=302)
+    def home(request: Request) -> HTMLResponse:
+        return page(request, "overview.html", title="overview", o=overview(state),
+                    now=state.clock(), charted=CHARTED_RATES, window=options.window,
+                    interval=options.sample_interval)
 
     def queues(request: Request) -> HTMLResponse:
-        found = state.sample()
+        found, at = state.current()
+        query = ListQuery.parse(dict(request.query_params))
+        listed = list_page(found, query)
         now = state.clock()
-        window = options.window
         rows = []
         with state.lock:
-            for s in found:
-                charts = {"depth": Markup(svg_chart(
-                    state.history.depth_series(s.queue), now=now, window=window,
-                    label=f"{s.queue} depth"))}
-                for name in CHARTED_RATES:
-                    charts[name] = Markup(svg_chart(
-                        state.history.rate_series(s.queue, name), now=now, window=window,
-                        label=f"{s.queue} {name} per second"))
-                rows.append({"stats": s, "charts": charts,
-                             "rates": state.history.latest_rates(s.queue, CHARTED_RATES)})
-        return page(request, "queues.html", title="queues", rows=rows, charted=CHARTED_RATES,
-                    window=window, interval=options.sample_interval)
+            for s in listed.rows:
+                rows.append({"stats": s, "rates": state.history.latest_rates(s.queue,
+                                                                             CHARTED_RATES),
+                             "charts": charts_of(state.history, s.queue, now=now,
+                                                 window=options.window, width=120,
+                                                 height=28)})
+        return page(request, "queues.html", title="queues", rows=rows, listed=listed,
+                    query=query, sorts=list(SORTS), charted=CHARTED_RATES,
+                    window=options.window, interval=options.sample_interval, sampled_at=at,
+                    now=now)
 
     def queue(request: Request) -> HTMLResponse:
         name = request.path_params["name"]
         try:
-            details = _queue_details(state, name)
+            details = queue_details(state, name)
         except UnknownQueueError:
             return not_found(request, f"no queue named {name}")
-        return page(request, "queue.html", title=f"queue {name}", name=name, **details)
+        return page(request, "queue.html", title=f"queue {name}", name=name,
+                    window=options.window, **details)
+
+    def message(request: Request) -> HTMLResponse:
+        from layer.services.lookup import BadBookmarkError, message_details
+
+        name = request.path_params["name"]
+        text = request.path_params["bookmark"]
+        try:
+            details = message_details(state.settings, name, text)
+        except UnknownQueueError:
+            return not_found(request, f"no queue named {name}")
+        except BadBookmarkError as exc:
+            return not_found(request, str(exc))
+        return page(request, "message.html", title=f"{name} {text}", name=name, m=details,
+                    now=state.clock())
 
     def redrive_confirm(request: Request) -> HTMLResponse:
         name = request.path_params["name"]
@@ -315,6 +272,7 @@ def create_app(state: ConsoleState, *, sampler: bool = True) -> Starlette:
         Route("/", home),
         Route("/queues", queues),
         Route("/queues/{name}", queue),
+        Route("/queues/{name}/messages/{bookmark:path}", message),
         Route("/queues/{name}/redrive", redrive_confirm, methods=["GET"]),
         Route("/queues/{name}/redrive", redrive_run, methods=["POST"]),
         Route("/consumers", consumers),
@@ -338,39 +296,3 @@ def create_app(state: ConsoleState, *, sampler: bool = True) -> Starlette:
     if options.user is not None and options.password is not None:
         app.add_middleware(BasicAuth, user=options.user, password=options.password)
     return app
-
-
-def _queue_details(state: ConsoleState, name: str) -> dict[str, Any]:
-    """Everything a queue's page shows; ``UnknownQueueError`` when there is no such queue."""
-    from layer.services.consumers import ConsumerService
-    from layer.services.messages import list_dead_letters
-    from layer.services.queues import QueueService
-    from layer.services.views import queue_stats, view_queue
-    from layer.store.store import Store
-
-    settings = state.settings
-    now = state.clock()
-    with QueueService.from_settings(settings) as service:
-        description = service.describe(name)
-    stats = queue_stats(settings, [name], now=now)[0]
-    problems: list[str] = []
-    entries: list[Any] = []
-    try:
-        entries = view_queue(settings, name, now=now, limit=PAGE_ROWS)
-    except QlayerError as exc:  # e.g. a stored definition that no longer validates
-        problems.append(f"active entries: {exc}")
-    with ConsumerService.from_settings(settings) as consumer_service:
-        attached = consumer_service.list_consumers(name)
-    with Store(settings.database_url) as store:
-        leased = [r for r in store.load_entries(name) if r.state == "LEASED"]
-    leases: dict[str, list[Any]] = {}
-    for row in sorted(leased, key=lambda r: (r.topic, r.partition, r.offset)):
-        leases.setdefault(row.lease_consumer or "-", []).append(row)
-    try:
-        letters = list_dead_letters(settings, name, limit=PAGE_ROWS)
-    except QlayerError as exc:
-        letters = None
-        problems.append(f"dead letters: {exc}")
-    return {"description": description, "stats": stats, "entries": entries,
-            "consumers": attached, "leases": leases, "letters": letters, "now": now,
-            "problems": problems}

@@ -21,6 +21,7 @@ from layer.domain.likepattern import name_matcher
 from layer.domain.positions import ResetTarget, parse_target, resolve_target
 from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
+from layer.services.coordinators import STALE_AFTER
 from layer.services.views import MatchCount, count_matching
 from layer.settings import Settings
 from layer.store.errors import QueueVersionConflictError, StoreError
@@ -289,6 +290,19 @@ class PartitionFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a queue is served: its shard, the shard's holder (epoch) and whether that
+    process still reports (`qlayer coordinators`)."""
+
+    shard: int
+    owner_id: str | None
+    epoch: int | None
+    host: str | None
+    pid: int | None
+    running: bool
+
+
+@dataclass(frozen=True, slots=True)
 class QueueDescription:
     record: QueueRecord
     definition: dict[str, Any]
@@ -300,6 +314,14 @@ class QueueDescription:
     definition_problem: str | None = None
     """Why the stored definition no longer validates (the coordinator does not serve the
     queue until a valid one is applied), or None."""
+    placement: Placement | None = None
+    """The shard serving the queue and the process that runs it (None: not read)."""
+
+    @property
+    def owner(self) -> str | None:
+        """The coordinator process running the queue's shard now, or None."""
+        p = self.placement
+        return p.owner_id if p is not None and p.running else None
 
     @property
     def journal_backlog(self) -> int | None:
@@ -553,7 +575,18 @@ class QueueService:
             for topic, partition in sorted(pairs)
         ]
         return QueueDescription(record, definition, counters, partitions, consumers,
-                                kafka_problem, definition_problem)
+                                kafka_problem, definition_problem, self._placement(record))
+
+    def _placement(self, record: QueueRecord) -> Placement:
+        owner = self.store.owner(str(record.shard))
+        if owner is None:
+            return Placement(record.shard, None, None, None, None, False)
+        process = next((p for p in self.store.processes() if p.owner_id == owner.owner_id),
+                       None)
+        running = process is not None and time.time() - process.seen_at <= STALE_AFTER
+        return Placement(record.shard, owner.owner_id, owner.epoch,
+                         process.host if process else None, process.pid if process else None,
+                         running)
 
     # -- delete / purge ----------------------------------------------------------------------------
 

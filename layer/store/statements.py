@@ -42,6 +42,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from layer.store.tables import (
     COUNTER_NAMES,
+    console_samples,
     consumers,
     coordinator_processes,
     entries,
@@ -561,6 +562,15 @@ _RUNS_TO_RECOVER: Final = (
 SELECT_RUNS_TO_RECOVER: Final = _RUNS_TO_RECOVER.where(entry_runs.c.queue == bindparam("queue"))
 SELECT_RUNS_OF_QUEUES: Final = _RUNS_TO_RECOVER.where(
     entry_runs.c.queue.in_(bindparam("queues", expanding=True)))
+#: One entry's row and the runs holding its offset (the console's message page).
+SELECT_ENTRY_AT: Final = _ENTRIES_TO_RECOVER.where(
+    entries.c.queue == bindparam("queue"), entries.c.topic == bindparam("topic"),
+    entries.c.partition == bindparam("partition"), entries.c.offset == bindparam("offset"))
+SELECT_RUNS_AT: Final = _RUNS_TO_RECOVER.where(
+    entry_runs.c.queue == bindparam("queue"), entry_runs.c.topic == bindparam("topic"),
+    entry_runs.c.partition == bindparam("partition"),
+    entry_runs.c.first_offset <= bindparam("offset"),
+    entry_runs.c.last_offset >= bindparam("offset"))
 
 SELECT_RECOVERY_POINTS: Final = select(
     recovery_points.c.queue,
@@ -804,3 +814,31 @@ FORGET_PROCESSES_SEEN_BEFORE: Final = delete(coordinator_processes).where(
     coordinator_processes.c.seen_at < bindparam("before"))
 SELECT_PROCESSES: Final = select(coordinator_processes).order_by(
     coordinator_processes.c.owner_id)
+
+
+# --- the console's chart history (0014) ----------------------------------------------------------
+
+CONSOLE_SAMPLE_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "queue": Text(),
+    "sampled_at": _TIMESTAMP,
+    "depth": BigInteger(),
+    "leased": BigInteger(),
+    "consumers": Integer(),
+    "counters": Text(),
+}
+_cs_rows = _unnest("batch", CONSOLE_SAMPLE_COLUMNS)
+#: A batch of samples in one statement; a sample another console wrote for the same queue and
+#: moment is kept (both sampled the same figures).
+INSERT_CONSOLE_SAMPLES: Final = pg_insert(console_samples).from_select(
+    list(CONSOLE_SAMPLE_COLUMNS),
+    select(*(cast(_cs_rows.c[name], JSONB) if name == "counters" else _cs_rows.c[name]
+             for name in CONSOLE_SAMPLE_COLUMNS)),
+).on_conflict_do_nothing()
+SELECT_CONSOLE_SAMPLES_SINCE: Final = (
+    select(console_samples.c.queue, console_samples.c.sampled_at, console_samples.c.depth,
+           console_samples.c.leased, console_samples.c.consumers, console_samples.c.counters)
+    .where(console_samples.c.sampled_at >= bindparam("since", type_=_TIMESTAMP))
+    .order_by(console_samples.c.sampled_at, console_samples.c.queue)
+)
+DELETE_CONSOLE_SAMPLES_BEFORE: Final = delete(console_samples).where(
+    console_samples.c.sampled_at < bindparam("before", type_=_TIMESTAMP))

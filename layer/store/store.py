@@ -423,6 +423,21 @@ class Store:
             runs = conn.execute(sql.SELECT_RUNS_OF_QUEUES, {"queues": names}).all()
         return _latest_entries(result, runs)
 
+    def load_entry(self, queue: str, topic: str, partition: int, offset: int
+                   ) -> EntryRow | None:
+        """One entry's latest stored state (its own row or a run holding it), None when
+        nothing is stored for it: untouched (AVAILABLE) at or above its recovery point, done
+        and pruned below it."""
+        where = {"queue": queue, "topic": topic, "partition": partition, "offset": offset}
+        with translate_errors(f"loading entry {topic}/{partition}/{offset} of {queue!r}"), \
+                self._engine.connect() as conn:
+            result = conn.execute(sql.SELECT_ENTRY_AT, where).all()
+            runs = conn.execute(sql.SELECT_RUNS_AT, where).all()
+        for row in _latest_entries(result, runs).get(queue, []):
+            if (row.topic, row.partition, row.offset) == (topic, partition, offset):
+                return row
+        return None
+
     def load_recovery_points(self, queue: str | None = None) -> dict[PartitionKey, int]:
         """Recovery points of one queue, or of every queue."""
         statement = sql.SELECT_RECOVERY_POINTS

@@ -397,3 +397,20 @@ queue_counters = Table(
         " AND ".join(f"{name} >= 0" for name in COUNTER_NAMES), name="counts_non_negative"
     ),
 )
+
+# The console's chart history (0014, docs/console.md "History"): per queue, a sample of its
+# figures each time they changed (with the sample before the change, so a rate is not smeared
+# over an idle stretch); queue '' is the installation's totals, sampled every time. Kept for
+# the console's `--history-retention`, so charts survive a console restart.
+console_samples = Table(
+    "console_samples",
+    metadata,
+    Column("queue", Text, primary_key=True),
+    Column("sampled_at", DateTime(timezone=True), primary_key=True),
+    Column("depth", BigInteger, nullable=False),
+    Column("leased", BigInteger, nullable=False),
+    Column("consumers", Integer, nullable=False),
+    # The rated counters (`layer.console.history.CHARTED_RATES`) at that moment.
+    Column("counters", JSONB, nullable=False),
+    Index("console_samples_by_time", "sampled_at"),
+)

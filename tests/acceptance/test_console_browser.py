@@ -1,11 +1,14 @@
 """`qlayer console` in a real headless Chromium (Debian's chromium and chromedriver, driven by
 Selenium) against the real stack: a coordinator, Kafka and PostgreSQL; the console runs as a
-`qlayer console` process.
+`qlayer console` process, over a thousand queues besides the one the story follows.
 
-The pages must show the real figures (the depth `qlayer stats` computes, the dead letters,
-the consumer and the leases it holds) and a redrive pressed in the browser must move the
-letters. Screenshots are written to artifacts/console/ at the repository root (ignored by
-git; CI keeps the directory), one per step, replaced by each run.
+The pages must show the real figures (the totals, the depth `qlayer stats` computes, the dead
+letters, the consumer and the leases it holds, one message's lease and events), the queue
+list must search, sort and page a thousand queues and refresh its figures in place, and a
+redrive pressed in the browser must move the letters. Screenshots are written to
+artifacts/console/ at the repository root (ignored by git; CI keeps the directory), one per
+step, replaced by each run. How fast the pages are is measured by `benchmarks/many_queues.py`,
+not here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -117,7 +120,8 @@ def console(tmp_path: Path) -> Iterator[Callable[[Settings], str]]:
         with log.open("wb") as out:
             process = subprocess.Popen(
                 [*command, "console", "--port", str(port), "--allow-actions",
-                 "--sample-interval", "1"], stdout=out, stderr=subprocess.STDOUT, env=env)
+                 "--sample-interval", "1", "--refresh", "1"],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
         started.append(process)
         base = f"http://127.0.0.1:{port}"
 
@@ -148,20 +152,49 @@ def console(tmp_path: Path) -> Iterator[Callable[[Settings], str]]:
 
 def text(driver: WebDriver, css: str, timeout: float = 60) -> str:
     """The text of the element ``css`` once the page holding it has loaded (a form's POST may
-    still be running when the click returns)."""
+    still be running when the click returns). Found again when the live refresh replaced it
+    meanwhile (a stale element)."""
+    return attribute(driver, css, None, timeout)
+
+
+def attribute(driver: WebDriver, css: str, name: str | None, timeout: float = 60) -> str:
+    """Attribute ``name`` (None: the text) of the first element ``css``, as `text`."""
+    def read(d: WebDriver) -> str | None:
+        found = d.find_elements(By.CSS_SELECTOR, css)
+        if not found:
+            return None
+        value = found[0].text if name is None else found[0].get_attribute(name)
+        return str(value or "").strip()
+
     try:
-        found = WebDriverWait(driver, timeout).until(
-            lambda d: d.find_elements(By.CSS_SELECTOR, css))
+        return str(WebDriverWait(driver, timeout, ignored_exceptions=(
+            StaleElementReferenceException,)).until(lambda d: read(d) is not None and read(d)))
     except TimeoutException:
         body = driver.find_element(By.TAG_NAME, "body").text
         raise AssertionError(f"no {css} on {driver.current_url}: {body[:2000]}") from None
-    return str(found[0].text).strip()
+
+
+#: Queues besides Jobs, over `BULK_JOURNALS` journals (50 queues each; the first gets traffic).
+BULK = 1000
+BULK_JOURNALS = 20
+
+
+def make_bulk_queues(settings: Settings, create_topic: Callable[..., str],
+                     unique_name: Callable[[str], str]) -> list[str]:
+    """A thousand idle queues as a large installation has them; returns their journals."""
+    journals = [create_topic(unique_name(f"bulk{j:02d}"), 1) for j in range(BULK_JOURNALS)]
+    per = BULK // BULK_JOURNALS
+    put_queues(settings, *({"name": f"Bulk{i:04d}", "underlying_topic": journals[i // per]}
+                           for i in range(BULK)))
+    return journals
 
 
 def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
         settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str],
         browser: WebDriver, screenshot: Callable[[WebDriver, str], Path],
         console: Callable[[Settings], str]) -> None:
+    bulk = make_bulk_queues(settings, create_topic, unique_name)
+    produce(settings.bootstrap_servers, bulk[0], [b"a", b"b"])  # Bulk0000..0049: depth 2
     journal = create_topic(unique_name("jobs"), 1)
     put_queues(settings, {"name": "Jobs", "underlying_topic": journal, "max_deliveries": 1,
                           "lease_period": "5m"})
@@ -191,18 +224,52 @@ def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
             assert (real.depth, real.leased, real.counters["dead_lettered"]) == (5, 2, 3)
 
             base = console(settings)
+            browser.get(f"{base}/")
+            # The overview adds up every queue: Jobs' 5 and 50 bulk queues' 2 each.
+            assert text(browser, "#total-queues") == str(BULK + 1)
+            assert text(browser, "#total-depth") == str(5 + 50 * 2)
+            assert text(browser, "#total-leased") == "2"
+            assert text(browser, "#total-dead-lettered") == "3"
+            assert "healthy" in text(browser, "#coordinator-health")
+            assert attribute(browser, "#deepest tr[data-queue]", "data-queue") == "Jobs"
+            screenshot(browser, "01-overview")
+
             browser.get(f"{base}/queues")
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#queues tbody tr")) == 50
+            assert text(browser, "#pager .here") == f"page 1 of {(BULK + 1 + 49) // 50}"
+            browser.get(attribute(browser, "#pager a[rel=next]", "href"))
+            assert attribute(browser, "#queues tbody tr", "data-queue") == "Bulk0050"
+            # Sorted by depth (the column's link), Jobs comes first.
+            browser.get(attribute(browser, "#queues th.sortable:nth-child(2) a", "href"))
+            assert browser.current_url.endswith("/queues?sort=depth&page=1") or (
+                "sort=depth" in browser.current_url)
+            assert attribute(browser, "#queues tbody tr", "data-queue") == "Jobs"
+            screenshot(browser, "02-queues-by-depth")
+            search = browser.find_element(By.CSS_SELECTOR, "#search input[name=q]")
+            search.clear()
+            search.send_keys("jobs\n")
             row = 'tr[data-queue="Jobs"]'
             assert text(browser, f"{row} td.depth") == str(real.depth)
             assert text(browser, f"{row} td.leased") == "2"
             assert text(browser, f"{row} td.consumers") == "1"
             assert text(browser, f"{row} td.dead_lettered .total") == "3"
-            # The console's own samples (one a second) draw the charts.
-            WebDriverWait(browser, 30).until(lambda d: (
-                d.refresh() or d.find_elements(
-                    By.CSS_SELECTOR, 'section.charts[data-queue="Jobs"] svg polyline')))
-            screenshot(browser, "01-queues")
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#queues tbody tr")) == 1
+            # The console's own samplings (one a second) draw the sparkline.
+            WebDriverWait(browser, 30).until(lambda d: d.find_elements(
+                By.CSS_SELECTOR, f"{row} td.spark svg polyline"))
+            screenshot(browser, "03-queues-search")
 
+            # Live: new records show up without a reload (the page keeps its marker).
+            browser.get(f"{base}/queues?q=Bulk0001")
+            assert text(browser, 'tr[data-queue="Bulk0001"] td.depth') == "2"
+            browser.execute_script("window.qlayerMarker = 'not reloaded'")
+            produce(settings.bootstrap_servers, bulk[0], [b"c"])
+            WebDriverWait(browser, 30).until(lambda d: d.find_elements(
+                By.XPATH, '//tr[@data-queue="Bulk0001"]/td[@class="depth num"][text()="3"]'))
+            assert browser.execute_script("return window.qlayerMarker") == "not reloaded"
+            assert "live: refreshed" in text(browser, "#live-status")
+
+            browser.get(f"{base}/queues?q=jobs")
             browser.find_element(By.LINK_TEXT, "Jobs").click()
             assert browser.current_url == f"{base}/queues/Jobs"
             assert text(browser, "#figures td.depth") == "5"
@@ -215,23 +282,35 @@ def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
             assert text(browser, f"{holder_row} td.leases") == "2"
             # Active entries as `qlayer view` lists them: the three not leased.
             assert len(browser.find_elements(By.CSS_SELECTOR, "#entries tr.entry")) == 3
-            screenshot(browser, "02-queue")
+            assert "served by coordinator" in text(browser, "#placement")
+            screenshot(browser, "04-queue")
+
+            # One leased message, from its bookmark: holder, deadline, its events so far.
+            browser.find_element(By.CSS_SELECTOR, f"{holder_row} a").click()
+            assert text(browser, "#message-state").startswith("LEASED: leased to holder-1")
+            assert text(browser, "#lease-holder") == "holder-1"
+            assert text(browser, "#delivery-count") == "1"
+            assert text(browser, "#message-value").startswith('{"job": ')
+            kinds = [e.text for e in browser.find_elements(By.CSS_SELECTOR,
+                                                           "#event-list td.type")]
+            assert kinds[0] == "ENQUEUED" and kinds[-1] == "LEASED", kinds
+            screenshot(browser, "05-message")
         finally:
             holder.close()
 
         # The close broke the two leases; delivered once on a max_deliveries 1 queue, those
         # entries may not be delivered again: dead-lettered too, five letters in all.
         wait_for_counters(settings, "Jobs", dead_lettered=5)
-        browser.refresh()
+        browser.get(f"{base}/queues/Jobs")
         assert text(browser, "#dead-letter-total").endswith(": 2 max_deliveries, 3 rejected")
         before = admin.end_offsets([(journal, 0)])[(journal, 0)]
         browser.find_element(By.ID, "redrive").click()
         assert text(browser, "#would-move") == "5"  # the dry run moved nothing
         assert admin.end_offsets([(journal, 0)])[(journal, 0)] == before
-        screenshot(browser, "03-redrive-confirm")
+        screenshot(browser, "06-redrive-confirm")
         browser.find_element(By.ID, "confirm").click()
         assert text(browser, "#moved").startswith("moved 5 dead letter(s) of Jobs")
-        screenshot(browser, "04-redrive-done")
+        screenshot(browser, "07-redrive-done")
 
         # The letters moved: none waits, and the five are back in the journal and the queue.
         assert list_dead_letters(settings, "Jobs").total == 0
@@ -259,16 +338,16 @@ def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
         # The depth is `qlayer stats`' figure: journal records past the recovery point not
         # done, so the redrive's commit marker counts as one (docs/console.md).
         assert shown[-1][0] == str(shown[-1][3]) == "9"
-        screenshot(browser, "05-queue-after-redrive")
+        screenshot(browser, "08-queue-after-redrive")
 
         browser.get(f"{base}/coordinators")
         # The coordinator of this test runs in this process, on every shard.
         processes = browser.find_elements(By.CSS_SELECTOR, "#processes tr.process")
         assert [[c.text for c in p.find_elements(By.TAG_NAME, "td")][2:4]
                 for p in processes] == [[str(os.getpid()), "0,1,2,3"]]
-        screenshot(browser, "06-coordinators")
+        screenshot(browser, "09-coordinators")
         browser.get(f"{base}/consumers")
         assert text(browser, "#no-consumers") == "no consumers"  # the holder closed
-        screenshot(browser, "07-consumers")
+        screenshot(browser, "10-consumers")
     shots = sorted(p.name for p in SCREENSHOTS.glob("*.png"))
-    assert len(shots) == 7, shots
+    assert len(shots) == 10, shots

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,7 +145,11 @@ def test_describe_shows_live_figures_and_purge_waits_for_the_coordinator(
     produce(settings.bootstrap_servers, work, [f"job {i}".encode() for i in range(6)],
             partition=0)
     produce(settings.bootstrap_servers, work, [b"job 6"], partition=1)
-    with running_coordinator(settings):
+    # Before any coordinator: the shard is said, and that nobody serves it.
+    unserved = json.loads(run_cli("queue", "describe", "Work", "--json").stdout)
+    assert unserved["owner"] is None and isinstance(unserved["shard"], int)
+    assert "no coordinator holds the shard" in run_cli("queue", "describe", "Work").stdout
+    with running_coordinator(settings) as process:
         wait_until(lambda: len(recovery_points(settings, "Work")) == 2 or None,
                    what="recovery points of both partitions")
         # It sends no heartbeat while the CLI runs (seconds a command on a loaded machine; its
@@ -164,10 +169,16 @@ def test_describe_shows_live_figures_and_purge_waits_for_the_coordinator(
             assert [c["consumer_id"] for c in document["consumers"]] == ["holder-1"]
             assert document["counters"]["delivered"] >= 2
             assert document["kafka_problem"] is None
+            # Which shard serves it and which process runs that shard (issue 33).
+            assert document["shard"] == unserved["shard"]
+            assert document["owner"]["owner_id"] == process.options.owner_id
+            assert document["owner"]["running"] is True
+            assert document["owner"]["pid"] == os.getpid()
 
             people = run_cli("queue", "describe", "Work")
             assert people.code == 0, people.stderr
             assert "journal backlog" in people.stdout and "holder-1" in people.stdout
+            assert "served by" in people.stdout
 
             purged = run_cli("queue", "purge", "Work", "--wait", "--timeout", "30")
             assert purged.code == 0, purged.stderr

@@ -46,3 +46,11 @@ def test_a_password_without_a_user_is_a_usage_error(env: dict[str, str | None], 
     secret.write_text("s3cret\n")
     code, output = run(env, "--password-file", str(secret))
     assert code == 2 and "basic auth needs both" in output
+
+
+def test_a_history_shorter_than_the_charts_window_is_a_usage_error(
+        env: dict[str, str | None]) -> None:
+    code, output = run(env, "--window", "7200", "--history-retention", "3600")
+    assert code == 2
+    said = " ".join(output.replace("│", " ").split())
+    assert "(3600s) must be at least --window (7200s)" in said

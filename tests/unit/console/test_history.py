@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from layer.console.history import History, Sample, svg_chart
+from layer.console.history import TOTALS, History, Sample, svg_chart, totals
 
 
 def sample(at: float, depth: int, enqueued: int) -> Sample:
@@ -72,3 +72,45 @@ def test_a_chart_without_samples_says_so_and_one_sample_is_a_dot() -> None:
     assert "no samples yet" in svg and "polyline" not in svg
     dot = svg_chart([(4000.0, 3.0)], now=5000, window=3600, label="x")
     assert "<circle" in dot and "polyline" not in dot and "max 3" in dot
+
+
+def figures(at: float, depth: int, acked: int) -> Sample:
+    return Sample(at, depth, {"enqueued": 0, "delivered": 0, "acked": acked,
+                              "dead_lettered": 0})
+
+
+def test_a_sampling_keeps_what_changed_with_the_sampling_before_it_and_always_the_totals(
+        ) -> None:
+    history = History(window=3600)
+    first = history.sampling(0, {"Busy": figures(0, 1, 0), "Idle": figures(0, 0, 0)})
+    assert [q for q, _ in first] == ["Busy", "Idle", TOTALS]  # new queues: kept
+    assert history.sampling(15, {"Busy": figures(15, 1, 0), "Idle": figures(15, 0, 0)}) == [
+        (TOTALS, totals(15, [figures(15, 1, 0), figures(15, 0, 0)]))]  # nothing changed
+    assert [q for q, _ in history.sampling(30, {"Busy": figures(30, 1, 0),
+                                                  "Idle": figures(30, 0, 0)})] == [TOTALS]
+    # Busy acks 30 between 30 and 45: its sample at 30 (not kept then) is kept now, so the
+    # rate is 30 over 15 s, not over the 45 s since its last kept sample.
+    kept = history.sampling(45, {"Busy": figures(45, 0, 30), "Idle": figures(45, 0, 0)})
+    assert [(q, s.at) for q, s in kept] == [("Busy", 30), ("Busy", 45), (TOTALS, 45)]
+    assert history.rate_series("Busy", "acked") == [(30, 0.0), (45, 2.0)]
+    assert history.latest_rates("Busy", ["acked"]) == {"acked": 2.0}
+    # Idle since 0: drawn on to the last sampling, at 0 per second.
+    assert history.depth_series("Idle") == [(0, 0.0), (45, 0.0)]
+    assert history.latest_rates("Idle", ["acked"]) is None
+    history.sampling(60, {"Busy": figures(60, 0, 30)})  # Idle deleted
+    assert history.latest_rates("Busy", ["acked"]) == {"acked": 0.0}  # no change since 45
+    assert history.samples("Idle") == []
+    assert history.latest(TOTALS) == totals(60, [figures(60, 0, 30)])
+
+
+def test_samples_read_back_make_the_same_charts_as_the_console_that_took_them() -> None:
+    taken = History(window=3600)
+    stored = []
+    for at, acked in ((0, 0), (15, 0), (30, 10), (45, 10), (60, 40)):
+        stored += taken.sampling(at, {"Jobs": figures(at, 1, acked)})
+    restarted = History(window=3600)
+    restarted.load(stored)
+    assert restarted.rate_series("Jobs", "acked") == taken.rate_series("Jobs", "acked")
+    assert restarted.series(TOTALS, "depth") == taken.series(TOTALS, "depth")
+    # The restarted console's next sampling keeps only what changed since the stored one.
+    assert [q for q, _ in restarted.sampling(75, {"Jobs": figures(75, 1, 40)})] == [TOTALS]
