@@ -354,8 +354,9 @@ class ShardLoop:
                     for tp in inputs for o in [committed.get(tp)]})
         loader = QueueLoader(core, self.store, self.admin, reader)
         rows = catalog.consumers.values()
-        for record in catalog.on_shard(self.shard).values():
-            loader.add(record, rows, now)
+        with loader.together():
+            for record in catalog.on_shard(self.shard).values():
+                loader.add(record, rows, now)
         core.restore_sessions(rows, now)
         self._ownership_events(EventType.OWNERSHIP_ACQUIRED, now)
         refresh = Refresh(core, loader, self.options.refresh_interval)

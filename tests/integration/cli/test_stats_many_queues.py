@@ -156,3 +156,28 @@ def test_stats_of_all_queues_equal_each_queues_own_also_on_a_shared_journal(
     assert behind_stats[7] is not None and ahead_stats[7] is not None
     assert behind_stats[7] >= ahead_stats[7]
     assert each["Empty"][1] == 0 and each["Empty"][7] is None
+
+
+def test_fifty_queues_over_one_journal_read_it_once(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read once per queue sharing it, 50 queues over one journal were 50 reads of half a
+    second each (the console's first page waited 30 s): one read now, every queue's oldest."""
+    journal = create_topic(unique_name("Shared"), partitions=1)
+    names = [f"S{i:02d}" for i in range(50)]
+    put_queues(settings, *({"name": n, "underlying_topic": journal} for n in names))
+    produce(settings.bootstrap_servers, journal, [b'{"n": 0}', b'{"n": 1}'])
+    reads: list[int] = []
+    real = RangeScanner.read
+
+    def counted(self: RangeScanner, starts: Any, ends: Any, **kwargs: Any) -> Any:
+        reads.append(len(starts))
+        return real(self, starts, ends, **kwargs)
+
+    monkeypatch.setattr(RangeScanner, "read", counted)
+    found = queue_stats(settings, names, now=time.time() + 5)
+    assert reads == [1]  # one partition, read once, for all fifty
+    assert {s.depth for s in found} == {2}
+    ages = {s.oldest_available_age for s in found}
+    assert len(ages) == 1 and ages.pop() is not None
