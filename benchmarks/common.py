@@ -19,11 +19,12 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
+from layer.kafka.logs import logged
 from layer.store.migrate import upgrade
 
 
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
     admin.create_topics([NewTopic(name, partitions, 1)])[name].result(30)
     time.sleep(1.0)  # leaders elected
 
@@ -31,7 +32,7 @@ def create_topic(bootstrap: str, name: str, partitions: int) -> None:
 def delete_topics(bootstrap: str, names: list[str]) -> None:
     if not names:
         return
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
     for future in admin.delete_topics(names).values():
         with contextlib.suppress(Exception):
             future.result(30)
@@ -42,7 +43,7 @@ def delete_cell_topics(bootstrap: str, names: list[str], prefixes: list[str]) ->
     coordinator's control, ack, events and delivery topics). A benchmark run makes thousands of
     partitions; left behind, they make the development broker slow to start (each partition's
     log is loaded at start-up) and bring it near its open-file limit."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
     existing = admin.list_topics(timeout=30).topics
     delete_topics(bootstrap, [t for t in existing
                               if t in names or any(t.startswith(p) for p in prefixes)])
@@ -61,7 +62,7 @@ def drop_database(url: str) -> None:
 
 def share_group_from_earliest(bootstrap: str, group: str) -> None:
     """Share groups start at the log end by default; a benchmark group must see what is there."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
     resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=[
         ConfigEntry("share.auto.offset.reset", "earliest",
                     incremental_operation=AlterConfigOpType.SET)])
@@ -71,7 +72,7 @@ def share_group_from_earliest(bootstrap: str, group: str) -> None:
 
 def broker_log_dir(bootstrap: str) -> Path | None:
     """The broker's first log directory, if it is on this machine (the local stack's is)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
     try:
         broker = next(iter(admin.list_topics(timeout=10).brokers))
         resource = ConfigResource(ResourceType.BROKER, str(broker))

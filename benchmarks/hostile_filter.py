@@ -60,6 +60,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from sqlalchemy.engine import make_url
 
 from layer import QueueConsumer
+from layer.kafka.logs import logged
 from layer.protocol import (
     Codec,
     Subscribe,
@@ -191,7 +192,7 @@ class Canary:
             t.join(30)
 
     def _produce(self) -> None:
-        producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 0})
+        producer = Producer(logged({"bootstrap.servers": self.bootstrap, "linger.ms": 0}))
         n = 0
         next_at = time.monotonic()
         while not self.stop.is_set():
@@ -246,9 +247,10 @@ class Hostile:
         self.consumer_id = f"hostile-{uuid.uuid4().hex[:8]}"
         self.delivery_topic = self.topics.delivery(self.consumer_id)
         create_topic(bootstrap, self.delivery_topic, 1)
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": self.consumer_id,
-                                  "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+        self.producer = Producer(logged({"bootstrap.servers": bootstrap, "linger.ms": 0}))
+        self.consumer = Consumer(logged({
+            "bootstrap.servers": bootstrap, "group.id": self.consumer_id,
+            "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
         self.consumer.assign([TopicPartition(self.delivery_topic, 0, 0)])
         self.session_id = ""
         self.secret = b""
@@ -349,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "--lease-period", "60s", "--set", "shard=0")
         inst.cli("queue", "create", "Target", "--underlying-topic", journals[1],
                  "--lease-period", "60s", "--set", "shard=1")
-        producer = Producer({"bootstrap.servers": args.bootstrap_servers})
+        producer = Producer(logged({"bootstrap.servers": args.bootstrap_servers}))
         for value in heavy_records(args.heavy_records):
             producer.produce(journals[1], value)
         producer.flush(30)

@@ -7,6 +7,7 @@ them; tests/unit/cli/test_startup.py fails if one comes back at import time.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Annotated
 
@@ -67,9 +68,31 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+#: Commands that set up logging of their own (the coordinator logs librdkafka's lines, said
+#: once a minute each, as an operator of a running service wants them).
+_OWN_LOGGING = frozenset({"coordinator"})
+
+
+def _client_lines(debug: bool) -> None:
+    """librdkafka's lines (``layer.kafka.client``, `layer.kafka.logs.logged`): on stderr with
+    ``--debug``, else not shown; a Kafka failure a command meets is its error message."""
+    lines = logging.getLogger("layer.kafka.client")
+    lines.propagate = False
+    if debug:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        lines.addHandler(handler)
+        lines.setLevel(logging.INFO)
+    else:
+        lines.addHandler(logging.NullHandler())
+
+
 @app.callback()
 def main(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show tracebacks on errors, and the Kafka client's own log lines.")
+                     ] = False,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True,
         help="Print the installed qlayer version and exit.")] = False,
@@ -79,6 +102,8 @@ def main(
     Settings come from flags, then QLAYER_* environment variables, then the config file
     (QLAYER_CONFIG or ./qlayer.yaml).
     """
+    if ctx.invoked_subcommand not in _OWN_LOGGING:
+        _client_lines(debug)
 
 
 def run() -> None:

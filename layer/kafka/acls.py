@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from layer.kafka.errors import DRIVER_ERRORS, LoginWatch, driver_error, translated
+from layer.kafka.logs import logged
 from layer.protocol.topics import TopicNames
 
 __all__ = [
@@ -211,7 +212,7 @@ def apply_acls(admin_config: Mapping[str, Any], rules: Iterable[AclRule],
     login = LoginWatch()
     config = {"error_cb": login, **admin_config}
     with translated("cannot create a Kafka admin client"):
-        admin = AdminClient(config)
+        admin = AdminClient(logged(config))
     try:
         for future in admin.create_acls(bindings, request_timeout=timeout).values():
             future.result(timeout=timeout)

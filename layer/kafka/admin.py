@@ -29,6 +29,7 @@ from layer.kafka.errors import (
     driver_error,
     translated,
 )
+from layer.kafka.logs import logged
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class KafkaAdmin:
         if "error_cb" not in settings:
             settings["error_cb"] = self._login
         with translated("cannot create a Kafka admin client"):
-            self._admin = AdminClient(settings)
+            self._admin = AdminClient(logged(settings))
         self._unreachable_until = 0.0
 
     @contextmanager

@@ -15,6 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 
 from layer.kafka.admin import KafkaAdmin, TopicSpec
 from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
+from layer.kafka.logs import logged
 from layer.kafka.records import OutgoingRecord
 from layer.kafka.writer import RecordWriter
 from layer.protocol.directory import encode_directory_record
@@ -54,9 +55,9 @@ class DirectoryWriter:
     def _live_names(self) -> set[str]:
         """The queues the topic holds now (latest record not a tombstone)."""
         with translated(f"cannot read {self.topic}"):
-            consumer = Consumer({**self._config, "group.id": self.topic + ".writer",
+            consumer = Consumer(logged({**self._config, "group.id": self.topic + ".writer",
                                  "enable.auto.commit": False, "enable.partition.eof": True,
-                                 "auto.offset.reset": "earliest"})
+                                 "auto.offset.reset": "earliest"}))
         live: dict[str, bool] = {}
         deadline = time.monotonic() + self._timeout
         try:

@@ -73,6 +73,10 @@ class RetentionGap(KafkaAdapterError):
     """
 
 
+#: librdkafka's codes for "no broker could be reached".
+_UNREACHABLE = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN"})
+
+
 def driver_error(what: str, exc: BaseException,
                  kind: type[KafkaAdapterError] = KafkaAdapterError,
                  config: Mapping[str, Any] | None = None,
@@ -92,7 +96,12 @@ def driver_error(what: str, exc: BaseException,
             # Not retriable: a password or an ACL does not fix itself.
             return kind(line, code=code or "_AUTHENTICATION")
     if isinstance(error, KafkaError):
-        return kind(f"{what}: {error.str()} ({error.name()})", code=error.name(),
+        where = ""
+        if config is not None and error.name() in _UNREACHABLE:
+            # "Broker transport failure" alone does not say which Kafka was asked.
+            where = (f"; no broker answered at {config.get('bootstrap.servers')} "
+                     "(--bootstrap-servers or QLAYER_BOOTSTRAP_SERVERS)")
+        return kind(f"{what}: {error.str()} ({error.name()}){where}", code=error.name(),
                     retriable=error.retriable(), fatal=error.fatal(),
                     abortable=error.txn_requires_abort())
     if isinstance(exc, BufferError | TimeoutError):

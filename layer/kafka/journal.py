@@ -21,6 +21,7 @@ from confluent_kafka import (
 )
 
 from layer.kafka.errors import translated
+from layer.kafka.logs import logged
 from layer.kafka.records import JournalRecord
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class JournalReader:
     def _new_consumer(config: Mapping[str, Any], group_id: str, prefetch_kbytes: int,
                       prefetch_records: int) -> Consumer:
         # group.id is required by librdkafka even without subscribe(); nothing is committed.
-        return Consumer({
+        return Consumer(logged({
             **config,
             "group.id": group_id,
             "enable.auto.commit": False,
@@ -86,7 +87,7 @@ class JournalReader:
             # re-reads past the payload budget waited ~1 s per call; docs/coordinator.md,
             # "Records past the payload budget"). The wait is a local timer, not a request.
             "fetch.queue.backoff.ms": 20,
-        })
+        }))
 
     def assign(self, positions: Mapping[tuple[str, int], int]) -> None:
         """Read these partitions from these offsets (replacing any earlier assignment)."""

@@ -15,9 +15,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-__all__ = ["ClientLog"]
+__all__ = ["ClientLog", "logged"]
 
 # "(after 0ms in state CONNECT, 12 identical error(s) suppressed)", "(after 3971ms in state
 # UP)": what differs between two reports of one failure.
@@ -63,3 +64,13 @@ class ClientLog:
                              repeats, self._window)
         else:
             self._logger.log(level, "%s [%s] %s", facility, client, text)
+
+
+def logged(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with a `ClientLog` as its ``logger``, unless it names one already: every
+    Kafka client qlayer makes (CLI, SDK, services, coordinator) sends librdkafka's lines
+    through Python logging (``layer.kafka.client``) instead of writing them to stderr itself.
+    The lines reach Python when the client is polled; a client never polled keeps them."""
+    out = dict(config)
+    out.setdefault("logger", ClientLog())
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from layer.kafka.errors import KafkaAdapterError, translated
+from layer.kafka.logs import logged
 from layer.kafka.records import JournalRecord
 
 __all__ = ["RangeScanner"]
@@ -24,11 +25,11 @@ class RangeScanner:
 
     def __init__(self, config: Mapping[str, Any], group_id: str) -> None:
         with translated("cannot create a Kafka consumer"):
-            self._consumer = Consumer({
+            self._consumer = Consumer(logged({
                 **config,
                 "group.id": group_id, "enable.auto.commit": False,
                 "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-                "enable.partition.eof": True, "isolation.level": "read_committed"})
+                "enable.partition.eof": True, "isolation.level": "read_committed"}))
         self._pending: dict[tuple[str, int], int] = {}
 
     def read(self, starts: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int],

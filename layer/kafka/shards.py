@@ -23,6 +23,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
+from layer.kafka.logs import logged
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ShardMembership:
 
     def _join(self, config: Mapping[str, Any], static: Mapping[str, str], group_id: str,
               instance_id: str, session_timeout: float, topic: str) -> Consumer:
-        consumer = Consumer({
+        consumer = Consumer(logged({
             **config,
             **static,
             "group.id": group_id,
@@ -79,7 +80,7 @@ class ShardMembership:
             "enable.auto.offset.store": False,
             "auto.offset.reset": "latest",
             "enable.partition.eof": False,
-        })
+        }))
         consumer.subscribe([topic], on_assign=self._assigned, on_revoke=self._revoked,
                            on_lost=self._lost)
         return consumer

@@ -10,6 +10,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from layer.kafka.errors import DRIVER_ERRORS, driver_error, translated
+from layer.kafka.logs import logged
 
 __all__ = ["TransactionalRelay"]
 
@@ -20,14 +21,14 @@ class TransactionalRelay:
 
     def __init__(self, config: Mapping[str, Any], group: str) -> None:
         with translated("cannot create the relay's Kafka clients"):
-            self.consumer = Consumer({
+            self.consumer = Consumer(logged({
                 **config,
                 "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                "isolation.level": "read_committed", "enable.partition.eof": False})
-            self.producer = Producer({
+                "isolation.level": "read_committed", "enable.partition.eof": False}))
+            self.producer = Producer(logged({
                 **config,
                 "transactional.id": group, "enable.idempotence": True, "acks": "all",
-                "linger.ms": 5})
+                "linger.ms": 5}))
         with translated("cannot initialise Kafka transactions"):
             self.producer.init_transactions(30)
         self.open = False

@@ -42,6 +42,7 @@ from layer.kafka.errors import (
     driver_error,
     translated,
 )
+from layer.kafka.logs import logged
 from layer.kafka.records import OutgoingRecord
 from layer.kafka.reports import DeliveryFailures
 
@@ -86,7 +87,7 @@ class RecordWriter:
         if transactional_id is not None:
             settings["transactional.id"] = transactional_id
         with translated("cannot create a Kafka producer"):
-            self._producer = Producer(settings)
+            self._producer = Producer(logged(settings))
         self._transactional = transactional_id is not None
         #: Whether records become readable only with `flush` (a Kafka transaction's commit).
         self.transactional = self._transactional

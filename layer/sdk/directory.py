@@ -33,6 +33,7 @@ from layer.domain.definitions import publish_target as route
 from layer.domain.errors import QueueConfigError
 from layer.kafka.directory import DIRECTORY_TOPIC_CONFIG
 from layer.kafka.errors import KafkaAdapterError
+from layer.kafka.logs import logged
 from layer.protocol.directory import decode_directory_record, encode_directory_record
 from layer.sdk.config import ClientConfig
 from layer.sdk.errors import NoPublishTargetError
@@ -198,7 +199,7 @@ class QueueDirectory:
 
     def _reader(self) -> Any:
         if self._consumer is None:
-            self._consumer = Consumer(self._config.client(**{
+            self._consumer = Consumer(logged(self._config.client(**{
                 "group.id": self._config.topics.prefix + "sdk.directory",
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
@@ -206,7 +207,7 @@ class QueueDirectory:
                 "enable.partition.eof": True,
                 "allow.auto.create.topics": False,
                 "fetch.wait.max.ms": 50,
-            }))
+            })))
         return self._consumer
 
     def _read_to_end(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Self
 
 from confluent_kafka import Producer
 
+from layer.kafka.logs import logged
 from layer.kafka.reports import DeliveryFailures
 from layer.protocol.headers import MAX_EXPIRATION_MS, deliver_at_header, expiration_header
 from layer.protocol.topics import validate_topic_name
@@ -111,11 +112,11 @@ class QueuePublisher:
         self._directory = directory or QueueDirectory(
             config=self._config, refresh_interval=directory_refresh
         )
-        self._producer = Producer(self._config.client(**{
+        self._producer = Producer(logged(self._config.client(**{
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": linger_ms,
-        }))
+        })))
         # Not a bound method of self: librdkafka would keep this object, and so the producer
         # and its threads, alive after close() (layer/kafka/reports.py).
         self._reports = DeliveryFailures(log, "record not published: %s")

@@ -28,6 +28,7 @@ from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from layer.kafka.errors import DeliveryFailed, KafkaAdapterError, LoginWatch, driver_error
+from layer.kafka.logs import logged
 from layer.kafka.reports import DeliveryFailures
 from layer.sdk.config import ClientConfig
 
@@ -75,7 +76,7 @@ def ensure_topic(
     login = LoginWatch()
     properties = config.client()
     settings: dict[str, Any] = {"error_cb": login, **properties}
-    admin = AdminClient(settings)
+    admin = AdminClient(logged(settings))
 
     def problem(what: str, exc: BaseException) -> KafkaAdapterError:
         with contextlib.suppress(KafkaException, RuntimeError):
@@ -147,7 +148,7 @@ class DeliveryReader:
     def __init__(self, config: ClientConfig, topic: str, group_id: str) -> None:
         self.topic = topic
         self._config = config
-        self._consumer = Consumer(config.client(**{
+        self._consumer = Consumer(logged(config.client(**{
             # librdkafka wants a group id even without subscribe(); nothing is ever committed.
             "group.id": group_id,
             "enable.auto.commit": False,
@@ -159,7 +160,7 @@ class DeliveryReader:
             # a delivery: it only bounds how long a fetch with nothing to read is held (how
             # often an idle consumer asks again: ten times a second here).
             "fetch.wait.max.ms": 100,
-        }))
+        })))
         self.errors = 0
         # Held while polling: librdkafka must not close a consumer another thread polls.
         self._lock = threading.RLock()
@@ -262,13 +263,13 @@ class SdkProducer:
     """
 
     def __init__(self, config: ClientConfig) -> None:
-        self._producer = Producer(config.client(**{
+        self._producer = Producer(logged(config.client(**{
             "enable.idempotence": True,
             "acks": "all",
             # Acks are batched by the SDK itself (ack_batch_size, ack_interval): a linger
             # here would only add to the time a consumer's backlog stays full.
             "linger.ms": 0,
-        }))
+        })))
         # Not a bound method of self: librdkafka would keep this object, and so the producer
         # and its threads, alive after close() (layer/kafka/reports.py).
         self._reports = DeliveryFailures(log, "qlayer record not written: %s")

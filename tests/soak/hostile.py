@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
+from layer.kafka.logs import logged
 from layer.protocol import (
     AckItem,
     AckRecord,
@@ -215,12 +216,12 @@ class HostileTenant:
         # anonymous writers): the tenant makes its own, as the SDK does.
         for consumer_id in own:
             create_topic(self.bootstrap, self.topics.delivery(consumer_id), 1, exist_ok=True)
-        reader = Consumer({"bootstrap.servers": self.bootstrap,
+        reader = Consumer(logged({"bootstrap.servers": self.bootstrap,
                            "group.id": f"soak-hostile-{self.tag}", "enable.auto.commit": False,
-                           "log_level": 2})
+                           "log_level": 2}))
         reader.assign([TopicPartition(self.topics.delivery(c), 0, 0) for c in own])
-        producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
-                             "enable.idempotence": True, "log_level": 2})
+        producer = Producer(logged({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
+                             "enable.idempotence": True, "log_level": 2}))
         failed: dict[str, list[str]] = {}
 
         def send(topic: str, value: bytes, key: str, what: str,
@@ -292,8 +293,8 @@ class HostileTenant:
             producer.flush(60)
             # Oversized records, from a producer of their own: a batch the broker refuses is
             # refused whole, so they share none with the records above.
-            big = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 0,
-                            "message.max.bytes": 3_000_000, "log_level": 2})
+            big = Producer(logged({"bootstrap.servers": self.bootstrap, "linger.ms": 0,
+                            "message.max.bytes": 3_000_000, "log_level": 2}))
             for p in range(self.shards):
                 send(control, os.urandom(CONTROL_LIMIT + 36_000), me, "oversized control",
                      partition=p, via=big)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import random
 import subprocess
@@ -67,6 +68,7 @@ from typing import Any, ClassVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from layer.kafka.logs import logged
 from layer.localstack import StackConfig
 from layer.localstack.process import LocalStackError
 from layer.localstack.stack import Endpoints, LocalStack
@@ -400,11 +402,11 @@ class Publisher(threading.Thread):
     def __init__(self, bootstrap: str, topic: str, plan: SoakPlan) -> None:
         super().__init__(daemon=True, name="soak-publisher")
         self.topic, self.plan = topic, plan
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5,
+        self.producer = Producer(logged({"bootstrap.servers": bootstrap, "linger.ms": 5,
                                   "enable.idempotence": True,
                                   "message.timeout.ms": 900_000,
                                   # The outages are on purpose: not a line per retry.
-                                  "log_level": 2})
+                                  "log_level": 2}))
         self.attempted_at: list[float] = []
         self.confirmed: set[int] = set()
         self.failed: dict[int, str] = {}
@@ -609,8 +611,8 @@ class Soak:
                 where.append(f"{msg.topic()}/{msg.partition()}/{msg.offset()}")
 
         before = {q: self._counter_now(q, "dead_lettered") for q in (ALO, AMO)}
-        producer = Producer({"bootstrap.servers": self.settings.bootstrap_servers,
-                             "message.max.bytes": JOURNAL_MAX_BYTES, "log_level": 2})
+        producer = Producer(logged({"bootstrap.servers": self.settings.bootstrap_servers,
+                             "message.max.bytes": JOURNAL_MAX_BYTES, "log_level": 2}))
         producer.produce(self.journal, os.urandom(POISON_BYTES), key=b"poison",
                          on_delivery=report)
         producer.flush(60)
@@ -655,7 +657,7 @@ class Soak:
             until = time.monotonic() + 30
             while held < DOOMED_HELD and time.monotonic() < until:
                 held += holder.receive(timeout=1.0) is not None
-            admin = AdminClient({"bootstrap.servers": bootstrap})
+            admin = AdminClient(logged({"bootstrap.servers": bootstrap}))
             for future in admin.delete_topics([self.doomed]).values():
                 future.result(60)
             deleted = time.monotonic()
@@ -814,8 +816,8 @@ class Soak:
             if err is not None:
                 failed.append(f"{(msg.value() or b'').decode()}: {err.name()}")
 
-        producer = Producer({"bootstrap.servers": self.settings.bootstrap_servers,
-                             "linger.ms": 5, "log_level": 2})
+        producer = Producer(logged({"bootstrap.servers": self.settings.bootstrap_servers,
+                             "linger.ms": 5, "log_level": 2}))
         for value in values:
             producer.produce(topic, value.encode(), on_delivery=report)
         if producer.flush(120) != 0:
@@ -859,8 +861,8 @@ class Soak:
     def _journal_ends(self) -> dict[str, dict[int, int]]:
         """Each journal's end offset per partition, once everything is published; asked
         again while the broker, just started again, has no leader for a partition yet."""
-        consumer = Consumer({"bootstrap.servers": self.settings.bootstrap_servers,
-                             "group.id": f"soak-{uuid.uuid4().hex}"})
+        consumer = Consumer(logged({"bootstrap.servers": self.settings.bootstrap_servers,
+                             "group.id": f"soak-{uuid.uuid4().hex}"}))
         deadline = time.monotonic() + 120
         try:
             while True:
@@ -903,7 +905,7 @@ class Soak:
             migrate.upgrade(self.settings.database_url, shard_count=SHARDS)
             journal = self.journal = f"soak-journal-{uuid.uuid4().hex[:6]}"
             self.doomed = f"soak-doomed-{uuid.uuid4().hex[:6]}"
-            admin = AdminClient({"bootstrap.servers": self.settings.bootstrap_servers})
+            admin = AdminClient(logged({"bootstrap.servers": self.settings.bootstrap_servers}))
             config = {"max.message.bytes": str(JOURNAL_MAX_BYTES)}
             for future in admin.create_topics([NewTopic(journal, self.plan.partitions, 1,
                                                         config=config)]).values():
@@ -1162,9 +1164,9 @@ class Soak:
 
     def _read_headers(self, topic: str) -> list[dict[str, bytes]]:
         """The headers of every record of a topic (none when it does not exist)."""
-        consumer = Consumer({"bootstrap.servers": self.settings.bootstrap_servers,
+        consumer = Consumer(logged({"bootstrap.servers": self.settings.bootstrap_servers,
                              "group.id": f"soak-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                             "isolation.level": "read_committed"})
+                             "isolation.level": "read_committed"}))
         try:
             md = consumer.list_topics(topic, timeout=10).topics.get(topic)
             if md is None or md.error is not None:
@@ -1322,9 +1324,9 @@ class Soak:
         """Every record of a topic from its start to its end as of now; ``progress.complete``
         says whether every partition's position reached its end (a transaction marker at the
         end is no record, so the position is compared, not the last offset seen)."""
-        consumer = Consumer({"bootstrap.servers": self.settings.bootstrap_servers,
+        consumer = Consumer(logged({"bootstrap.servers": self.settings.bootstrap_servers,
                              "group.id": f"soak-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                             "isolation.level": isolation})
+                             "isolation.level": isolation}))
         try:
             md = consumer.list_topics(topic, timeout=30).topics[topic]
             parts = [TopicPartition(topic, p, 0) for p in md.partitions]
@@ -1441,6 +1443,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[soak] {line}", flush=True)
 
     say(f"state and logs in {state_dir}")
+    # The harness's own Kafka clients log through `layer.kafka.logs.logged`: into a file of
+    # the state directory, never between the soak's lines (the broker is killed on purpose).
+    state_dir.mkdir(parents=True, exist_ok=True)
+    harness_log = logging.FileHandler(state_dir / "harness.log")
+    harness_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    client_lines = logging.getLogger("layer.kafka.client")
+    client_lines.addHandler(harness_log)
+    client_lines.propagate = False
     result = Soak(plan, state_dir, say, keep_stack=args.keep_stack).run()
     args.output.write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n",
                            encoding="utf-8")
