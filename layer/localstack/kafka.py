@@ -33,6 +33,8 @@ from layer.localstack.tls import ensure_tls_files
 
 KAFKA_VERSION = "4.3.1"
 _BROKER_MAIN = "kafka.Kafka"
+#: Seconds a starting broker's TLS listener may lag its plain one before it counts as missing.
+_LISTENER_GRACE = 30.0
 _STORAGE_TOOL = "kafka.tools.StorageTool"
 _FEATURE_TOOL = "org.apache.kafka.tools.FeatureCommand"
 
@@ -228,6 +230,8 @@ class KafkaNode:
         self.pid_file = self.dir / "kafka.pid"
         self.log_file = self.dir / "kafka.log"
         self.properties = self.dir / "server.properties"
+        #: When this process first saw the plain listener open while waiting for the broker.
+        self._plain_open_since: float | None = None
 
     def pid(self) -> int | None:
         return read_pid(self.pid_file)
@@ -433,10 +437,18 @@ class KafkaNode:
         if not port_open(c.host, c.port):
             return False
         if c.ssl_port is not None and not port_open(c.host, c.ssl_port):
+            # The broker opens its listeners one after another: on a loaded machine the TLS
+            # one came after the plain one was already answering (a parallel test run). Only
+            # a TLS port still closed well after the plain one opened means a broker started
+            # without it.
+            if self._plain_open_since is None:
+                self._plain_open_since = time.monotonic()
+            if time.monotonic() - self._plain_open_since < _LISTENER_GRACE:
+                return False
             raise LocalStackError(
                 f"the running Kafka (pid {self.pid()}) has no TLS listener on "
-                f"{c.host}:{c.ssl_port}: stop it (`qlayer dev down`) and start it with "
-                "`qlayer dev up --tls`")
+                f"{c.host}:{c.ssl_port} {_LISTENER_GRACE:g}s after its plain one opened: stop "
+                "it (`qlayer dev down`) and start it with `qlayer dev up --tls`")
         if c.sasl_port is not None and not port_open(c.host, c.sasl_port):
             return False
         # A listening socket is not yet a serving broker: ask for metadata.

@@ -50,7 +50,10 @@ def test_a_subscribe_on_another_shard_neither_shadows_nor_deletes_a_live_session
     put_queues(settings, {"name": "A", "underlying_topic": a, "shard": 0},
                {"name": "B", "underlying_topic": b, "shard": 1})
     with running_coordinator(settings) as coordinator, Consumers(settings) as pool:
-        victim = pool.subscribe("A", max_backlog=5, session_timeout_ms=20_000)
+        # Two minutes: on a loaded machine (six test workers on two cores) the steps below took
+        # more than 20 s once, and a session not heard from for its timeout is one a Subscribe
+        # may take over (by design): the victim must be live by any clock throughout.
+        victim = pool.subscribe("A", max_backlog=5, session_timeout_ms=120_000)
         produce(settings.bootstrap_servers, a, [b"1"])
         (held,) = victim.receive(1)
         # Its own secret, a short session timeout, queue B, and shard 1's partition.

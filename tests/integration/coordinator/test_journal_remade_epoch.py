@@ -41,7 +41,10 @@ from .test_options_expiry_and_backoff import core
 __all__ = ["core"]
 
 # One xdist group (`--dist loadgroup`): its broker of its own, restarted, on one worker.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("remade-epoch")]
+# Alone (after the parallel workers, `make test`): a broker of its own killed or restarted,
+# and how the coordinator rides it out, in time. Beside five busy workers on two cores the
+# process's own loop was held up for most of a minute (issue 35's parallel runs).
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("remade-epoch"), pytest.mark.alone]
 
 #: The shapes of the soak: the journal made again at once (the broker creates a topic on its
 #: first use; the coordinator's own lag-offset commit did, before the fix), while the shard
