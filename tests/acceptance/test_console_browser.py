@@ -202,8 +202,11 @@ def test_the_console_shows_the_real_figures_and_redrives_from_the_browser(
     with running_coordinator(settings):
         produce(settings.bootstrap_servers, journal,
                 [f'{{"job": {i}}}'.encode() for i in range(8)])
+        # A coordinator starting 1,001 queues on a machine running five other test workers
+        # answered after more than the default 10 s once: a minute.
         holder = QueueConsumer("Jobs", settings.bootstrap_servers, max_backlog=2,
-                               consumer_id="holder-1", topic_prefix=settings.topic_prefix)
+                               consumer_id="holder-1", topic_prefix=settings.topic_prefix,
+                               subscribe_timeout=60)
         try:
             # Three rejected (dead-lettered at once), then two received and held.
             for _ in range(3):
