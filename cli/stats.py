@@ -29,6 +29,7 @@ from layer_cli.output import (
 if TYPE_CHECKING:
     from layer.services.views import QueueStats
     from layer.settings import Settings
+    from layer.store.store import Store
 
 _SHORT = {"enqueued": "enq", "delivered": "deliv", "acked": "ack", "redelivered": "redeliv",
           "rejected": "rejected", "dead_lettered": "dlq", "expired": "expired",
@@ -45,11 +46,12 @@ def _faults(stats: QueueStats) -> str:
     return ", ".join(found) or "-"
 
 
-def _sample(settings: Settings, queue: str | None, previous: dict[str, QueueStats]
-            ) -> list[QueueStats]:
+def _sample(settings: Settings, store: Store, queue: str | None,
+            previous: dict[str, QueueStats]) -> list[QueueStats]:
     from layer.services.views import queue_stats, rates
 
-    sample = queue_stats(settings, None if queue is None else [queue], now=time.time())
+    sample = queue_stats(settings, None if queue is None else [queue], now=time.time(),
+                         store=store)
     out = []
     for stats in sample:
         before = previous.get(stats.queue)
@@ -95,13 +97,14 @@ def _tables(sample: list[QueueStats]) -> Group:
     return Group(*parts)
 
 
-def _shard_counters(settings: Settings, queue: str | None) -> dict[str, dict[str, int]]:
+def _shard_counters(settings: Settings, store: Store, queue: str | None
+                    ) -> dict[str, dict[str, int]]:
     """The shards' fault counters (none when one queue was asked for: they are not its)."""
     if queue is not None:
         return {}
     from layer.services.views import shard_counters
 
-    return shard_counters(settings)
+    return shard_counters(settings, store)
 
 
 def _refusals(shards: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
@@ -149,14 +152,12 @@ def _refusal_table(refusals: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _warn_unowned(settings: Settings) -> None:
+def _warn_unowned(store: Store) -> None:
     """Numbers of a shard nobody runs stand still: say so before showing them."""
     from layer.services.coordinators import coordinator_status
-    from layer.store.store import Store
     from layer_cli.coordinators import unowned_warning
 
-    with Store(settings.database_url) as store:
-        warning = unowned_warning(coordinator_status(store, time.time()))
+    warning = unowned_warning(coordinator_status(store, time.time()))
     if warning:
         typer.echo(warning, err=True)
 
@@ -183,17 +184,27 @@ def stats(
     (PostgreSQL keeps the totals, not their history), so it is shown from --watch's second
     sample on; for rates over time, use the coordinator's metrics (docs/operations.md).
     """
+    from layer.store.store import Store
+
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
-    _warn_unowned(settings)
-    sample = _sample(settings, queue, {})
+    # One store for the whole command (and every --watch sample): an engine and its
+    # connection are made once, not per question.
+    with Store(settings.database_url) as store:
+        _report(settings, store, queue, watch=watch, interval=interval, json_out=json_out)
+
+
+def _report(settings: Settings, store: Store, queue: str | None, *, watch: bool,
+            interval: float, json_out: bool) -> None:
+    _warn_unowned(store)
+    sample = _sample(settings, store, queue, {})
     if json_out and not watch:
-        shards = _shard_counters(settings, queue)
+        shards = _shard_counters(settings, store, queue)
         emit_json({"queues": [_document(s) for s in sample],
                    "shards": _without_refusals(shards), "refusals": _refusals(shards)})
         return
     if not watch:
         show(_tables(sample))
-        shards = _shard_counters(settings, queue)
+        shards = _shard_counters(settings, store, queue)
         if _without_refusals(shards):
             show(_shard_table(shards))
         refusals = _refusals(shards)
@@ -206,11 +217,11 @@ def stats(
             while True:
                 typer.echo(json.dumps({"queues": [_document(s) for s in sample]}))
                 time.sleep(interval)
-                sample = _sample(settings, queue, {s.queue: s for s in sample})
+                sample = _sample(settings, store, queue, {s.queue: s for s in sample})
         with Live(_tables(sample), refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
-                sample = _sample(settings, queue, {s.queue: s for s in sample})
+                sample = _sample(settings, store, queue, {s.queue: s for s in sample})
                 live.update(_tables(sample))
     except KeyboardInterrupt:
         return

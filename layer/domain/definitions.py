@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from layer.domain.durations import format_duration, parse_duration
 from layer.domain.errors import ExpressionError, QueueConfigError
 from layer.domain.expressions import Expression, compile_expression
+from layer.domain.positions import DEFAULT_RECOVERY_POINT
 
 __all__ = [
     "DEFAULT_LEASE_PERIOD",
@@ -276,7 +277,7 @@ class QueueDefinition(BaseModel):
     filter: str | None = None
     """[Filter] enqueue filter: which journal records enter the queue."""
     leasing: Leasing = Leasing.STRICT
-    recovery_point: str = "beginning"
+    recovery_point: str = DEFAULT_RECOVERY_POINT
     """[RecoveryPoint] where a new queue starts: beginning, end or an ISO-8601 timestamp."""
     key_groups: bool = False
     """At most one in-flight (leased) entry per record key (beyond AMPS)."""

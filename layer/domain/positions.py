@@ -14,16 +14,20 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from layer.domain.errors import QlayerError
 
-__all__ = ["OffsetsSource", "ResetTarget", "ResetTargetError", "moved", "parse_target",
-           "resolve_target"]
+__all__ = ["DEFAULT_RECOVERY_POINT", "OffsetsSource", "ResetTarget", "ResetTargetError", "moved",
+           "parse_target", "resolve_target"]
 
 TargetKind = Literal["beginning", "end", "timestamp", "offsets"]
 
 _OFFSET_ITEM = re.compile(r"^(?:(?P<topic>[A-Za-z0-9._-]+):)?(?P<partition>\d+):(?P<offset>\d+)$")
+
+#: Where a queue whose definition does not say starts ([RecoveryPoint]); here rather than only
+#: in `definitions` so the store need not load pydantic to know it.
+DEFAULT_RECOVERY_POINT: Final = "beginning"
 
 
 class ResetTargetError(QlayerError):

@@ -2,96 +2,106 @@
 
 Everything a Kafka client needs to talk to the coordinator, described for other languages in
 ``docs/protocol.md``. Pure: no Kafka calls, no clock.
+
+
+Each name is imported from its module on first use (`layer.lazy`).
 """
 
-from layer.protocol.batch import (
-    BATCH,
-    DELIVERY_FORMAT,
-    BatchEntry,
-    DeliveryFormat,
-    decode_delivery_batch,
-    delivery_format,
-    encode_delivery_batch,
-    encode_entry,
-)
-from layer.protocol.bookmark import Bookmark
-from layer.protocol.codec import (
-    HEADER_LENGTH,
-    SINGLE_OBJECT_MAGIC,
-    Codec,
-    ProtocolSchema,
-    SchemaKind,
-    read_fingerprint,
-    schema_text,
-)
-from layer.protocol.errors import ProtocolError, ProtocolErrorKind
-from layer.protocol.headers import (
-    DeadLetterInfo,
-    DeliveryInfo,
-    Headers,
-    InputHeaders,
-    RecordHeaders,
-    dead_letter_headers,
-    deliver_at_header,
-    delivery_headers,
-    encoded_delivery_headers,
-    expiration_header,
-    forwarded_headers,
-    forwarded_hops,
-    header_value,
-    is_reply,
-    parse_dead_letter_headers,
-    parse_deliver_at,
-    parse_delivery_headers,
-    parse_expiration,
-    proof_headers,
-    proves,
-    reply_headers,
-    reply_shard,
-    secret_hash,
-    secret_headers,
-    secret_problem,
-    with_delivery_headers,
-    without_delivery_headers,
-)
-from layer.protocol.records import (
-    AcceptGroup,
-    AcceptRecord,
-    AckItem,
-    AckItemResult,
-    AckRecord,
-    AckResult,
-    AckStatus,
-    AckType,
-    ControlMessage,
-    Event,
-    EventBatch,
-    EventRun,
-    EventType,
-    ExpiryReason,
-    GrantSemantics,
-    Heartbeat,
-    LeaseEndReason,
-    QueueGrant,
-    Replace,
-    ReplyMessage,
-    RequestKind,
-    SessionEnded,
-    SessionEndReason,
-    Subscribe,
-    SubscribeResult,
-    SubscribeStatus,
-    Unsubscribe,
-    ack_item_problem,
-    ack_item_shape_problem,
-)
-from layer.protocol.topics import (
-    DEFAULT_TOPIC_PREFIX,
-    MAX_TOPIC_NAME_LENGTH,
-    TopicNames,
-    topic_name_problem,
-    validate_topic_name,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from layer.lazy import exports
+
+if TYPE_CHECKING:
+    from layer.protocol.batch import (
+        BATCH,
+        DELIVERY_FORMAT,
+        BatchEntry,
+        DeliveryFormat,
+        decode_delivery_batch,
+        delivery_format,
+        encode_delivery_batch,
+        encode_entry,
+    )
+    from layer.protocol.bookmark import Bookmark
+    from layer.protocol.codec import (
+        HEADER_LENGTH,
+        SINGLE_OBJECT_MAGIC,
+        Codec,
+        ProtocolSchema,
+        SchemaKind,
+        read_fingerprint,
+        schema_text,
+    )
+    from layer.protocol.errors import ProtocolError, ProtocolErrorKind
+    from layer.protocol.headers import (
+        DeadLetterInfo,
+        DeliveryInfo,
+        Headers,
+        InputHeaders,
+        RecordHeaders,
+        dead_letter_headers,
+        deliver_at_header,
+        delivery_headers,
+        encoded_delivery_headers,
+        expiration_header,
+        forwarded_headers,
+        forwarded_hops,
+        header_value,
+        is_reply,
+        parse_dead_letter_headers,
+        parse_deliver_at,
+        parse_delivery_headers,
+        parse_expiration,
+        proof_headers,
+        proves,
+        reply_headers,
+        reply_shard,
+        secret_hash,
+        secret_headers,
+        secret_problem,
+        with_delivery_headers,
+        without_delivery_headers,
+    )
+    from layer.protocol.records import (
+        AcceptGroup,
+        AcceptRecord,
+        AckItem,
+        AckItemResult,
+        AckRecord,
+        AckResult,
+        AckStatus,
+        AckType,
+        ControlMessage,
+        Event,
+        EventBatch,
+        EventRun,
+        EventType,
+        ExpiryReason,
+        GrantSemantics,
+        Heartbeat,
+        LeaseEndReason,
+        QueueGrant,
+        Replace,
+        ReplyMessage,
+        RequestKind,
+        SessionEnded,
+        SessionEndReason,
+        Subscribe,
+        SubscribeResult,
+        SubscribeStatus,
+        Unsubscribe,
+        ack_item_problem,
+        ack_item_shape_problem,
+    )
+    from layer.protocol.topics import (
+        DEFAULT_TOPIC_PREFIX,
+        MAX_TOPIC_NAME_LENGTH,
+        TopicNames,
+        topic_name_problem,
+        validate_topic_name,
+    )
 
 __all__ = [
     "BATCH",
@@ -174,3 +184,27 @@ __all__ = [
     "with_delivery_headers",
     "without_delivery_headers",
 ]
+
+__getattr__, __dir__ = exports(__name__, __all__, {
+    "batch": ("BATCH", "DELIVERY_FORMAT", "BatchEntry", "DeliveryFormat", "decode_delivery_batch",
+        "delivery_format", "encode_delivery_batch", "encode_entry"),
+    "bookmark": ("Bookmark",),
+    "codec": ("HEADER_LENGTH", "SINGLE_OBJECT_MAGIC", "Codec", "ProtocolSchema", "SchemaKind",
+        "read_fingerprint", "schema_text"),
+    "errors": ("ProtocolError", "ProtocolErrorKind"),
+    "headers": ("DeadLetterInfo", "DeliveryInfo", "Headers", "InputHeaders", "RecordHeaders",
+        "dead_letter_headers", "deliver_at_header", "delivery_headers",
+        "encoded_delivery_headers", "expiration_header", "forwarded_headers", "forwarded_hops",
+        "header_value", "is_reply", "parse_dead_letter_headers", "parse_deliver_at",
+        "parse_delivery_headers", "parse_expiration", "proof_headers", "proves", "reply_headers",
+        "reply_shard", "secret_hash", "secret_headers", "secret_problem", "with_delivery_headers",
+        "without_delivery_headers"),
+    "records": ("AcceptGroup", "AcceptRecord", "AckItem", "AckItemResult", "AckRecord",
+        "AckResult", "AckStatus", "AckType", "ControlMessage", "Event", "EventBatch", "EventRun",
+        "EventType", "ExpiryReason", "GrantSemantics", "Heartbeat", "LeaseEndReason",
+        "QueueGrant", "Replace", "ReplyMessage", "RequestKind", "SessionEnded",
+        "SessionEndReason", "Subscribe", "SubscribeResult", "SubscribeStatus", "Unsubscribe",
+        "ack_item_problem", "ack_item_shape_problem"),
+    "topics": ("DEFAULT_TOPIC_PREFIX", "MAX_TOPIC_NAME_LENGTH", "TopicNames",
+        "topic_name_problem", "validate_topic_name"),
+})

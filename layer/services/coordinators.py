@@ -7,7 +7,6 @@ seconds (`CoordinatorOptions.report_interval`).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from layer.store.rows import Ownership, ProcessRow, QueueMove
@@ -53,7 +52,7 @@ def coordinator_status(store: Store, now: float) -> CoordinatorStatus:
     processes = store.processes()
     owners: dict[int, Ownership] = {int(o.shard): o for o in store.owners()
                                     if o.shard.isdigit()}
-    queues = Counter(q.shard for q in store.list_queues())
+    queues = store.queues_per_shard()
     live = {p.owner_id for p in processes if now - p.seen_at <= STALE_AFTER}
     shards = []
     for shard in range(count):

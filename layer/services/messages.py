@@ -22,7 +22,7 @@ from typing import Literal
 
 from layer.domain.definitions import QueueDefinition
 from layer.domain.durations import parse_duration
-from layer.domain.errors import QlayerError, QueueConfigError, UnknownQueueError
+from layer.domain.errors import QlayerError, QueueConfigError
 from layer.domain.expressions import Expression, compile_expression, parse_document
 from layer.kafka import JournalReader, JournalRecord, KafkaAdapterError, KafkaAdmin
 from layer.kafka.scan import RangeScanner
@@ -39,6 +39,7 @@ from layer.protocol.headers import (
 from layer.protocol.topics import TopicNames
 from layer.sdk import Message, QueueConsumer, QueuePublisher
 from layer.sdk.publisher import expiration_ms
+from layer.services.views import queue_definition
 from layer.settings import Settings
 from layer.store.store import Store
 
@@ -81,14 +82,6 @@ class InvalidOptionError(QlayerError, ValueError):
 
 
 # --- shared ------------------------------------------------------------------------------------
-
-
-def queue_definition(store: Store, queue: str) -> QueueDefinition:
-    """The live definition of ``queue``; ``UnknownQueueError`` when there is none."""
-    record = store.get_queue(queue)
-    if record is None:
-        raise UnknownQueueError(queue)
-    return QueueDefinition.from_mapping(record.definition)
 
 
 def dead_letter_topic(definition: QueueDefinition, prefix: str) -> str:

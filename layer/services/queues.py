@@ -12,21 +12,24 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
-from layer.domain.definitions import QueueDefinition, load_queue_file
 from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError, UnknownQueueError
-from layer.domain.expressions import compile_expression
 from layer.domain.likepattern import name_matcher
 from layer.domain.positions import ResetTarget, parse_target, resolve_target
-from layer.kafka.admin import KafkaAdmin
 from layer.protocol.topics import TopicNames
 from layer.services.coordinators import STALE_AFTER
-from layer.services.views import MatchCount, count_matching
 from layer.settings import Settings
 from layer.store.errors import QueueVersionConflictError, StoreError
 from layer.store.rows import ConsumerRow, QueueCounters, QueueRecord
 from layer.store.store import Store
+
+if TYPE_CHECKING:
+    # The Kafka client, and the definitions' pydantic models and filter grammar, cost `qlayer
+    # queue list` (which needs neither) a quarter of its second: loaded where used.
+    from layer.domain.definitions import QueueDefinition
+    from layer.kafka.admin import KafkaAdmin
+    from layer.services.views import MatchCount
 
 __all__ = [
     "AckResult",
@@ -199,6 +202,8 @@ def stored_form(definition: QueueDefinition) -> dict[str, Any]:
 
 def _normalised(record: QueueRecord) -> dict[str, Any] | None:
     """A stored definition in the stored form, or None when it no longer validates."""
+    from layer.domain.definitions import QueueDefinition
+
     try:
         return stored_form(QueueDefinition.from_mapping(record.definition))
     except QueueConfigError:
@@ -446,6 +451,8 @@ class QueueService:
         makes the apply stop instead of overwrite it; running the same file again finishes
         the job (an identical definition keeps its version).
         """
+        from layer.domain.definitions import load_queue_file
+
         try:
             desired = load_queue_file(text)
         except QueueConfigError as exc:
@@ -499,6 +506,8 @@ class QueueService:
         Refuses a name that is already defined: changing a queue is `apply`'s job, where the
         diff is shown.
         """
+        from layer.domain.definitions import QueueDefinition
+
         try:
             definition = QueueDefinition.from_mapping(values)
         except QueueConfigError as exc:
@@ -544,6 +553,8 @@ class QueueService:
         The journal backlog needs Kafka (end offsets); when Kafka does not answer, the rest is
         still returned and ``kafka_problem`` says why the backlog is missing.
         """
+        from layer.domain.definitions import QueueDefinition
+
         record = self._live(name)
         definition_problem: str | None = None
         try:
@@ -637,6 +648,8 @@ class QueueService:
         snapshot; see `layer.services.views`) and requests nothing. With ``wait`` (seconds),
         poll until the coordinator reports it done (`WaitTimedOutError` otherwise).
         """
+        from layer.domain.expressions import compile_expression
+
         try:
             compile_expression(filter)
         except ExpressionError as exc:
@@ -644,6 +657,8 @@ class QueueService:
         self._live(name)
         if dry_run:
             settings = self.settings or Settings.load()
+            from layer.services.views import count_matching
+
             matching = count_matching(settings, name, now=self.clock(), filter=filter)
             return AckResult(name, filter, True, matching=matching)
         requested_at = self.clock()
@@ -730,11 +745,15 @@ class QueueService:
             settings = self.settings or Settings.load()
             # librdkafka would print every failed connection attempt to stderr; describe says
             # once, in its answer, that the journal offsets are unavailable and why.
+            from layer.kafka.admin import KafkaAdmin
+
             self.admin = KafkaAdmin(settings.kafka_config(log_level=0))
         return self.admin
 
     def _journal_partitions(self, record: QueueRecord) -> list[tuple[str, int]]:
         """The journal partitions the queue reads: topics its underlying_topic matches."""
+        from layer.domain.definitions import QueueDefinition
+
         try:
             definition = QueueDefinition.from_mapping(record.definition)
         except QueueConfigError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import re
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from layer.domain.definitions import QueueDefinition
@@ -36,7 +37,6 @@ from layer.kafka import JournalRecord, KafkaAdmin
 from layer.kafka.scan import RangeScanner
 from layer.protocol.headers import parse_deliver_at
 from layer.protocol.topics import TopicNames
-from layer.services.messages import queue_definition
 from layer.settings import Settings
 from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueCounters
 from layer.store.store import Store
@@ -49,6 +49,7 @@ __all__ = [
     "QueueStats",
     "ViewEntry",
     "count_matching",
+    "queue_definition",
     "queue_stats",
     "rates",
     "sort_for_delivery",
@@ -62,6 +63,14 @@ RATE_COUNTERS = ("enqueued", "delivered", "acked", "redelivered", "rejected", "d
 #: journal deleted while read (shown, not rated).
 FAULT_COUNTERS = ("unparseable", "deletes", "malformed_headers", "journal_deleted")
 _DONE = ("ACKED", "EXPIRED")
+
+
+def queue_definition(store: Store, queue: str) -> QueueDefinition:
+    """The live definition of ``queue``; ``UnknownQueueError`` when there is none."""
+    record = store.get_queue(queue)
+    if record is None:
+        raise UnknownQueueError(queue)
+    return QueueDefinition.from_mapping(record.definition)
 
 
 def _journal_partitions(admin: KafkaAdmin, definition: QueueDefinition, prefix: str
@@ -423,16 +432,17 @@ def _all_start_positions(admin: KafkaAdmin, definitions: Mapping[str, QueueDefin
             for name, queue_starts in starts.items()}
 
 
-def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float
-                ) -> list[QueueStats]:
+def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float,
+                store: Store | None = None) -> list[QueueStats]:
     """One sample of every queue's figures (or of the named ones).
 
     In a constant number of round trips, whatever the number of queues (issue 33): a few
     PostgreSQL queries for every queue's definition, consumers, counters, recovery points and
     entries; one topic listing and a few offset requests for every journal partition; one
-    Kafka consumer for the oldest records (`_oldest_timestamps`)."""
+    Kafka consumer for the oldest records (`_oldest_timestamps`). ``store``: one the caller
+    keeps open across samples (a new one otherwise)."""
     admin = KafkaAdmin(settings.kafka_config())
-    with Store(settings.database_url) as store:
+    with nullcontext(store) if store is not None else Store(settings.database_url) as store:
         records = {r.name: r for r in store.list_queues()}
         names = sorted(records) if queues is None else sorted(set(queues))
         missing = [name for name in names if name not in records]
@@ -496,11 +506,12 @@ def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now:
     return out
 
 
-def shard_counters(settings: Settings) -> dict[str, dict[str, int]]:
+def shard_counters(settings: Settings, store: Store | None = None
+                   ) -> dict[str, dict[str, int]]:
     """Each shard's stored counters of input faults and isolated poison input (malformed ack
     and control records, refusals by status, records too large to deliver, journals deleted
     while read; written by the shard's owner every report interval): shard -> name -> n,
     shards with nothing counted left out."""
-    with Store(settings.database_url) as store:
+    with nullcontext(store) if store is not None else Store(settings.database_url) as store:
         found = store.all_shard_counters()
     return {shard: dict(sorted(c.items())) for shard, c in found.items() if c}

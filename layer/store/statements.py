@@ -630,6 +630,10 @@ DELETE_RUNS_BELOW_RECOVERY_POINTS: Final = delete(entry_runs).where(
 # --- queue definitions (CLI) -------------------------------------------------------------------
 
 SELECT_QUEUES: Final = select(queues).order_by(queues.c.name)
+QUEUES_PER_SHARD: Final = (
+    select(queues.c.shard, func.count()).where(queues.c.deleted_at.is_(None))
+    .group_by(queues.c.shard)
+)
 SELECT_QUEUE_FOR_UPDATE: Final = (
     select(queues).where(queues.c.name == bindparam("queue_name")).with_for_update()
 )

@@ -25,8 +25,8 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Row
 
-from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QueueConfigError, UnknownConsumerError, UnknownQueueError
+from layer.domain.positions import DEFAULT_RECOVERY_POINT
 from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
@@ -62,8 +62,6 @@ from layer.store.tables import (
 from layer.store.url import parse_database_url
 
 __all__ = ["CommitResult", "Store", "WriteBatch", "joined_filters", "recording_statements"]
-
-_DEFAULT_RECOVERY_POINT: str = QueueDefinition.model_fields["recovery_point"].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,7 +562,7 @@ class Store:
         """
         wanted = _json_roundtrip(definition)
         # Definitions written with defaults left out start at the default point.
-        setting = wanted.get("recovery_point", _DEFAULT_RECOVERY_POINT)
+        setting = wanted.get("recovery_point", DEFAULT_RECOVERY_POINT)
         params: dict[str, Any] = {"queue_name": name, "new_definition": wanted,
                                   "now": _to_datetime(now),
                                   "the_positions_from": None if setting is None else str(setting)}
@@ -712,6 +710,12 @@ class Store:
         with translate_errors(f"reading queue {name!r}"), self._engine.connect() as conn:
             row = conn.execute(statement).one_or_none()
         return None if row is None else _queue_record(row)
+
+    def queues_per_shard(self) -> dict[int, int]:
+        """Live queues counted by shard, without reading their definitions (`qlayer
+        coordinators` and the warning of `qlayer stats` at a thousand queues)."""
+        with translate_errors("counting queues by shard"), self._engine.connect() as conn:
+            return {int(shard): int(n) for shard, n in conn.execute(sql.QUEUES_PER_SHARD)}
 
     def list_queues(self, *, include_deleted: bool = False) -> list[QueueRecord]:
         statement = sql.SELECT_QUEUES
