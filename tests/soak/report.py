@@ -31,7 +31,10 @@ _STARTS = "shard core: "
 #: the process found Kafka answering again after an outage and starts every shard again: a
 #: shard that failed and then ran on like that logs no "runs again" (the soak once called such
 #: a shard a rebuild loop).
-_TAKES = re.compile(r"^coordinator \S+ took shard (\d+) at epoch")
+_TAKES = re.compile(r"^coordinator \S+ took shards? ([\d, ]+) at epochs? ")
+#: ... or the coordinators' group takes the shard from the process (`layer/kafka/shards.py`):
+#: a shard that was failing then is not given up by name (it had no running slot to stop).
+_GROUP_TAKES = re.compile(r"^coordinator group (?:lost|revoked) shards \[([\d, ]*)\]")
 _KAFKA_BACK = "Kafka answers again"
 
 
@@ -198,10 +201,11 @@ def shard_failures(lines: Iterable[str], origin: float, source: str = "") -> lis
             if shard in open_:
                 found.append(_run(shard, open_.pop(shard), count, True, source))
             continue
-        given_up = _GIVES_UP.match(message) or _TAKES.match(message)
-        if given_up and int(given_up.group(1)) in open_:
-            shard = int(given_up.group(1))
-            found.append(_run(shard, open_.pop(shard), 1, True, source))
+        ended = _GIVES_UP.match(message) or _TAKES.match(message) or _GROUP_TAKES.match(message)
+        if ended:
+            for shard in (int(n) for n in re.findall(r"\d+", ended.group(1))):
+                if shard in open_:
+                    found.append(_run(shard, open_.pop(shard), 1, True, source))
         elif message.startswith((_STARTS, _KAFKA_BACK)):
             found.extend(_run(shard, first, 1, True, source) for shard, first in open_.items())
             open_.clear()

@@ -20,6 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.process import CoordinatorProcess
 from layer.coordinator.shard import ShardLoop
+from layer.kafka.logs import logged
 from layer.protocol import (
     AckItem,
     AckItemResult,
@@ -141,12 +142,13 @@ class RawConsumer:
         security = dict(kafka or {})
         if create_delivery_topic:
             create_topic(bootstrap_servers, self.delivery_topic, 1, exist_ok=True)
-        self.producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 1,
-                                  **security})
+        self.producer = Producer(logged({"bootstrap.servers": bootstrap_servers,
+                                         "linger.ms": 1, **security}))
         # A forger under ACLs may not read the consumer id's delivery topic: it writes only.
-        self.consumer = Consumer({"bootstrap.servers": bootstrap_servers,
-                                  "group.id": self.consumer_id, "enable.auto.commit": False,
-                                  "auto.offset.reset": "earliest", **security})
+        self.consumer = Consumer(logged({"bootstrap.servers": bootstrap_servers,
+                                         "group.id": self.consumer_id,
+                                         "enable.auto.commit": False,
+                                         "auto.offset.reset": "earliest", **security}))
         if read_delivery_topic:
             self.consumer.assign([TopicPartition(self.delivery_topic, 0, 0)])
         self.replies: list[object] = []
@@ -379,7 +381,7 @@ def produce(bootstrap_servers: str, topic: str, values: Iterable[bytes | None], 
             headers: list[tuple[str, bytes]] | None = None,
             partition: int | None = None) -> None:
     """Write records with a plain producer, as any application would; waits until written."""
-    producer = Producer({"bootstrap.servers": bootstrap_servers, "linger.ms": 5})
+    producer = Producer(logged({"bootstrap.servers": bootstrap_servers, "linger.ms": 5}))
     key_list = list(keys) if keys is not None else None
     for i, value in enumerate(values):
         kwargs: dict[str, object] = {}
@@ -417,11 +419,11 @@ class TopicReader:
     def __init__(self, bootstrap_servers: str, topic: str) -> None:
         self.topic = topic
         self.records: list[TopicRecord] = []
-        self._consumer = Consumer({"bootstrap.servers": bootstrap_servers,
-                                   "group.id": f"reader-{uuid.uuid4().hex[:8]}",
-                                   "enable.auto.commit": False,
-                                   "auto.offset.reset": "earliest",
-                                   "isolation.level": "read_committed"})
+        self._consumer = Consumer(logged({"bootstrap.servers": bootstrap_servers,
+                                          "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+                                          "enable.auto.commit": False,
+                                          "auto.offset.reset": "earliest",
+                                          "isolation.level": "read_committed"}))
         self._assigned: set[int] = set()
 
     def _assign(self) -> None:

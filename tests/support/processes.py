@@ -14,6 +14,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from layer.kafka.logs import logged
 from layer.protocol import Codec, Event, EventType, SchemaKind, TopicNames
 from layer.settings import Settings
 
@@ -76,7 +77,7 @@ class ConsumerWorker(Subprocess):
 
 
 def produce_numbers(bootstrap: str, topic: str, n: int, start: int = 0) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 10})
+    producer = Producer(logged({"bootstrap.servers": bootstrap, "linger.ms": 10}))
     for i in range(start, start + n):
         producer.produce(topic, str(i).encode(), key=str(i % 97).encode())
         if i % 5000 == 0:
@@ -90,9 +91,10 @@ def read_events(settings: Settings, queues: set[str] | None = None) -> list[Even
     topics = TopicNames(settings.topic_prefix)
     codec = Codec()
     batch_fingerprint = codec.schema(SchemaKind.EVENT_BATCH).fingerprint
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers,
-                         "group.id": f"audit-{time.time_ns()}", "enable.auto.commit": False,
-                         "isolation.level": "read_committed"})
+    consumer = Consumer(logged({"bootstrap.servers": settings.bootstrap_servers,
+                                "group.id": f"audit-{time.time_ns()}",
+                                "enable.auto.commit": False,
+                                "isolation.level": "read_committed"}))
     md = consumer.list_topics(topics.events, timeout=10)
     parts = list(md.topics[topics.events].partitions)
     ends = {p: consumer.get_watermark_offsets(TopicPartition(topics.events, p))[1] for p in parts}

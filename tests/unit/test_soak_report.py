@@ -97,6 +97,24 @@ def test_a_run_of_failures_ends_when_the_shard_is_taken_again_or_kafka_answers_a
         (10.0, 1, 1, True), (10.5, 2, 1, True), (13.0, 3, 1, True), (20.0, 4, 1, False)]
 
 
+def test_a_run_ends_when_the_group_takes_the_shards_or_gives_them_back_together() -> None:
+    # The soak of 2026-11-29: shard 1 failed just after the broker's restart; the group lost
+    # shards 1 and 3 (only 3, running, was given up by name), gave both back in one line
+    # ("took shards 1, 3"), then revoked 1 for the other process. Not a loop.
+    lines = [_failed(10.0, 1), _failed(10.25, 3),
+             _line(15.75, "coordinator group lost shards [1, 3]", logging.INFO),
+             _failed(16.0, 1), _failed(16.25, 5), _failed(16.5, 6),
+             _line(16.75, "coordinator c1 took shards 1, 5 at epoch 2: assigned again by the "
+                   "coordinators' group", logging.INFO),
+             _failed(17.0, 7),
+             _line(17.5, "coordinator group revoked shards [6]", logging.INFO),
+             _line(18.0, "coordinator c1 took shards 0, 2 at epochs 5, 4: assigned by the "
+                   "coordinators' group", logging.INFO)]
+    assert _runs(shard_failures(lines, ORIGIN)) == [
+        (10.0, 1, 1, True), (10.25, 3, 1, True), (16.0, 1, 1, True), (16.25, 5, 1, True),
+        (16.5, 6, 1, True), (17.0, 7, 1, False)]
+
+
 def _fault(at: float, kind: str, end: float | None = None) -> Fault:
     return Fault(at, at + 1.0 if end is None else end, kind)
 
