@@ -83,9 +83,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share something of their own run on one xdist worker (`--dist loadgroup`):
     the secured broker (one per worker that asks for it, so one in all) and Spark (a JVM and
-    a session per worker, reused by all of that worker's Spark tests). Spark's tests are two
-    groups, the unit ones and the integration ones (~6 and ~11 minutes of one worker in CI):
-    as one they were the run's critical path, two JVMs finish in the time of the longer."""
+    a session per worker; one worker runs them all, one session reused)."""
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
@@ -93,8 +91,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "secured" in names:
             item.add_marker(pytest.mark.xdist_group("secured"))
         elif "spark" in names:
-            tier = "integration" if "integration" in item.path.parts else "unit"
-            item.add_marker(pytest.mark.xdist_group(f"spark-{tier}"))
+            item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 def _check_loadgroup(config: pytest.Config) -> None:

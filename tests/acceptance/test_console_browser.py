@@ -48,10 +48,9 @@ from tests.support.coordinator import (
 )
 from tests.support.ports import PortReservation, reserve_ports
 
-# Among the parallel workers again: a coordinator starting 1,001 queues beside five busy
-# workers took more than a minute to run its four shards while a shard's start made two
-# metadata requests per queue; it makes one per shard now (`QueueLoader.together`).
-pytestmark = [pytest.mark.acceptance]
+# Alone (after the parallel workers, `make test`): a coordinator starting 1,001 queues beside
+# five busy test workers on two cores took more than a minute to run its four shards.
+pytestmark = [pytest.mark.acceptance, pytest.mark.alone]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "artifacts" / "console"

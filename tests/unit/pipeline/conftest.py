@@ -10,9 +10,8 @@ from layer.pipeline.io import local_session
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """One SparkSession for every pipeline test of a worker (a JVM takes `spark.jars` once, so
-    it carries the Kafka source from the start; the unit and the integration tests are two
-    xdist groups, tests/conftest.py, each with its session)."""
+    """One SparkSession for every pipeline test (unit and integration share it: a JVM takes
+    `spark.jars` once, so it carries the Kafka source from the start)."""
     session = local_session()
     yield session
     session.stop()
