@@ -1295,8 +1295,8 @@ class Soak:
         """Every committed event, whether the topic was read to its end, and how many of its
         records are no event (a delivery or reply the coordinator was made to write there).
         An event batch published twice (docs/protocol.md §4.4b) counts once, as readers must
-        (as tests/support/processes.py `read_events`, which does not say whether it read to
-        the end)."""
+        (as tests/support/processes.py `read_events`, which raises rather than say it did not
+        read to the end)."""
         codec = Codec()
         fingerprint = codec.schema(SchemaKind.EVENT_BATCH).fingerprint
         batches: set[int] = set()

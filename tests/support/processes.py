@@ -119,7 +119,17 @@ def read_events(settings: Settings, queues: set[str] | None = None) -> list[Even
             events.extend(e for e in found if queues is None or e.queue in queues)
             if m.offset() >= ends[m.partition()] - 1:
                 done.add(m.partition())
+        # A transactional coordinator's last offset is its commit marker, which no consumer
+        # is given: only the position says the end is reached (waiting for a record there
+        # cost each transactional test the whole deadline, 60 s).
+        waiting = [TopicPartition(topics.events, p) for p in parts if p not in done]
+        if waiting:
+            done.update(tp.partition for tp in consumer.position(waiting)
+                        if tp.offset >= ends[tp.partition])
     consumer.close()
+    if len(done) < len(parts):
+        raise TimeoutError(f"{topics.events}: partitions {sorted(set(parts) - done)} not read "
+                           f"to their end ({ends}) within 60 s")
     return events
 
 
