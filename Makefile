@@ -13,6 +13,9 @@ NATIVE_SOURCES := native/Cargo.toml native/pyproject.toml $(wildcard native/src/
 
 # The native shard core (native/, Rust with PyO3) is built with maturin by pip; it needs cargo
 # (rustup) on PATH. The Python core is the reference and runs without it (--core python).
+# Cargo builds outside the checkout, so a fresh clone (CI's) builds incrementally from the
+# last build on this machine: 3 s instead of 30 s. Set CARGO_TARGET_DIR to build elsewhere.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/qlayer/native-target
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
