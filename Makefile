@@ -50,7 +50,7 @@ demo: install
 # The suite runs on parallel workers (pytest-xdist) over one shared local stack; tests that
 # share a broker of their own, or Spark, are kept on one worker each (xdist_group, loadgroup).
 # Most tests wait on the protocol rather than compute, so more workers than the 2 cores pay:
-# six workers and the `alone` tests after them ran the suite in 26:40 instead of 50 minutes
+# six workers and the `alone` tests after them ran the suite in 24:45 instead of 50 minutes
 # (docs/development.md, "Parallel
 # workers"). Tests that kill or restart a broker and time how the coordinator rides it out
 # are marked `alone` and run after the workers, by themselves. WORKERS=0: one process.
