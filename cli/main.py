@@ -86,16 +86,12 @@ def main(
 
 
 #: Every command and group, in the order `qlayer --help` lists them.
-_GROUPS: dict[str, typer.Typer] = {
-    "dev": dev.app, "db": db.app, "coordinator": coordinator.app, "dlq": dlq.app,
-    "queue": queue.app, "consumers": consumers.app, "pipeline": pipeline.app,
-    "security": security.app}
-_COMMANDS: dict[str, Callable[..., None]] = {
+_PARTS: dict[str, typer.Typer | Callable[..., None]] = {
+    "dev": dev.app, "db": db.app, "coordinator": coordinator.app,
     "coordinators": coordinators.coordinators, "publish": messages.publish,
-    "consume": messages.consume, "view": view.view, "stats": stats.stats,
-    "demo": demo_command, "console": console.console}
-_ORDER = ["dev", "db", "coordinator", "coordinators", "publish", "consume", "dlq", "view",
-          "stats", "queue", "consumers", "pipeline", "security", "demo", "console"]
+    "consume": messages.consume, "dlq": dlq.app, "view": view.view, "stats": stats.stats,
+    "queue": queue.app, "consumers": consumers.app, "pipeline": pipeline.app,
+    "security": security.app, "demo": demo_command, "console": console.console}
 
 
 def _new_app(names: list[str]) -> typer.Typer:
@@ -106,16 +102,17 @@ def _new_app(names: list[str]) -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     for name in names:
-        if name in _GROUPS:
-            built.add_typer(_GROUPS[name], name=name)
+        part = _PARTS[name]
+        if isinstance(part, typer.Typer):
+            built.add_typer(part, name=name)
         else:
-            built.command(name=name)(_COMMANDS[name])
+            built.command(name=name)(part)
     built.callback()(main)
     return built
 
 
 #: The whole command: what tests, docs and `qlayer --help` see.
-app = _new_app(_ORDER)
+app = _new_app(list(_PARTS))
 
 
 def _app_for(argv: list[str]) -> typer.Typer:
@@ -124,7 +121,7 @@ def _app_for(argv: list[str]) -> typer.Typer:
     (issue 33). Help, a mistyped name or no command get the whole app, so what they say is
     unchanged."""
     first = next((a for a in argv if not a.startswith("-")), None)
-    if first is None or first not in _ORDER:
+    if first is None or first not in _PARTS:
         return app
     return _new_app([first])
 

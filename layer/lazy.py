@@ -10,6 +10,7 @@ the module is imported the first time one of its names is asked for.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,11 +31,10 @@ def exports(package: str, public: Sequence[str], homes: Mapping[str, Sequence[st
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{package}.{module}"), name)
-        globals_ = importlib.import_module(package).__dict__
-        globals_[name] = value  # later lookups are ordinary attribute reads
+        setattr(sys.modules[package], name, value)  # later lookups: ordinary attribute reads
         return value
 
     def dir_() -> list[str]:
-        return sorted(set(where) | set(importlib.import_module(package).__dict__))
+        return sorted(set(where) | set(vars(sys.modules[package])))
 
     return getattr_, dir_
