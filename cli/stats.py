@@ -27,6 +27,7 @@ from layer_cli.output import (
 # layer.services loads SQLAlchemy, the Kafka client and the domain models: the commands import
 # what they use when they run, so `qlayer --help` and the other commands start without them.
 if TYPE_CHECKING:
+    from layer.kafka.admin import TopicListing
     from layer.services.views import QueueStats
     from layer.settings import Settings
     from layer.store.store import Store
@@ -47,11 +48,12 @@ def _faults(stats: QueueStats) -> str:
 
 
 def _sample(settings: Settings, store: Store, queue: str | None,
-            previous: dict[str, QueueStats]) -> list[QueueStats]:
+            previous: dict[str, QueueStats], listing: TopicListing | None = None
+            ) -> list[QueueStats]:
     from layer.services.views import queue_stats, rates
 
     sample = queue_stats(settings, None if queue is None else [queue], now=time.time(),
-                         store=store)
+                         store=store, listing=listing)
     out = []
     for stats in sample:
         before = previous.get(stats.queue)
@@ -184,19 +186,25 @@ def stats(
     (PostgreSQL keeps the totals, not their history), so it is shown from --watch's second
     sample on; for rates over time, use the coordinator's metrics (docs/operations.md).
     """
-    from layer.store.store import Store
+    from layer.kafka.admin import KafkaAdmin
 
     settings = load_settings(database_url, bootstrap_servers, topic_prefix)
+    # The broker's topic listing waits on the broker while SQLAlchemy loads and PostgreSQL
+    # answers (~0.1 s of a one-second command at a thousand queues).
+    listing = KafkaAdmin(settings.kafka_config()).topics_soon()
+    from layer.store.store import Store
+
     # One store for the whole command (and every --watch sample): an engine and its
     # connection are made once, not per question.
     with Store(settings.database_url) as store:
-        _report(settings, store, queue, watch=watch, interval=interval, json_out=json_out)
+        _report(settings, store, queue, watch=watch, interval=interval, json_out=json_out,
+                listing=listing)
 
 
 def _report(settings: Settings, store: Store, queue: str | None, *, watch: bool,
-            interval: float, json_out: bool) -> None:
+            interval: float, json_out: bool, listing: TopicListing) -> None:
     _warn_unowned(store)
-    sample = _sample(settings, store, queue, {})
+    sample = _sample(settings, store, queue, {}, listing)
     if json_out and not watch:
         shards = _shard_counters(settings, store, queue)
         emit_json({"queues": [_document(s) for s in sample],

@@ -34,6 +34,7 @@ from layer.domain.errors import QueueConfigError, UnknownQueueError
 from layer.domain.expressions import Document, as_number, compile_expression, parse_document
 from layer.domain.likepattern import name_matcher
 from layer.kafka import JournalRecord, KafkaAdmin
+from layer.kafka.admin import TopicListing
 from layer.kafka.scan import RangeScanner
 from layer.protocol.headers import parse_deliver_at
 from layer.protocol.topics import TopicNames
@@ -433,15 +434,17 @@ def _all_start_positions(admin: KafkaAdmin, definitions: Mapping[str, QueueDefin
 
 
 def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now: float,
-                store: Store | None = None) -> list[QueueStats]:
+                store: Store | None = None, listing: TopicListing | None = None
+                ) -> list[QueueStats]:
     """One sample of every queue's figures (or of the named ones).
 
     In a constant number of round trips, whatever the number of queues (issue 33): a few
     PostgreSQL queries for every queue's definition, consumers, counters, recovery points and
     entries; one topic listing and a few offset requests for every journal partition; one
     Kafka consumer for the oldest records (`_oldest_timestamps`). ``store``: one the caller
-    keeps open across samples (a new one otherwise)."""
-    admin = KafkaAdmin(settings.kafka_config())
+    keeps open across samples (a new one otherwise); ``listing``: the topic listing the caller
+    asked for early (`KafkaAdmin.topics_soon`), used once."""
+    admin = listing.admin if listing is not None else KafkaAdmin(settings.kafka_config())
     with nullcontext(store) if store is not None else Store(settings.database_url) as store:
         records = {r.name: r for r in store.list_queues()}
         names = sorted(records) if queues is None else sorted(set(queues))
@@ -460,7 +463,7 @@ def queue_stats(settings: Settings, queues: Iterable[str] | None = None, *, now:
         except QueueConfigError as exc:
             # One queue's bad definition must not hide every other queue's figures.
             problems[name] = f"not served: its stored definition is invalid ({exc})"
-    listed = admin.topics() if definitions else {}
+    listed = (listing.result() if listing is not None else admin.topics()) if definitions else {}
     internal = TopicNames(settings.topic_prefix)
     # Looked up, not tried on every topic: a thousand queues on a thousand journals were a
     # million `matches_topic` calls.

@@ -53,3 +53,13 @@ def test_a_long_table_inside_a_group_is_found(capsys: pytest.CaptureFixture[str]
     assert out.startswith("queues (3 rows)\n")
     assert "┃" in out  # the one-row table
     assert "queue Q0000: broken" in out and "[red]" not in out
+
+
+def test_plain_columns_align_by_terminal_cells_and_honour_each_justification() -> None:
+    text = output.plain_lines(["name", "n", "mid"], [["注文", "7", "a"], ["Q1", "1234", "bbb"]],
+                              ["left", "right", "center"])
+    header, rule, wide, narrow = text.splitlines()
+    assert rule == "----  ----  ---"
+    assert wide == "注文     7   a"  # the two wide characters fill four cells
+    assert narrow == "Q1    1234  bbb"
+    assert header == "name     n  mid"

@@ -53,6 +53,19 @@ def test_help_and_version_load_no_heavy_module(args: list[str]) -> None:
     assert _loaded(body) == []
 
 
+def test_one_command_loads_only_its_own_module() -> None:
+    """`qlayer stats` paid for `queue`'s YAML and the console's pages (~40 ms, issue 33)."""
+    probe = ("import json, sys\nfrom layer_cli.main import _app_for\n"
+             "_app_for(['stats', '--json'])\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('layer_cli.') "
+             "or m == 'yaml')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "layer_cli.stats" in loaded
+    assert not {"layer_cli.queue", "layer_cli.console", "layer_cli.dlq", "yaml"} & set(loaded)
+
+
 def test_version_is_the_package_metadata() -> None:
     from importlib.metadata import version
 
