@@ -336,7 +336,7 @@ class TopicListing:
     def __init__(self, admin: KafkaAdmin, timeout: float) -> None:
         self.admin = admin
         self._topics: dict[str, int] = {}
-        self._error: KafkaAdapterError | None = None
+        self._error: Exception | None = None
         self._thread = threading.Thread(target=self._list, args=(timeout,), daemon=True,
                                         name="qlayer-topic-listing")
         self._thread.start()
@@ -344,7 +344,7 @@ class TopicListing:
     def _list(self, timeout: float) -> None:
         try:
             self._topics = self.admin.topics(timeout)
-        except KafkaAdapterError as exc:  # raised where the listing is read, not lost here
+        except Exception as exc:  # raised where the listing is read, not lost
             self._error = exc
 
     def result(self) -> dict[str, int]:

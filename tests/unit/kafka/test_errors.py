@@ -110,3 +110,16 @@ def test_a_missing_acl_names_the_user_and_the_recipe() -> None:
     # Without a client config (older callers), the driver's verdict as before.
     plain = driver_error("x", KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)))
     assert "does not allow" not in str(plain) and plain.code == "TOPIC_AUTHORIZATION_FAILED"
+
+
+def test_a_topic_listing_asked_early_raises_its_failure_where_it_is_read() -> None:
+    """`KafkaAdmin.topics_soon` runs in a thread: a broker that never answers is the reader's
+    error, the same one `topics` raises, not an empty listing."""
+    import socket
+
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    listing = KafkaAdmin({"bootstrap.servers": f"127.0.0.1:{port}"}).topics_soon(timeout=1.0)
+    with pytest.raises(KafkaAdapterError, match="cannot list topics"):
+        listing.result()
