@@ -58,11 +58,14 @@ def metrics_micro_batch(batch: DataFrame, stored: DataFrame | None, window: str
     changed = changed_windows(after, before)
     parts = {int(r[PART]) for r in changed.collect()}
     kept = stored if stored is not None else after.limit(0)
-    samples = replace_entries(kept, batch, after).cache()
+    # Materialised, its lineage cut (as the stream's parts are read back from storage each
+    # micro-batch): kept in memory with `cache`, each batch's plan held every earlier batch's
+    # and Spark spent most of a minute planning a few rows (issue 35).
+    samples = replace_entries(kept, batch, after).localCheckpoint()
     rows = metrics_of(samples.join(changed, ["queue", PART], "left_semi"))
     out = with_tombstones(rows, changed.select(
         "queue", F.timestamp_millis(F.col(PART)).alias("window_start")), KEYS)
-    return samples, out, parts
+    return samples, out.localCheckpoint(), parts
 
 
 def metrics_of(samples: DataFrame) -> DataFrame:
@@ -148,14 +151,14 @@ def views_micro_batch(spark: SparkSession, batch: DataFrame, stored: DataFrame |
     parts = {int(r[PART]) for r in candidate_parts(candidates, payloads, definition).collect()}
     fresh = view_members(after, payloads, definition, as_of, include_leased)
     kept = stored if stored is not None else fresh.limit(0)
-    members = replace_entries(kept, batch, fresh).cache()
+    members = replace_entries(kept, batch, fresh).localCheckpoint()  # as in metrics_micro_batch
     rows = view_of_members(members.where(F.col(PART).isin(list(parts))), definition, as_of,
                            include_leased)
     keys = view_key_columns(definition)
     assert keys is not None
     groups = member_keys(kept.where(F.col(PART).isin(list(parts))), definition).unionByName(
         member_keys(members.where(F.col(PART).isin(list(parts))), definition))
-    return members, with_tombstones(rows, groups, keys), parts
+    return members, with_tombstones(rows, groups, keys).localCheckpoint(), parts
 
 
 def test_a_view_kept_up_by_micro_batches_is_the_batch_jobs_view(spark: SparkSession) -> None:
