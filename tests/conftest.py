@@ -27,8 +27,11 @@ from layer.localstack.process import tail
 from layer.localstack.selection import Backend, choose_services, docker_answers
 from tests.support.examples import PROFILE_ENV, QUICK_PROFILE
 from tests.support.report import report_times
+from tests.support.spark import short_lived_spark_jvms
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from layer.localstack import LocalStack
 
 # `make check` (QLAYER_HYPOTHESIS_PROFILE=check): a tenth of the examples
@@ -62,6 +65,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     _check_loadgroup(config)
     os.environ[RUN_ENV] = uuid.uuid4().hex
+    # Inherited by the workers and every process a test starts (tests/support/spark.py).
+    short_lived_spark_jvms()
     # Session secrets go to a directory of this run, not the user's ~/.local/state; child
     # processes (and xdist workers) inherit it; removed when the run ends.
     if "QLAYER_SDK_STATE_DIR" not in os.environ:
@@ -139,6 +144,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _is_worker(terminalreporter.config):
         report_times(terminalreporter)
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One SparkSession for every pipeline test of a worker (`tests.support.spark`)."""
+    from tests.support.spark import shared_session
+
+    session = shared_session()
+    yield session
+    session.stop()
+
 
 #: The shard count of the tests' databases (QLAYER_TEST_SHARDS overrides it).
 TEST_SHARD_COUNT = int(os.environ.get("QLAYER_TEST_SHARDS", "4"))

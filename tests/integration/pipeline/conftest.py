@@ -1,22 +1,11 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from pyspark.sql import SparkSession
 
-from layer.pipeline.io import local_session
 from layer.settings import Settings
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    """One SparkSession for every pipeline test (unit and integration share it: a JVM takes
-    `spark.jars` once, so it carries the Kafka source from the start)."""
-    session = local_session()
-    yield session
-    session.stop()
 
 
 @pytest.fixture
