@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from layer_cli.output import (
@@ -60,7 +61,8 @@ def consumers(
 ) -> None:
     """List consumers (of every queue, or of QUEUE).
 
-    Shows id, session, queue, backlog limit, filter, last heartbeat and delivery topic.
+    Shows id, session, queue, backlog limit, filter, last heartbeat, the shard holding the
+    session with the coordinator process running it, and the delivery topic.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -73,7 +75,7 @@ def consumers(
         typer.echo("no consumers" + (f" attached to {queue}" if queue else ""))
         return
     table = new_table("consumer", "principal", "session", "queue", "backlog limit", "filter",
-                      "last heartbeat", "delivery topic")
+                      "last heartbeat", "shard (coordinator)", "delivery topic")
     for c in found:
         limit = "-" if c.backlog_limit is None else str(c.backlog_limit)
         if c.max_backlog is None:
@@ -83,8 +85,16 @@ def consumers(
             heartbeat += " [yellow](eviction requested)[/]"
         table.add_row(c.consumer_id, c.principal or "-", c.session_id[:8],
                       c.queue + (" (regex)" if c.is_regex else ""),
-                      limit, c.filter or "-", heartbeat, c.delivery_topic)
+                      limit, c.filter or "-", heartbeat, _shard_text(c), c.delivery_topic)
     show(table)
+
+
+def _shard_text(c: ConsumerInfo) -> str:
+    if c.shard is None:
+        return "-"
+    if c.owner_id is None:
+        return f"{c.shard} [yellow](no coordinator runs it)[/]"
+    return f"{c.shard} ({escape(c.owner_id)})"
 
 
 def _json(c: ConsumerInfo) -> dict[str, object]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from layer.domain.definitions import DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG
 from layer.domain.errors import UnknownConsumerError
+from layer.services.coordinators import STALE_AFTER
 from layer.services.queues import (
     NoSuchQueueError,
     WaitTimedOutError,
@@ -60,6 +61,9 @@ class ConsumerInfo:
     """The principal its credential proved (protocol 7); None: anonymous."""
     shard: int | None = None
     """The shard holding its session (None: stored before 0013)."""
+    owner_id: str | None = None
+    """The coordinator process running that shard now (`qlayer coordinators`); None when no
+    running process holds it (the session's queues are not served until one takes it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +107,9 @@ class ConsumerService:
             if queue not in limits:
                 raise NoSuchQueueError(queue)
             rows = attached_consumers(queue, rows)
+        owners = self._running_owners(now)
         return [
-            _info(row, now, limits)
+            _info(row, now, limits, owners)
             for row in sorted(rows, key=lambda r: (r.queue, r.consumer_id))
         ]
 
@@ -128,6 +133,13 @@ class ConsumerService:
             self.sleep(self.poll_interval)
         return EvictionResult(consumer_id, requested_at, gone=True)
 
+    def _running_owners(self, now: float) -> dict[str, str]:
+        """shard -> the process holding it, for processes still reporting (as `qlayer
+        coordinators` judges them: a report within STALE_AFTER seconds)."""
+        running = {p.owner_id for p in self.store.processes()
+                   if now - p.seen_at <= STALE_AFTER}
+        return {o.shard: o.owner_id for o in self.store.owners() if o.owner_id in running}
+
     def _queue_limits(self) -> dict[str, int]:
         limits = {}
         for record in self.store.list_queues():
@@ -138,7 +150,8 @@ class ConsumerService:
         return limits
 
 
-def _info(row: ConsumerRow, now: float, limits: dict[str, int]) -> ConsumerInfo:
+def _info(row: ConsumerRow, now: float, limits: dict[str, int],
+          owners: dict[str, str] | None = None) -> ConsumerInfo:
     asked = DEFAULT_CONSUMER_BACKLOG if row.max_backlog is None else row.max_backlog
     if row.is_regex:
         matched = {limits[name] for name in limits if attached_consumers(name, [row])}
@@ -162,4 +175,5 @@ def _info(row: ConsumerRow, now: float, limits: dict[str, int]) -> ConsumerInfo:
         evict_requested_at=row.evict_requested_at,
         principal=row.principal,
         shard=row.shard,
+        owner_id=None if row.shard is None else (owners or {}).get(str(row.shard)),
     )

@@ -45,6 +45,8 @@ def test_consumers_lists_every_subscription_or_those_of_one_queue(
     table = run_cli("consumers", "Mail")
     assert table.code == 0
     assert "m1" in table.stdout and "w1" not in table.stdout
+    # No coordinator runs anything here: nobody to name.
+    assert {c["owner_id"] for c in json.loads(everyone.stdout)} == {None}
 
 
 def test_consumers_of_an_unknown_queue_and_evicting_an_unknown_id_say_what_to_do(
@@ -82,7 +84,7 @@ def test_evict_moves_the_consumers_leases_to_another_consumer(
     assert invoke("queue", "create", "Work", "--underlying-topic", work,
                   "--lease-period", "120s").exit_code == 0
     produce(settings.bootstrap_servers, work, [f"job {i}".encode() for i in range(4)])
-    with running_coordinator(settings):
+    with running_coordinator(settings) as coordinator:
         # Neither heartbeats while the CLI runs (seconds a command on a loaded machine, where
         # the default 10 s session once timed out before `evict` found the victim): a minute.
         victim = RawConsumer(settings.bootstrap_servers, settings.topic_prefix, "Work",
@@ -95,6 +97,11 @@ def test_evict_moves_the_consumers_leases_to_another_consumer(
             other.subscribe()
             listed = json.loads(run_cli("consumers", "Work", "--json").stdout)
             assert sorted(c["consumer_id"] for c in listed) == ["other", "victim"]
+            # Where each session lives: the queue's shard, and the process running it.
+            shard = json.loads(run_cli("queue", "describe", "Work", "--json").stdout)["shard"]
+            owner = coordinator.options.owner_id
+            assert {(c["shard"], c["owner_id"]) for c in listed} == {(shard, owner)}
+            assert f"{shard} ({owner})" in run_cli("consumers", "Work").stdout
 
             evicted = run_cli("consumers", "evict", "victim", "--wait", "--timeout", "30")
             assert evicted.code == 0, evicted.stderr

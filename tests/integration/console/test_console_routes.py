@@ -166,6 +166,7 @@ def test_a_queue_page_shows_definition_entries_and_consumers(settings: Settings,
     assert 'id="redrive"' not in page.text and "qlayer dlq redrive Jobs" in page.text
     consumers = client(settings).get("/consumers")
     assert consumers.status_code == 200 and 'data-consumer="worker-1"' in consumers.text
+    assert '<td class="shard">-</td>' in consumers.text  # stored without a shard here
 
 
 def test_an_unknown_queue_is_404(settings: Settings, jobs: str) -> None:
