@@ -27,14 +27,31 @@ class Catalog:
     consumers: dict[str, ConsumerRow] = field(default_factory=dict)
     loaded_at: float = 0.0
     entitlements: Entitlements = field(default_factory=Entitlements)
+    #: Parts of sessions on shards other than their home (protocol 8), by (consumer id, shard).
+    spans: dict[tuple[str, int], ConsumerRow] = field(default_factory=dict)
 
     @classmethod
     def of(cls, shard_count: int, queues: Iterable[QueueRecord],
            consumers: Iterable[ConsumerRow], now: float,
-           entitlements: Entitlements | None = None) -> Catalog:
+           entitlements: Entitlements | None = None,
+           spans: Iterable[ConsumerRow] = ()) -> Catalog:
         return cls(shard_count, {q.name: q for q in queues},
                    {c.consumer_id: c for c in consumers}, now,
-                   entitlements if entitlements is not None else Entitlements())
+                   entitlements if entitlements is not None else Entitlements(),
+                   {(c.consumer_id, c.shard if c.shard is not None else -1): c for c in spans})
+
+    @property
+    def session_rows(self) -> list[ConsumerRow]:
+        """Every stored session part: the consumers' rows, then the parts on other shards."""
+        return [*self.consumers.values(), *self.spans.values()]
+
+    def home_holds(self, consumer_id: str, session_id: str, home: int,
+                   secret_hash: bytes | None) -> bool:
+        """Whether the stored home row of ``consumer_id`` is on shard ``home`` and holds that
+        session with that secret (a part on another shard may join it; protocol 8)."""
+        row = self.consumers.get(consumer_id)
+        return (row is not None and row.session_id == session_id and row.shard == home
+                and row.credit_home == home and row.secret_hash == secret_hash)
 
     def live_elsewhere(self, consumer_id: str, shard: int, now: float) -> ConsumerRow | None:
         """The stored session of ``consumer_id`` another shard holds, if it is live (a

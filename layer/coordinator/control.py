@@ -44,7 +44,16 @@ from layer.protocol import (
     reply_headers,
 )
 from layer.protocol import Bookmark as WireBookmark
-from layer.protocol.headers import FORWARDED, NOT_AUTHORIZED, REFUSAL
+from layer.protocol.batch import BATCH, encode_delivery_batch
+from layer.protocol.headers import (
+    FORWARDED,
+    NOT_AUTHORIZED,
+    REFUSAL,
+    SESSION,
+    SHARD,
+    credit_home,
+    credit_report_header,
+)
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
 
@@ -60,6 +69,9 @@ __all__ = ["CONTROL_RECORD_LIMIT", "Control"]
 #: ``max.message.bytes``. A Subscribe holds ids, a queue name or regex and a filter (at most
 #: `layer.domain.expressions` limits): a few KiB.
 CONTROL_RECORD_LIMIT = 64 << 10
+
+#: A credit notice's value: a delivery batch of no message (protocol 8).
+_EMPTY_BATCH = encode_delivery_batch([])
 
 
 class Control:
@@ -85,6 +97,9 @@ class Control:
         #: This step's accepted Subscribes (consumer id -> the request and its OK reply): a
         #: store that refuses the session's row (`lost_claims`) turns the OK into a refusal.
         self.accepted: dict[str, tuple[Subscribe | Replace, OutgoingRecord]] = {}
+        #: Consumer ids whose session here holds credit its consumer granted (protocol 8): they
+        #: are told what they hold and what waits whenever that changes (`credit_notices`).
+        self.credited: set[str] = set()
 
     def holds(self, r: JournalRecord) -> bool:
         return (r.topic, r.partition) in self._held_partitions
@@ -146,7 +161,10 @@ class Control:
             self.core.count_malformed("control", r, exc, now)
             return True
         hops = forwarded_hops(r.headers)
-        target = self._shard_of(message) if hops < MAX_FORWARD_HOPS else None
+        # A record of a part of a session that spans shards (protocol 8) is for this shard,
+        # whatever else it would match: the consumer sent it here.
+        target = (self._shard_of(message) if hops < MAX_FORWARD_HOPS
+                  and credit_home(r.headers) is None else None)
         if target is not None and target != self.core.shard:
             self.forward(r, r.value, target, hops)
             return True
@@ -175,7 +193,7 @@ class Control:
                 return True
             for name in session.every_queue:
                 self.core.engines[name].heartbeat(message.consumer_id, now, message.session_id)
-            batch.heartbeat(message.consumer_id, now)
+            batch.heartbeat(message.consumer_id, now, self._span(session))
         elif isinstance(message, Unsubscribe):
             session = self.core.sessions.get(message.consumer_id)
             if session is None or session.session_id != message.session_id:
@@ -189,8 +207,13 @@ class Control:
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
             del self.core.sessions[message.consumer_id]
-            batch.delete_consumer(message.consumer_id, message.session_id)
+            batch.delete_consumer(message.consumer_id, message.session_id, self._span(session))
         return True
+
+    def _span(self, session: Session) -> int | None:
+        """This shard, for a part of a session whose home is another shard (its row is in
+        `consumer_spans`); None for a session whose row is its `consumers` row."""
+        return self.core.shard if session.is_span(self.core.shard) else None
 
     def _shard_of(self, message: Subscribe | Replace | Heartbeat | Unsubscribe
                        ) -> int | None:
@@ -231,6 +254,12 @@ class Control:
         """Subscribe or Replace; False when the answer must wait for a fresher catalog."""
         kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
         existing = self.core.sessions.get(m.consumer_id)
+        # Protocol 8: a part of a session whose consumer grants credit; a Replace keeps the
+        # home its session has.
+        home = credit_home(headers)
+        if kind is RequestKind.REPLACE and existing is not None:
+            home = existing.home
+        span = home is not None and home != self.core.shard
         came = now if came is None else came
         catalog = self.core.catalog()
         entitlements = catalog.entitlements
@@ -303,7 +332,7 @@ class Control:
                               not_authorized=True)
         # One consumer id, one session across shards: another shard's live session of this id
         # is not shadowed (and its stored row is never overwritten: `UPSERT_CONSUMERS`).
-        if existing is None:
+        if existing is None and not span:
             elsewhere = catalog.live_elsewhere(m.consumer_id, self.core.shard, now)
             if elsewhere is not None:
                 if self._stale(came):
@@ -325,6 +354,16 @@ class Control:
                 return refuse(SubscribeStatus.INVALID_REQUEST, verdict.message or verdict.refusal,
                               verdict.refusal.value)
             secret_hash = verdict.secret_hash
+            if span and not catalog.home_holds(m.consumer_id, m.session_id, home or 0,
+                                               secret_hash):
+                # A part joins its session only once the home shard holds it (the consumer
+                # subscribes there first): waited for one catalog load, then refused.
+                if self._stale(came):
+                    return False
+                return refuse(SubscribeStatus.INVALID_REQUEST, (
+                    f"no session {m.session_id} of consumer {m.consumer_id!r} on its home "
+                    f"shard {home}: subscribe there first (docs/protocol.md §14)"),
+                    "no_home_session")
         # Delivery topics are named by qlayer (protocol 7), never by the client: a client-named
         # topic let a Subscribe make the coordinator write to a journal, to another consumer's
         # delivery topic or to its own internal topics.
@@ -350,7 +389,8 @@ class Control:
                            m.max_backlog, m.filter or None, m.delivery_topic, timeout,
                            existing.subscribed_at if existing and kind is RequestKind.REPLACE
                            else now, [], delivery_format=formats, secret_hash=secret_hash,
-                           principal=principal, credential_hash=credential_hash)
+                           principal=principal, credential_hash=credential_hash,
+                           home=home)
         try:
             # A regex covers the queues the principal may consume, only (AMPS entitlements
             # filter a regex subscription the same way).
@@ -360,13 +400,14 @@ class Control:
                       if session.matches(n) and entitlements.may_consume(principal, n)}
         except re.error as exc:
             return refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
-        if len(shards) > 1:
-            # One backlog across the matched queues (AMPS) needs them in one loop.
+        if len(shards) > 1 and home is None:
+            # One backlog across the matched queues (AMPS) is credit the consumer moves
+            # between their shards (protocol 8); a consumer of an earlier protocol has none.
             return refuse(SubscribeStatus.INVALID_REQUEST,
                           f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a "
-                          "regex subscription reads queues of one shard only: give them one "
-                          "shard_group in their queue files (docs/coordinator.md, 'One "
-                          "backlog')")
+                          "subscription over several shards needs a consumer of protocol 8 "
+                          "(the qlayer SDK from 0.9), which grants each shard its credit "
+                          "(docs/coordinator.md, 'One backlog')")
         old = existing.queues if existing is not None else []
         replacing = kind is RequestKind.REPLACE and existing is not None
         # A replace that takes the subscription off a queue keeps its leases there (AMPS
@@ -436,17 +477,66 @@ class Control:
             session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
             last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None,
             delivery_format=formats, secret_hash=secret_hash, shard=self.core.shard,
-            principal=principal, credential_hash=credential_hash))
+            principal=principal, credential_hash=credential_hash, credit_home=home))
         self.core.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
+        answer_headers = None
+        if home is not None:
+            self.credited.add(m.consumer_id)
+            report = self.credit_report(session)
+            session.reported = report
+            answer_headers = [*self._headers, credit_report_header(*report)]
         ok = self.reply(m.delivery_topic, SubscribeResult(
             consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
             request=kind, status=SubscribeStatus.OK, message=None, queues=tuple(grants),
             session_timeout_ms=int(timeout * 1000),
             heartbeat_interval_ms=max(int(timeout * 1000 / 3), 100),
-            coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id)
+            coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id,
+            answer_headers)
         replies.append(ok)
         self.accepted[m.consumer_id] = (m, ok)
         return True
+
+    # --- credit (protocol 8) --------------------------------------------------------------------
+
+    def credit_report(self, session: Session) -> tuple[int, int, int]:
+        """``(held, grant, waiting)`` of a session's part on this shard: the leases it holds in
+        every queue here (those it drains too), its grant, and the entries available in its
+        queues (before its filter: where work waits, roughly)."""
+        held = waiting = 0
+        engines = self.core.engines
+        for name in session.every_queue:
+            engine = engines.get(name)
+            if engine is None:
+                continue
+            for info in engine.consumers():
+                if info.consumer_id == session.consumer_id:
+                    held += info.backlog
+                    break
+            if name in session.queues:
+                waiting += engine.stats().available
+        grant = session.max_backlog if session.max_backlog is not None else 1
+        return held, grant, waiting
+
+    def credit_notices(self, replies: list[OutgoingRecord]) -> None:
+        """Tell each credited session what changed since it was last told (its leases were
+        settled, work came to wait, its grant was applied): an empty delivery batch with a
+        ``qlayer.credit-report`` header, after this step's deliveries. Its consumer moves its
+        credit on these (`layer.sdk.credit`)."""
+        sessions = self.core.sessions
+        for consumer_id in list(self.credited):
+            session = sessions.get(consumer_id)
+            if session is None or session.home is None:
+                self.credited.discard(consumer_id)
+                continue
+            report = self.credit_report(session)
+            if report == session.reported:
+                continue
+            session.reported = report
+            replies.append(OutgoingRecord(
+                session.delivery_topic, _EMPTY_BATCH, consumer_id.encode(),
+                [(BATCH, b"1"), (SESSION, session.session_id.encode()),
+                 (SHARD, b"%d" % self.core.shard), credit_report_header(*report)],
+                partition=0))
 
     def on_consumer_left(self, e: ev.ConsumerLeft, batch: WriteBatch,
                           replies: list[OutgoingRecord], now: float) -> None:
@@ -469,7 +559,7 @@ class Control:
                                            SessionEndReason.TIMED_OUT, now,
                                            "no heartbeat within the session timeout"))
         del self.core.sessions[e.consumer_id]
-        batch.delete_consumer(e.consumer_id, e.session_id)
+        batch.delete_consumer(e.consumer_id, e.session_id, self._span(session))
         self.core.counters["session_timeouts"] += 1
         log.info("consumer %s timed out; its leases were broken", e.consumer_id,
                  extra=fields(consumer=e.consumer_id, queue=e.queue, shard=self.core.shard,
@@ -491,7 +581,7 @@ class Control:
             # The session is gone already, so this is the consumer id's own delivery topic.
             replies.append(self.session_ended(consumer_id, session.session_id,
                                                SessionEndReason.EVICTED, now, message))
-        batch.delete_consumer(consumer_id, session.session_id)
+        batch.delete_consumer(consumer_id, session.session_id, self._span(session))
 
     def revoke(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:
         """Sessions the catalog's principals and grants no longer allow (a principal removed,

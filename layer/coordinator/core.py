@@ -348,6 +348,9 @@ class ShardCore:
                 self._count_input_faults(batch, now)
             self._expire_refused(now)
             self._decide(plan, now)
+        if control.credited:
+            # After the deliveries: what credited sessions hold and what waits (protocol 8).
+            control.credit_notices(plan.replies)
         # One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
         # changed nothing stored (at-most-once acks, refused items) do not make a
@@ -913,6 +916,8 @@ class ShardCore:
                 session.queues.append(name)
             if session.queues:
                 self.sessions[row.consumer_id] = session
+                if session.home is not None:
+                    self.control.credited.add(row.consumer_id)
 
     def forget_empty_sessions(self) -> None:
         """Sessions left with no queue here (their queue moved): the shard the queue went to

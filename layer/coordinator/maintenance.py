@@ -64,7 +64,7 @@ class Refresh:
         self.seen = catalog.loaded_at
         self.next_at = now + self.interval
         known = catalog.on_shard(core.shard)
-        rows = catalog.consumers.values()
+        rows = catalog.session_rows
         for name, record in known.items():
             # Before purges and evictions: a reset takes what its queue's engine has to say
             # since the last step, which is only what the reset itself decides.
@@ -278,7 +278,7 @@ def journal_deleted(core: ShardCore, loader: QueueLoader, name: str,
     core.drop_queue(name, keep_sessions=True)
     starts = loader.admin.log_start_offsets(remade) if remade else {}
     moved = {tp: (points[tp], starts.get(tp, 0)) for tp in remade}
-    if record is not None and loader.add(record, core.catalog().consumers.values(), now,
+    if record is not None and loader.add(record, core.catalog().session_rows, now,
                                          moved, frozenset(lost)):
         core.resubscribe(name, now)
 
@@ -440,6 +440,9 @@ def evict(core: ShardCore, rows: Iterable[ConsumerRow], now: float, batch: Write
                 row.consumer_id, session.session_id, SessionEndReason.EVICTED, now,
                 "evicted by an operator (qlayer consumers evict)"))
             del core.sessions[row.consumer_id]
+            if session.is_span(core.shard):
+                # The operator asked at the home row; this shard's part of it ends too.
+                batch.delete_consumer(row.consumer_id, session.session_id, span=core.shard)
         batch.delete_consumer(row.consumer_id, row.session_id)
         core.counters["evictions"] += 1
         log.info("consumer %s evicted; its leases were broken", row.consumer_id)

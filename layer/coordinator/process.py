@@ -689,7 +689,8 @@ class CoordinatorProcess:
     def _load_catalog(self, now: float) -> None:
         self._catalog = Catalog.of(self.store.shard_count(), self.store.list_queues(),
                                    self.store.load_consumers(), now,
-                                   Principals(self.store.engine).load_entitlements())
+                                   Principals(self.store.engine).load_entitlements(),
+                                   self.store.load_spans())
         self._next_catalog = now + self.options.refresh_interval
         self._catalog_loaded_at = now
         if 0 in self._slots and self._slots[0].loop.epoch is not None:

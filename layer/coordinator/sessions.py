@@ -40,6 +40,15 @@ class Session:
     #: that finds the principal removed, rotated or no longer granted the queues ends it.
     principal: str | None = None
     credential_hash: bytes | None = None
+    #: Protocol 8: the home shard of a session whose consumer grants each shard credit (its
+    #: ``max_backlog`` here is this shard's grant); None: a session of one shard.
+    home: int | None = None
+    #: The last ``(held, grant, waiting)`` this shard reported to the consumer (protocol 8).
+    reported: tuple[int, int, int] | None = None
+
+    def is_span(self, shard: int) -> bool:
+        """Whether this is a part of a session whose home is another shard."""
+        return self.home is not None and self.home != shard
 
     @property
     def every_queue(self) -> list[str]:
@@ -58,4 +67,5 @@ class Session:
                    row.filter, row.delivery_topic, row.session_timeout_ms / 1000.0,
                    row.subscribed_at, [], BacklogShare() if row.is_regex else None,
                    row.delivery_format, secret_hash=row.secret_hash,
-                   principal=row.principal, credential_hash=row.credential_hash)
+                   principal=row.principal, credential_hash=row.credential_hash,
+                   home=row.credit_home)

@@ -353,7 +353,7 @@ class ShardLoop:
         reader.add({tp: (max(o, firsts.get(tp, 0)) if o is not None else BEGINNING)
                     for tp in inputs for o in [committed.get(tp)]})
         loader = QueueLoader(core, self.store, self.admin, reader)
-        rows = catalog.consumers.values()
+        rows = catalog.session_rows
         with loader.together():
             for record in catalog.on_shard(self.shard).values():
                 loader.add(record, rows, now)

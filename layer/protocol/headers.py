@@ -24,6 +24,8 @@ __all__ = [
     "BOOKMARK",
     "CONSUMER",
     "CREDENTIAL",
+    "CREDIT",
+    "CREDIT_REPORT",
     "DELIVERY_COUNT",
     "DELIVERY_HEADER_KEYS",
     "DELIVER_AT",
@@ -53,6 +55,8 @@ __all__ = [
     "Headers",
     "InputHeaders",
     "RecordHeaders",
+    "credit_home",
+    "credit_report_header",
     "dead_letter_headers",
     "deliver_at_header",
     "delivery_headers",
@@ -63,6 +67,7 @@ __all__ = [
     "header_value",
     "is_reply",
     "new_session_secret",
+    "parse_credit_report",
     "parse_dead_letter_headers",
     "parse_deliver_at",
     "parse_delivery_headers",
@@ -115,6 +120,14 @@ CREDENTIAL = "qlayer.credential"
 # status stays INVALID_REQUEST, so consumers of earlier protocols still read the reply.
 REFUSAL = "qlayer.refusal"
 NOT_AUTHORIZED = "not_authorized"
+# --- credit (protocol 8): one backlog over several shards (docs/protocol.md §14) ----------------
+# On a Subscribe or Replace: this shard's part of the session is granted credit by the consumer
+# (its max_backlog is the grant); the value is the session's home shard, ASCII. A shard answers
+# such a record itself, never passing it on.
+CREDIT = "qlayer.credit"
+# On the answer to such a record, and on a credit notice (an empty delivery batch): what the
+# part holds, its grant and the entries waiting in its queues, ``held,grant,waiting`` ASCII.
+CREDIT_REPORT = "qlayer.credit-report"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the
@@ -483,3 +496,32 @@ def parse_dead_letter_headers(headers: InputHeaders) -> DeadLetterInfo:
         last_consumer=None if last_consumer is None else _text(DLQ_LAST_CONSUMER, last_consumer),
         detail=None if detail is None else _text(DLQ_DETAIL, detail),
     )
+
+
+# --- credit (protocol 8) -------------------------------------------------------------------------
+
+
+def credit_home(headers: InputHeaders) -> int | None:
+    """The home shard a Subscribe or Replace names in ``qlayer.credit``; None when absent
+    (a session of one shard, served as before protocol 8) or not a shard number."""
+    value = header_value(headers, CREDIT)
+    if value is None or not _CANONICAL_NUMBER.fullmatch(value) or len(value) > 4:
+        return None
+    return int(value)
+
+
+def credit_report_header(held: int, grant: int, waiting: int) -> tuple[str, bytes]:
+    return (CREDIT_REPORT, b"%d,%d,%d" % (held, grant, waiting))
+
+
+def parse_credit_report(headers: InputHeaders) -> tuple[int, int, int] | None:
+    """``(held, grant, waiting)`` of a ``qlayer.credit-report`` header; None when absent or
+    not three numbers."""
+    value = header_value(headers, CREDIT_REPORT)
+    if value is None:
+        return None
+    parts = value.split(b",")
+    if len(parts) != 3 or not all(_CANONICAL_NUMBER.fullmatch(p) for p in parts):
+        return None
+    held, grant, waiting = (int(p) for p in parts)
+    return held, grant, waiting

@@ -47,6 +47,12 @@ class WriteBatch:
     session_deletes: dict[str, str] = field(default_factory=dict)
     # consumer id -> time of its latest heartbeat (epoch seconds)
     heartbeats: dict[str, float] = field(default_factory=dict)
+    #: Parts of sessions whose home is another shard (protocol 8, `consumer_spans`): rows to
+    #: write, rows to delete while they hold the session (consumer id -> (shard, session id)),
+    #: heartbeats (consumer id -> (shard, time)).
+    spans: dict[str, ConsumerRow] = field(default_factory=dict)
+    span_deletes: dict[str, tuple[int, str]] = field(default_factory=dict)
+    span_heartbeats: dict[str, tuple[int, float]] = field(default_factory=dict)
     # queue -> counter name -> increment
     counters: defaultdict[str, defaultdict[str, int]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(int))
@@ -114,13 +120,25 @@ class WriteBatch:
         self.input_positions[(topic, partition)] = next_offset
 
     def put_consumer(self, row: ConsumerRow) -> None:
+        if row.is_span:
+            self.span_deletes.pop(row.consumer_id, None)
+            self.spans[row.consumer_id] = row
+            return
         self.consumer_deletes.discard(row.consumer_id)
         self.session_deletes.pop(row.consumer_id, None)
         self.consumers[row.consumer_id] = row
 
-    def delete_consumer(self, consumer_id: str, session_id: str | None = None) -> None:
+    def delete_consumer(self, consumer_id: str, session_id: str | None = None,
+                        span: int | None = None) -> None:
         """Delete the consumer's row; with ``session_id``, only if it still holds that
-        session."""
+        session. ``span``: the row is that shard's part of a session whose home is another
+        shard (protocol 8), deleted only while it holds ``session_id``."""
+        if span is not None:
+            assert session_id is not None
+            self.spans.pop(consumer_id, None)
+            self.span_heartbeats.pop(consumer_id, None)
+            self.span_deletes[consumer_id] = (span, session_id)
+            return
         self.consumers.pop(consumer_id, None)
         self.heartbeats.pop(consumer_id, None)
         if session_id is None:
@@ -129,9 +147,14 @@ class WriteBatch:
         elif consumer_id not in self.consumer_deletes:
             self.session_deletes[consumer_id] = session_id
 
-    def heartbeat(self, consumer_id: str, at: float) -> None:
-        previous = self.heartbeats.get(consumer_id)
-        self.heartbeats[consumer_id] = at if previous is None else max(previous, at)
+    def heartbeat(self, consumer_id: str, at: float, span: int | None = None) -> None:
+        if span is not None:
+            previous = self.span_heartbeats.get(consumer_id)
+            self.span_heartbeats[consumer_id] = (
+                span, at if previous is None else max(previous[1], at))
+            return
+        previous_at = self.heartbeats.get(consumer_id)
+        self.heartbeats[consumer_id] = at if previous_at is None else max(previous_at, at)
 
     def count(self, queue: str, name: str, increment: int = 1) -> None:
         """Add to one of a queue's running totals (`layer.store.tables.COUNTER_NAMES`)."""
@@ -194,6 +217,9 @@ class WriteBatch:
             + len(self.consumer_deletes)
             + len(self.session_deletes)
             + len(self.heartbeats)
+            + len(self.spans)
+            + len(self.span_deletes)
+            + len(self.span_heartbeats)
             + len(self.counters)
             + len(self.forgotten_queues)
             + len(self.purges_done)

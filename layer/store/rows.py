@@ -119,6 +119,15 @@ class ConsumerRow:
     #: that credential's secret (a rotation ends the session).
     principal: str | None = None
     credential_hash: bytes | None = None
+    #: Protocol 8: the session's home shard when its consumer grants it credit (a
+    #: subscription over queues of several shards); None: a session of one shard. A row whose
+    #: ``shard`` differs from it is a part of the session on another shard (`consumer_spans`).
+    credit_home: int | None = None
+
+    @property
+    def is_span(self) -> bool:
+        """A part of a session on a shard other than its home (a `consumer_spans` row)."""
+        return self.credit_home is not None and self.shard != self.credit_home
 
 
 @dataclass(frozen=True, slots=True)

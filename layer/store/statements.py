@@ -43,6 +43,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from layer.store.tables import (
     COUNTER_NAMES,
     console_samples,
+    consumer_spans,
     consumers,
     coordinator_processes,
     entries,
@@ -394,6 +395,7 @@ CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "shard": Integer(),
     "principal": Text(),
     "credential_sha256": LargeBinary(),
+    "credit_home": Integer(),
 }
 _consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
 _consumers_insert = pg_insert(consumers).from_select(
@@ -420,6 +422,60 @@ UPSERT_CONSUMERS: Final = _consumers_insert.on_conflict_do_update(
         < _consumers_insert.excluded.last_heartbeat_at,
     ),
 ).returning(consumers.c.consumer_id)
+
+# A session's parts on shards other than its home (0015, protocol 8): each shard writes its own
+# part, and only while the home row holds the same session, so a part of a session that ended
+# (or was taken over) is never made again. The rows written are returned; a part not written
+# ends (`ShardCore.lost_claims`).
+SPAN_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
+    "consumer_id": Text(),
+    "shard": Integer(),
+    "session_id": Text(),
+    "credit_home": Integer(),
+    "queue": Text(),
+    "is_regex": Boolean(),
+    "max_backlog": Integer(),
+    "filter": Text(),
+    "delivery_topic": Text(),
+    "session_timeout_ms": Integer(),
+    "subscribed_at": _TIMESTAMP,
+    "last_heartbeat_at": _TIMESTAMP,
+    "delivery_format": Text(),
+    "secret_sha256": LargeBinary(),
+    "principal": Text(),
+    "credential_sha256": LargeBinary(),
+}
+_span_rows = _unnest("spans", SPAN_COLUMNS)
+_spans_insert = pg_insert(consumer_spans).from_select(
+    list(SPAN_COLUMNS),
+    select(*(_span_rows.c[name] for name in SPAN_COLUMNS)).where(
+        select(consumers.c.consumer_id).where(
+            consumers.c.consumer_id == _span_rows.c.consumer_id,
+            consumers.c.session_id == _span_rows.c.session_id,
+        ).exists()
+    ),
+)
+UPSERT_CONSUMER_SPANS: Final = _spans_insert.on_conflict_do_update(
+    index_elements=[consumer_spans.c.consumer_id, consumer_spans.c.shard],
+    set_={name: _spans_insert.excluded[name] for name in SPAN_COLUMNS
+          if name not in ("consumer_id", "shard")},
+).returning(consumer_spans.c.consumer_id)
+_ended_spans = _unnest("ended", {"consumer": Text(), "part": Integer(), "session": Text()})
+DELETE_SPAN_SESSIONS: Final = delete(consumer_spans).where(
+    consumer_spans.c.consumer_id == _ended_spans.c.consumer,
+    consumer_spans.c.shard == _ended_spans.c.part,
+    consumer_spans.c.session_id == _ended_spans.c.session,
+)
+_span_beats = _unnest("beats", {"consumer": Text(), "part": Integer(), "at": _TIMESTAMP})
+HEARTBEAT_SPANS: Final = (
+    update(consumer_spans)
+    .where(consumer_spans.c.consumer_id == _span_beats.c.consumer,
+           consumer_spans.c.shard == _span_beats.c.part)
+    .values(last_heartbeat_at=func.greatest(consumer_spans.c.last_heartbeat_at,
+                                            _span_beats.c.at))
+)
+SELECT_SPANS: Final = select(consumer_spans).order_by(consumer_spans.c.consumer_id,
+                                                      consumer_spans.c.shard)
 
 # Heartbeats are the most frequent consumer write and change one column: UPDATE ... FROM a batch.
 # GREATEST keeps the time monotonic when a late heartbeat arrives after a newer subscribe.

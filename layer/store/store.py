@@ -94,6 +94,7 @@ class _Written:
     pruned: Result | None
     outbox: list[Result]
     consumers: Result | None = None
+    spans: Result | None = None
 
 
 def _to_datetime(seconds: float) -> datetime:
@@ -302,6 +303,8 @@ class Store:
             refused: frozenset[str] = frozenset()
             if written.consumers is not None:
                 refused = frozenset(batch.consumers) - set(written.consumers.scalars())
+            if written.spans is not None:
+                refused |= frozenset(batch.spans) - set(written.spans.scalars())
         return CommitResult(
             epoch=epoch,
             statements=written.statements,
@@ -333,6 +336,8 @@ class Store:
         pruned_rows = _prune_below(ex, batch.recovery_points)
         statements += 2 if batch.recovery_points else 0  # the prunes
         consumer_statements, consumers_written = _write_consumers(ex, batch)
+        span_statements, spans_written = _write_spans(ex, batch)
+        consumer_statements += span_statements
         statements += consumer_statements
         statements += _increment_counters(ex, batch.counters, moment)
         statements += _mark_purged(ex, batch.purges_done, batch.purges_acked)
@@ -361,6 +366,7 @@ class Store:
             pruned=pruned_rows,
             outbox=outbox,
             consumers=consumers_written,
+            spans=spans_written,
         )
 
     def load_outbox(self, shard: str) -> list[tuple[int, bytes]]:
@@ -485,8 +491,34 @@ class Store:
                     shard=row.shard,
                     principal=row.principal,
                     credential_hash=row.credential_sha256,
+                    credit_home=row.credit_home,
                 )
                 for row in conn.execute(sql.SELECT_CONSUMERS)
+            ]
+
+    def load_spans(self) -> list[ConsumerRow]:
+        """The parts of sessions on shards other than their home (protocol 8)."""
+        with translate_errors("loading session parts"), self._engine.connect() as conn:
+            return [
+                ConsumerRow(
+                    consumer_id=row.consumer_id,
+                    session_id=row.session_id,
+                    queue=row.queue,
+                    is_regex=row.is_regex,
+                    delivery_topic=row.delivery_topic,
+                    session_timeout_ms=row.session_timeout_ms,
+                    subscribed_at=_to_seconds(row.subscribed_at),
+                    last_heartbeat_at=_to_seconds(row.last_heartbeat_at),
+                    max_backlog=row.max_backlog,
+                    delivery_format=row.delivery_format,
+                    filter=row.filter,
+                    secret_hash=row.secret_sha256,
+                    shard=row.shard,
+                    principal=row.principal,
+                    credential_hash=row.credential_sha256,
+                    credit_home=row.credit_home,
+                )
+                for row in conn.execute(sql.SELECT_SPANS)
             ]
 
     def delivery_topics_in_use(self) -> set[str]:
@@ -947,6 +979,49 @@ def _prune_below(conn: Executor, points: Mapping[PartitionKey, int]) -> Result |
     return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params)
 
 
+def _write_spans(conn: Executor, batch: WriteBatch) -> tuple[int, Result | None]:
+    """Send the batch's statements on session parts (`consumer_spans`, protocol 8); returns
+    how many, and the upsert's result (the ids of the parts it wrote)."""
+    statements = 0
+    written: Result | None = None
+    if batch.span_deletes:
+        ended = sorted(batch.span_deletes.items())
+        conn.execute(sql.DELETE_SPAN_SESSIONS, {"consumer": [c for c, _ in ended],
+                                                "part": [p for _, (p, _s) in ended],
+                                                "session": [s for _, (_p, s) in ended]})
+        statements += 1
+    if batch.spans:
+        ordered = [batch.spans[consumer_id] for consumer_id in sorted(batch.spans)]
+        written = conn.execute(sql.UPSERT_CONSUMER_SPANS, {
+            "consumer_id": [row.consumer_id for row in ordered],
+            "shard": [row.shard for row in ordered],
+            "session_id": [row.session_id for row in ordered],
+            "credit_home": [row.credit_home for row in ordered],
+            "queue": [row.queue for row in ordered],
+            "is_regex": [row.is_regex for row in ordered],
+            "max_backlog": [row.max_backlog for row in ordered],
+            "filter": [row.filter for row in ordered],
+            "delivery_topic": [row.delivery_topic for row in ordered],
+            "session_timeout_ms": [row.session_timeout_ms for row in ordered],
+            "subscribed_at": [_to_datetime(row.subscribed_at) for row in ordered],
+            "last_heartbeat_at": [_to_datetime(row.last_heartbeat_at) for row in ordered],
+            "delivery_format": [row.delivery_format for row in ordered],
+            "secret_sha256": [row.secret_hash for row in ordered],
+            "principal": [row.principal for row in ordered],
+            "credential_sha256": [row.credential_hash for row in ordered],
+        })
+        statements += 1
+    if batch.span_heartbeats:
+        beats = sorted(batch.span_heartbeats.items())
+        conn.execute(sql.HEARTBEAT_SPANS, {
+            "consumer": [consumer_id for consumer_id, _ in beats],
+            "part": [part for _, (part, _at) in beats],
+            "at": [_to_datetime(at) for _, (_part, at) in beats],
+        })
+        statements += 1
+    return statements, written
+
+
 def _write_consumers(conn: Executor, batch: WriteBatch) -> tuple[int, Result | None]:
     """Send the batch's consumer statements; returns how many, and the upsert's result (the
     ids of the rows it wrote)."""
@@ -983,6 +1058,7 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> tuple[int, Result | N
                 "shard": [row.shard for row in ordered],
                 "principal": [row.principal for row in ordered],
                 "credential_sha256": [row.credential_hash for row in ordered],
+                "credit_home": [row.credit_home for row in ordered],
             },
         )
         statements += 1

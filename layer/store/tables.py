@@ -35,6 +35,7 @@ __all__ = [
     "COUNTER_NAMES",
     "DONE_STATES",
     "ENTRY_STATES",
+    "consumer_spans",
     "consumers",
     "coordinator_processes",
     "entries",
@@ -223,9 +224,42 @@ consumers = Table(
     # and the SHA-256 of that credential's secret: a rotated credential ends the session.
     Column("principal", Text, nullable=True),
     Column("credential_sha256", LargeBinary, nullable=True),
+    # Protocol 8 (0015): the session's home shard when it holds credit granted by its consumer
+    # (a subscription over queues of several shards); NULL: a session of one shard.
+    Column("credit_home", Integer, nullable=True),
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
     CheckConstraint("delivery_format IN ('batch', 'record')", name="delivery_format_known"),
+)
+
+#: The parts of a session on shards other than its home (0015, protocol 8): a subscription
+#: whose queues are on several shards has one session (one id, one secret) with a part on
+#: each; the home part is its `consumers` row (which keeps one consumer id to one session),
+#: the others are here, each written only by its own shard, and only while the home row holds
+#: the same session (`statements.UPSERT_CONSUMER_SPANS`). ``max_backlog`` is the credit the
+#: consumer granted that shard. The columns mean what they mean in `consumers`.
+consumer_spans = Table(
+    "consumer_spans",
+    metadata,
+    Column("consumer_id", Text, primary_key=True),
+    Column("shard", Integer, primary_key=True),
+    Column("session_id", Text, nullable=False),
+    Column("credit_home", Integer, nullable=False),
+    Column("queue", Text, nullable=False),
+    Column("is_regex", Boolean, nullable=False),
+    Column("max_backlog", Integer, nullable=True),
+    Column("filter", Text, nullable=True),
+    Column("delivery_topic", Text, nullable=False),
+    Column("session_timeout_ms", Integer, nullable=False),
+    _ts("subscribed_at", nullable=False),
+    _ts("last_heartbeat_at", nullable=False),
+    Column("delivery_format", Text, nullable=False),
+    Column("secret_sha256", LargeBinary, nullable=True),
+    Column("principal", Text, nullable=True),
+    Column("credential_sha256", LargeBinary, nullable=True),
+    CheckConstraint("max_backlog IS NULL OR max_backlog >= 0",
+                    name="span_max_backlog_not_negative"),
+    CheckConstraint("session_timeout_ms > 0", name="span_session_timeout_positive"),
 )
 
 #: Every write of an entry's state takes the next value, whether it is an `entries` row or an
