@@ -11,6 +11,7 @@ from layer.protocol.headers import CREDIT, header_value, parse_credit_report
 from layer.store.rows import ConsumerRow
 from tests.unit.coordinator.test_core import CODEC, TOPICS, Harness, _leases, _queue
 
+
 def _credit(record: JournalRecord, home: int) -> JournalRecord:
     return JournalRecord(record.topic, record.partition, record.offset, record.key,
                          record.value, 1, [(CREDIT, str(home).encode())])
