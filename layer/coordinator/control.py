@@ -51,8 +51,10 @@ from layer.protocol.headers import (
     REFUSAL,
     SESSION,
     SHARD,
+    SPANS_SHARDS,
     credit_home,
     credit_report_header,
+    shards_header,
 )
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
@@ -275,7 +277,8 @@ class Control:
         owner: list[bool] = [False]
 
         def refuse(status: SubscribeStatus, why: str, reason: str | None = None,
-                   not_authorized: bool = False) -> bool:
+                   not_authorized: bool = False,
+                   extra: list[tuple[str, bytes]] | None = None) -> bool:
             self.core.counters[f"subscribe_{status.value.lower()}"] += 1
             self.core.refusals.count(kind.value.lower(), reason or status.value.lower(),
                                      label)
@@ -301,7 +304,8 @@ class Control:
                 session_timeout_ms=int(timeout * 1000),
                 heartbeat_interval_ms=int(timeout * 1000 / 3),
                 coordinator_id=self.core.owner_id, sent_at_ms=ms(now)), m.consumer_id,
-                self._not_authorized if not_authorized else None))
+                self._not_authorized if not_authorized
+                else [*self._headers, *extra] if extra else None))
             return True
 
         if kind is RequestKind.REPLACE and (existing is None
@@ -407,7 +411,8 @@ class Control:
                           f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a "
                           "subscription over several shards needs a consumer of protocol 8 "
                           "(the qlayer SDK from 0.9), which grants each shard its credit "
-                          "(docs/coordinator.md, 'One backlog')")
+                          "(docs/coordinator.md, 'One backlog')", SPANS_SHARDS,
+                          extra=[(REFUSAL, SPANS_SHARDS.encode()), shards_header(list(shards))])
         old = existing.queues if existing is not None else []
         replacing = kind is RequestKind.REPLACE and existing is not None
         # A replace that takes the subscription off a queue keeps its leases there (AMPS

@@ -50,6 +50,8 @@ __all__ = [
     "SECRET",
     "SESSION",
     "SHARD",
+    "SHARDS",
+    "SPANS_SHARDS",
     "DeadLetterInfo",
     "DeliveryInfo",
     "Headers",
@@ -72,6 +74,7 @@ __all__ = [
     "parse_deliver_at",
     "parse_delivery_headers",
     "parse_expiration",
+    "parse_shards",
     "proof_headers",
     "proves",
     "reply_headers",
@@ -79,6 +82,7 @@ __all__ = [
     "secret_hash",
     "secret_headers",
     "secret_problem",
+    "shards_header",
     "with_delivery_headers",
     "without_delivery_headers",
 ]
@@ -128,6 +132,11 @@ CREDIT = "qlayer.credit"
 # On the answer to such a record, and on a credit notice (an empty delivery batch): what the
 # part holds, its grant and the entries waiting in its queues, ``held,grant,waiting`` ASCII.
 CREDIT_REPORT = "qlayer.credit-report"
+# On the refusal of a Subscribe without ``qlayer.credit`` whose queues are on several shards:
+# ``qlayer.refusal: spans_shards`` and these shards, ``0,1`` ASCII; a protocol-8 consumer then
+# subscribes on each of them with credit.
+SHARDS = "qlayer.shards"
+SPANS_SHARDS = "spans_shards"
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the
@@ -525,3 +534,18 @@ def parse_credit_report(headers: InputHeaders) -> tuple[int, int, int] | None:
         return None
     held, grant, waiting = (int(p) for p in parts)
     return held, grant, waiting
+
+
+def shards_header(shards: list[int]) -> tuple[str, bytes]:
+    return (SHARDS, ",".join(str(s) for s in sorted(shards)).encode())
+
+
+def parse_shards(headers: InputHeaders) -> list[int]:
+    """The shards of a ``qlayer.shards`` header (empty when absent or malformed)."""
+    value = header_value(headers, SHARDS)
+    if not value:
+        return []
+    parts = value.split(b",")
+    if not all(_CANONICAL_NUMBER.fullmatch(p) and len(p) <= 4 for p in parts):
+        return []
+    return sorted({int(p) for p in parts})

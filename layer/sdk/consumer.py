@@ -47,9 +47,12 @@ from layer.protocol.headers import (
     NOT_AUTHORIZED,
     REFUSAL,
     SESSION,
+    SPANS_SHARDS,
     header_value,
     is_reply,
     new_session_secret,
+    parse_credit_report,
+    parse_shards,
     proof_headers,
     reply_shard,
     secret_headers,
@@ -75,8 +78,9 @@ from layer.protocol.records import (
     SubscribeStatus,
     Unsubscribe,
 )
-from layer.sdk.acks import DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, AckBatcher
+from layer.sdk.acks import DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, Accept, AckBatcher
 from layer.sdk.config import ClientConfig
+from layer.sdk.credit import CreditLedger
 from layer.sdk.errors import (
     AckFailure,
     ConsumerClosedError,
@@ -92,6 +96,7 @@ from layer.sdk.identity import SecretStore, default_state_dir
 from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
 from layer.sdk.message import delay_ms as release_delay_ms
+from layer.sdk.spans import Spans
 from layer.sdk.transport import DeliveryReader, SdkProducer
 
 __all__ = ["ConsumerStats", "OnError", "QueueConsumer"]
@@ -138,6 +143,9 @@ class ConsumerStats:
     resubscriptions: int = 0
     send_failures: int = 0
     """Control or ack records Kafka did not accept (after the producer's retries)."""
+    credit_moves: int = 0
+    """Grants sent to move credit between the shards of a subscription that spans several
+    (protocol 8; always 0 for a subscription of one shard)."""
 
 
 def _default_consumer_id(principal: str | None = None) -> str:
@@ -264,6 +272,9 @@ class QueueConsumer:
         # None until the first reply: the Subscribe goes by key, and the coordinator that
         # reads it passes it on to the right shard.
         self._shard: int | None = None
+        # Protocol 8: the parts of a regex subscription whose queues are on several shards,
+        # and the credit they hold (`layer.sdk.spans`); None for a subscription of one shard.
+        self._spans: Spans | None = None
         self._delivery_topic = self._topics.delivery(self._consumer_id)  # validates the id
         # Protocol 5: the live session's secret, proved by every later record; kept on disk
         # for a restarted process of this consumer id (`layer.sdk.identity`). Not for an id
@@ -297,6 +308,8 @@ class QueueConsumer:
         self._results: dict[str, SubscribeResult] = {}
         # request id -> the refusal's `qlayer.refusal` word (protocol 7)
         self._refused_why: dict[str, str] = {}
+        # request id -> the shards a refused regex spans (protocol 8, ``spans_shards``)
+        self._spanning: dict[str, list[int]] = {}
         self._renewals: dict[tuple[str, str], AckItemResult | None] = {}
         self._grants: dict[str, QueueGrant] = {}
         self._effective_session_timeout = session_timeout
@@ -540,6 +553,15 @@ class QueueConsumer:
             self._subscribe_if_needed()
             return
         wait = self._subscribe_timeout if timeout is None else timeout
+        if self._spans is not None:
+            if (new_queue, new_regex) != (self._queue, self._regex):
+                raise InvalidSubscriptionError(
+                    f"consumer {self._consumer_id}: the queues of a subscription that spans "
+                    f"shards ({self._queue!r} is on shards {self._spans.shards}) cannot be "
+                    "replaced yet; close it and subscribe again (its filter and max_backlog "
+                    "can be replaced)")
+            self._replace_spanning(new_filter, new_backlog, wait)
+            return
         previous = (self._queue, self._regex, self._filter, self._max_backlog)
         request_id = uuid.uuid4().hex
         session_id = self._session_id
@@ -582,6 +604,43 @@ class QueueConsumer:
         self._grants = {grant.queue: grant for grant in result.queues}
         self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
         self._request_id = request_id
+
+    def _replace_spanning(self, new_filter: str | None, new_backlog: int, wait: float) -> None:
+        """Replace the filter and backlog of every part (protocol 8). A smaller backlog lowers
+        the grants at once; the leases held keep counting until they settle (AMPS)."""
+        spans = self._spans
+        session_id = self._session_id
+        assert spans is not None and session_id is not None
+        spans.ledger.backlog = new_backlog
+        share, extra = divmod(new_backlog, max(len(spans.shards), 1))
+        waiting: dict[str, int] = {}
+        for i, shard in enumerate(spans.shards):
+            grant = min(spans.ledger.shards[shard].grant, share + (1 if i < extra else 0))
+            request_id = uuid.uuid4().hex
+            spans.sent(shard, request_id, grant)
+            waiting[request_id] = shard
+            self._producer.send(self._topics.control, self._key, self._codec.encode_control(
+                Replace(consumer_id=self._consumer_id, session_id=session_id,
+                        request_id=request_id, queue=self._queue, queue_is_regex=True,
+                        max_backlog=grant, filter=new_filter,
+                        delivery_topic=self._delivery_topic, sent_at_ms=_now_ms())),
+                shard, [*self._format_header, *(self._proof or []), spans.header])
+        deadline = time.monotonic() + wait
+        while any(r not in self._results for r in waiting):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoCoordinatorError(
+                    f"no coordinator answered the Replace of consumer {self._consumer_id} "
+                    f"within {wait:g}s on every shard of {self._queue!r}; some parts may still "
+                    "have the previous filter. Is `qlayer coordinator run` still running?")
+            self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
+        refused = [self._results.pop(r) for r in waiting]
+        refusal = next((r for r in refused if r.status is not SubscribeStatus.OK), None)
+        if refusal is not None:
+            raise self._refusal(refusal, self._queue, new_filter)
+        self._filter, self._max_backlog = new_filter, new_backlog
+        self._seen.remember_for(new_backlog * max(len(spans.shards), 1))
+        self._move_credit()
 
     # --- closing ----------------------------------------------------------------------------
 
@@ -653,6 +712,10 @@ class QueueConsumer:
     # --- subscribing ------------------------------------------------------------------------
 
     def _subscribe(self) -> None:
+        """Subscribe by key: the coordinator that reads it passes it on to the shard of its
+        queues; a regex whose queues are on several shards is refused with their list
+        (``spans_shards``), and the subscription is made again over them with credit."""
+        self._spans = None
         session_id = str(uuid.uuid4())
         request_id = uuid.uuid4().hex
         # A fresh secret for the new session; the proof of the one it replaces: this
@@ -715,6 +778,10 @@ class QueueConsumer:
         if result.status is not SubscribeStatus.OK:
             with self._cond:
                 self._set_secret(previous)  # no session has the new secret
+            shards = self._spanning.pop(request_id, [])
+            if len(shards) > 1:
+                self._subscribe_spanning(shards)
+                return
             raise self._refusal(result, self._queue, self._filter)
         if self._secrets is not None:
             self._secrets.save(secret)
@@ -732,6 +799,112 @@ class QueueConsumer:
             self._next_heartbeat = time.monotonic() + interval
             self._active = True
             self._cond.notify_all()
+
+    def _subscribe_spanning(self, shards: list[int]) -> None:
+        """Subscribe a regex whose queues are on several shards (protocol 8): a part on the
+        home shard (the lowest), then one on each other shard, one session, one backlog held
+        as credit (`layer.sdk.credit`)."""
+        session_id = str(uuid.uuid4())
+        secret = new_session_secret()
+        previous = self._secret or (self._secrets.load() if self._secrets is not None
+                                    else None)
+        with self._cond:
+            self._session_id = session_id
+            self._set_secret(secret)
+            self._active = False
+        self._results.clear()
+        spans = self._spans = Spans(shards[0], CreditLedger(self._max_backlog))
+        grants = spans.ledger.initial(shards)
+        headers = (self._format_header + secret_headers(secret) + self._credential_header
+                   + [spans.header])
+        if previous is not None:
+            headers += proof_headers(previous)
+        refusal: SubscribeResult | None = None
+        grants_by_queue: dict[str, QueueGrant] = {}
+        deadline = time.monotonic() + self._subscribe_timeout
+        # The home part first: the other shards accept a part only of a session it holds.
+        for group in ([shards[0]], shards[1:]):
+            waiting: dict[str, int] = {}
+            for shard in group:
+                request_id = uuid.uuid4().hex
+                spans.sent(shard, request_id, grants[shard])
+                waiting[request_id] = shard
+                self._producer.send(self._topics.control, self._key, self._codec.encode_control(
+                    Subscribe(
+                        consumer_id=self._consumer_id, session_id=session_id,
+                        request_id=request_id, queue=self._queue, queue_is_regex=True,
+                        max_backlog=grants[shard], filter=self._filter,
+                        delivery_topic=self._delivery_topic,
+                        session_timeout_ms=round(self._session_timeout * 1000),
+                        client_name=self._client_name, client_version=__version__,
+                        sent_at_ms=_now_ms())), shard, headers)
+            while any(r not in self._results for r in waiting):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._end_parts(session_id, "no answer to Subscribe")
+                    silent = sorted(s for r, s in waiting.items() if r not in self._results)
+                    raise NoCoordinatorError(
+                        f"no coordinator answered the Subscribe to queue {self._queue!r} on "
+                        f"shard(s) {silent} within {self._subscribe_timeout:g}s (control topic "
+                        f"{self._topics.control} at {self._config.bootstrap_servers}). Is "
+                        "`qlayer coordinator run` running for every shard?")
+                self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
+            for request_id, shard in waiting.items():
+                result = self._results.pop(request_id)
+                if result.status is SubscribeStatus.OK:
+                    grants_by_queue.update({g.queue: g for g in result.queues})
+                elif result.status is SubscribeStatus.UNKNOWN_QUEUE and shard != spans.home:
+                    spans.drop(shard)  # the directory was behind: no such queue there now
+                else:
+                    refusal = refusal or result
+            if refusal is not None:
+                self._end_parts(session_id, "subscription refused")
+                with self._cond:
+                    self._set_secret(previous)
+                raise self._refusal(refusal, self._queue, self._filter)
+        if self._secrets is not None:
+            self._secrets.save(secret)
+        self._request_id = ""
+        self._grants = grants_by_queue
+        self._seen.remember_for(self._max_backlog * max(len(spans.shards), 1))
+        interval = self._effective_session_timeout / 3
+        with self._cond:
+            self._heartbeat_interval = interval
+            self._next_heartbeat = time.monotonic() + interval
+            self._active = True
+            self._cond.notify_all()
+        self._move_credit()
+
+    def _end_parts(self, session_id: str, reason: str) -> None:
+        """Unsubscribe the session on every shard it was sent to (an answer that never came
+        must not leave a part, and its leases, behind)."""
+        spans = self._spans
+        if spans is None:
+            return
+        value = self._codec.encode_control(Unsubscribe(
+            consumer_id=self._consumer_id, session_id=session_id, reason=reason,
+            sent_at_ms=_now_ms()))
+        for shard in spans.shards:
+            self._producer.send(self._topics.control, self._key, value, shard,
+                                list(self._proof or []) or None)
+
+    def _move_credit(self) -> None:
+        """Send the grants the ledger plans (Replace records of the session's parts)."""
+        spans = self._spans
+        session_id = self._session_id
+        if spans is None or session_id is None or not self._active:
+            return
+        for shard, grant in spans.ledger.plan().items():
+            request_id = uuid.uuid4().hex
+            spans.sent(shard, request_id, grant)
+            self._producer.send(self._topics.control, self._key, self._codec.encode_control(
+                Replace(consumer_id=self._consumer_id, session_id=session_id,
+                        request_id=request_id, queue=self._queue, queue_is_regex=True,
+                        max_backlog=grant, filter=self._filter,
+                        delivery_topic=self._delivery_topic, sent_at_ms=_now_ms())),
+                shard, [*self._format_header, *(self._proof or []), spans.header])
+            with self._cond:
+                self._stats.credit_moves += 1
 
     def _subscribe_if_needed(self) -> None:
         if self._needs_subscribe:
@@ -808,6 +981,11 @@ class QueueConsumer:
                     log.warning("unreadable delivery batch on %s at offset %s: %s",
                                 self._delivery_topic, record.offset(), exc)
                     continue
+                if self._spans is not None:
+                    report = parse_credit_report(headers)
+                    shard = reply_shard(headers)
+                    if report is not None and shard is not None:
+                        self._spans.reported(shard, report, len(entries))
                 session_id = self._session_id or ""
                 for entry in entries:
                     try:
@@ -837,12 +1015,30 @@ class QueueConsumer:
                     ignored += 1
                     continue
                 shard = reply_shard(headers)
-                if shard is not None:
+                if self._spans is not None:
+                    if isinstance(reply, SubscribeResult) and self._spans.answered(
+                            reply.request_id, reply.status is SubscribeStatus.OK,
+                            (g.queue for g in reply.queues),
+                            parse_credit_report(headers)) is not None:
+                        if reply.request_id not in self._results and reply.request_id:
+                            self._results[reply.request_id] = reply
+                        continue
+                    if (isinstance(reply, SessionEnded) and shard is not None
+                            and shard != self._spans.home and shard in self._spans.ledger.shards):
+                        # One part ended (its queues went, or it timed out): its leases are
+                        # broken there and its credit is free; the session goes on.
+                        log.info("consumer %s: the part of session %s on shard %d ended (%s)",
+                                 self._consumer_id, reply.session_id, shard, reply.reason.value)
+                        self._spans.drop(shard)
+                        continue
+                elif shard is not None:
                     self._shard = shard
                 if isinstance(reply, SubscribeResult) and reply.status is not SubscribeStatus.OK:
                     why = header_value(headers, REFUSAL)
                     if why is not None:
                         self._refused_why[reply.request_id] = why.decode("utf-8", "replace")
+                        if why == SPANS_SHARDS.encode():
+                            self._spanning[reply.request_id] = parse_shards(headers)
                 self._on_reply(reply)
                 continue
             if header_value(headers, SESSION) != session:
@@ -872,6 +1068,8 @@ class QueueConsumer:
             self._stats.malformed += malformed
             self._stats.delivered += delivered
             self._stats.repeated += repeated
+        if self._spans is not None:
+            self._move_credit()
 
     def _on_reply(self, reply: ReplyMessage) -> None:
         match reply:
@@ -988,6 +1186,14 @@ class QueueConsumer:
             headers = list(self._format_header) if isinstance(message, Replace) else []
             if self._proof is not None:
                 headers += self._proof
+        spans = self._spans
+        if spans is not None and not isinstance(message, Subscribe):
+            # Every part of the session hears its heartbeats, replaces and end (protocol 8).
+            value = self._codec.encode_control(message)
+            for shard in spans.shards:
+                self._producer.send(self._topics.control, self._key, value, shard,
+                                    [*headers, spans.header])
+            return
         self._producer.send(self._topics.control, self._key, self._codec.encode_control(message),
                             self._shard, headers or None)
 
@@ -1003,13 +1209,30 @@ class QueueConsumer:
         session_id = self._session_id
         assert session_id is not None
         batches, accepts = self._batcher.split()
+        spans = self._spans
+        if spans is not None:
+            # Each shard's items to its own partition (protocol 8).
+            batches = [[i for i in batch if spans.shard_of(i.queue) == shard]
+                       for batch in batches for shard in spans.shards]
+            batches = [b for b in batches if b]
         for batch in batches:
             record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
                                sent_at_ms=_now_ms(), items=tuple(batch))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record),
-                                self._shard, self._proof)
+                                spans.shard_of(batch[0].queue) if spans is not None
+                                else self._shard, self._proof)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(batch)
+        if accepts and spans is not None:
+            by_shard: dict[int, list[Accept]] = {}
+            for accept_item in accepts:
+                by_shard.setdefault(spans.shard_of(accept_item[0]), []).append(accept_item)
+            for shard, some in by_shard.items():
+                self._send_accepts(session_id, some, shard)
+        elif accepts:
+            self._send_accepts(session_id, accepts, self._shard)
+
+    def _send_accepts(self, session_id: str, accepts: list[Accept], shard: int | None) -> None:
         if accepts:
             # One AcceptRecord for every ACCEPT of batch-delivered messages: per queue and
             # journal partition, the offsets and their tokens (protocol 3).
@@ -1026,7 +1249,7 @@ class QueueConsumer:
                                          leases=tuple(ls))
                              for (q, t, p), (o, ls) in groups.items()))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_accept(accept),
-                                self._shard, self._proof)
+                                shard, self._proof)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(accepts)
 

@@ -193,9 +193,10 @@ def test_a_regex_consumer_over_pinned_queues_has_one_backlog(
             consumer.close()
 
 
-def test_a_regex_over_queues_of_several_shards_is_refused_with_the_way_out(
+def test_a_regex_over_queues_of_several_shards_without_credit_is_refused_with_the_way_out(
     settings: Settings, journal: Callable[..., str]
 ) -> None:
+    # A consumer of protocol 7 (no `qlayer.credit`) cannot hold one backlog over two shards.
     put_queues(settings, {"name": "Split0", "underlying_topic": journal("s0"), "shard": 0},
                {"name": "Split1", "underlying_topic": journal("s1"), "shard": 1})
     with running_coordinator(settings) as coordinator:
@@ -207,7 +208,7 @@ def test_a_regex_over_queues_of_several_shards_is_refused_with_the_way_out(
             consumer.close()
         assert result.status is SubscribeStatus.INVALID_REQUEST
         assert result.message is not None
-        assert "shards [0, 1]" in result.message and "shard_group" in result.message
+        assert "shards [0, 1]" in result.message and "protocol 8" in result.message
         assert coordinator.counters["subscribe_invalid_request"] == 1
 
 

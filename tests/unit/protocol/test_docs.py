@@ -124,12 +124,23 @@ def test_every_wire_value_is_documented(values: type[StrEnum]) -> None:
     assert missing == []
 
 
+def test_the_credit_examples_are_what_the_code_writes() -> None:
+    from layer.protocol.batch import encode_delivery_batch
+    from layer.protocol.headers import credit_report_header, parse_credit_report, shards_header
+
+    assert block_after("worked-example:credit-notice-hex") == encode_delivery_batch([]).hex(" ")
+    header = credit_report_header(2, 2, 1)
+    assert block_after("worked-example:credit-report-hex") == header[1].hex(" ")
+    assert parse_credit_report([header]) == (2, 2, 1)
+    assert block_after("worked-example:shards-hex") == shards_header([1, 0])[1].hex(" ")
+
+
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
     # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded, secret, proof,
-    # credential, refusal
-    assert len(names) == 26
+    # credential, refusal; protocol 8: credit, credit-report, shards and the word spans_shards
+    assert len(names) == 30
     assert [n for n in names if f"`{n}`" not in DOC] == []
 
 

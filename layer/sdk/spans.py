@@ -1,0 +1,76 @@
+"""A subscription whose queues are on several shards (protocol 8): its parts and its credit.
+
+A Subscribe by key whose regex matches queues of several shards is refused with their list
+(``qlayer.refusal: spans_shards``, ``qlayer.shards``); the consumer then subscribes on its
+*home* shard first (the lowest of them), then on each other shard with the same session id
+and secret; every such record carries ``qlayer.credit: <home>``
+and its ``max_backlog`` is the credit granted to that shard (`layer.sdk.credit`). The shards
+answer and send credit notices; this module keeps what they said and says which records to
+send next. The consumer (`layer.sdk.consumer`) does the sending and reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from layer.protocol.headers import CREDIT
+from layer.sdk.credit import CreditLedger, CreditReport
+
+__all__ = ["Spans"]
+
+
+@dataclass
+class Spans:
+    """The parts of one session over several shards."""
+
+    home: int
+    ledger: CreditLedger
+    #: Subscribe and Replace request ids not answered yet -> the shard they went to.
+    requests: dict[str, int] = field(default_factory=dict)
+    #: Queue -> the shard that granted it (acks of its messages go to that shard's partition).
+    queue_shard: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def header(self) -> tuple[str, bytes]:
+        return (CREDIT, b"%d" % self.home)
+
+    @property
+    def shards(self) -> list[int]:
+        """The shards holding a part of the session, home first."""
+        return sorted(self.ledger.shards, key=lambda s: (s != self.home, s))
+
+    def shard_of(self, queue: str) -> int:
+        return self.queue_shard.get(queue, self.home)
+
+    def sent(self, shard: int, request_id: str, grant: int) -> None:
+        self.ledger.sent(shard, request_id, grant)
+        self.requests[request_id] = shard
+
+    def answered(self, request_id: str, ok: bool, queues: Iterable[str],
+                 report: tuple[int, int, int] | None) -> int | None:
+        """A SubscribeResult for one of the parts' requests; the shard it came from (None when
+        the request is not one of them)."""
+        shard = self.requests.pop(request_id, None)
+        if shard is None:
+            return None
+        if not ok:
+            self.ledger.refused(shard, request_id)
+            return shard
+        for queue in queues:
+            self.queue_shard[queue] = shard
+        if report is not None:
+            self.ledger.confirmed(shard, request_id, CreditReport(*report))
+        return shard
+
+    def reported(self, shard: int, report: tuple[int, int, int], delivered: int) -> None:
+        self.ledger.reported(shard, CreditReport(*report), delivered)
+
+    def drop(self, shard: int) -> None:
+        """The shard's part ended (refused, timed out, its queues gone): its credit is free."""
+        self.ledger.remove(shard)
+        for request_id in [r for r, s in self.requests.items() if s == shard]:
+            del self.requests[request_id]
+        for queue in [q for q, s in self.queue_shard.items() if s == shard]:
+            del self.queue_shard[queue]
+
