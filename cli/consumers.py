@@ -62,7 +62,9 @@ def consumers(
     """List consumers (of every queue, or of QUEUE).
 
     Shows id, session, queue, backlog limit, filter, last heartbeat, the shard holding the
-    session with the coordinator process running it, and the delivery topic.
+    session with the coordinator process running it, and the delivery topic. A regex session
+    over queues of several shards shows the credit its consumer granted each shard
+    ("credit 0:1, 3:1") and each of those shards with its process.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -78,7 +80,10 @@ def consumers(
                       "last heartbeat", "shard (coordinator)", "delivery topic")
     for c in found:
         limit = "-" if c.backlog_limit is None else str(c.backlog_limit)
-        if c.max_backlog is None:
+        if c.credit is not None:
+            # One backlog over several shards: the credit each holds (protocol 8).
+            limit = "credit " + ", ".join(f"{p.shard}:{p.grant}" for p in c.credit)
+        elif c.max_backlog is None:
             limit += " (default)"
         heartbeat = f"{age_text(c.heartbeat_age)} ago"
         if c.evict_requested_at is not None:
@@ -90,6 +95,10 @@ def consumers(
 
 
 def _shard_text(c: ConsumerInfo) -> str:
+    if c.credit is not None:
+        return ", ".join(f"{p.shard} ({escape(p.owner_id)})" if p.owner_id is not None
+                         else f"{p.shard} [yellow](no coordinator runs it)[/]"
+                         for p in c.credit)
     if c.shard is None:
         return "-"
     if c.owner_id is None:

@@ -259,7 +259,11 @@ class Control:
         # Protocol 8: a part of a session whose consumer grants credit; a Replace keeps the
         # home its session has.
         home = credit_home(headers)
-        if kind is RequestKind.REPLACE and existing is not None:
+        # A Replace keeps its session's home; one with `qlayer.credit` naming this shard makes
+        # a session of one shard the home of a spanning one (its regex now matches queues of
+        # another shard too).
+        if (kind is RequestKind.REPLACE and existing is not None
+                and (existing.home is not None or home != self.core.shard)):
             home = existing.home
         span = home is not None and home != self.core.shard
         came = now if came is None else came
@@ -404,14 +408,18 @@ class Control:
                       if session.matches(n) and entitlements.may_consume(principal, n)}
         except re.error as exc:
             return refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
-        if len(shards) > 1 and home is None:
+        if home is None and (len(shards) > 1 or (shards and self.core.shard not in shards)):
             # One backlog across the matched queues (AMPS) is credit the consumer moves
             # between their shards (protocol 8); a consumer of an earlier protocol has none.
+            # So is a replace of this shard's session onto another shard's queue: the session
+            # stays here (its leases too) and gets a part there.
+            where = (f"the queues {m.queue!r} matches are on shards {sorted(shards)}"
+                     if len(shards) > 1 else f"{m.queue!r} is on shard {min(shards)}, the "
+                     f"session on shard {self.core.shard}")
             return refuse(SubscribeStatus.INVALID_REQUEST,
-                          f"the queues {m.queue!r} matches are on shards {sorted(shards)}; a "
-                          "subscription over several shards needs a consumer of protocol 8 "
-                          "(the qlayer SDK from 0.9), which grants each shard its credit "
-                          "(docs/coordinator.md, 'One backlog')", SPANS_SHARDS,
+                          f"{where}; a subscription over several shards needs a consumer of "
+                          "protocol 8 (the qlayer SDK from 0.9), which grants each shard its "
+                          "credit (docs/coordinator.md, 'One backlog')", SPANS_SHARDS,
                           extra=[(REFUSAL, SPANS_SHARDS.encode()), shards_header(list(shards))])
         old = existing.queues if existing is not None else []
         replacing = kind is RequestKind.REPLACE and existing is not None
@@ -423,7 +431,10 @@ class Control:
                                            and existing.draining):
             session.share = (existing.share if existing is not None and replacing
                              and existing.share is not None else BacklogShare())
-        if not names:
+        # A replace of a spanning session's part onto queues of other shards only: the part
+        # keeps draining the leases it holds here (AMPS "Replacing Queue Subscriptions").
+        drains_only = not names and bool(shards) and home is not None and replacing
+        if not names and not drains_only:
             # A queue applied a moment ago is served once this shard's catalog has it: the
             # Subscribe waits for that rather than being refused (issue 35: deployment scripts
             # apply queues and start consumers at once).
@@ -489,7 +500,9 @@ class Control:
             self.credited.add(m.consumer_id)
             report = self.credit_report(session)
             session.reported = report
-            answer_headers = [*self._headers, credit_report_header(*report)]
+            # And where the subscription's queues are, for the consumer to add parts there.
+            answer_headers = [*self._headers, credit_report_header(*report),
+                              shards_header(list(shards))]
         ok = self.reply(m.delivery_topic, SubscribeResult(
             consumer_id=m.consumer_id, session_id=m.session_id, request_id=m.request_id,
             request=kind, status=SubscribeStatus.OK, message=None, queues=tuple(grants),
@@ -517,6 +530,14 @@ class Control:
                 if info.consumer_id == session.consumer_id:
                     held += info.backlog
                     break
+            restored = self.core.restored_leases.get(name)
+            if restored:
+                # Its leases restored from PostgreSQL that the replay has not reached: held
+                # all the same (reported as free, their credit would be granted twice).
+                waiting_replay = {(c, b) for c, b in restored if engine.restoring(b)}
+                if len(waiting_replay) < len(restored):
+                    restored.intersection_update(waiting_replay)
+                held += sum(1 for c, _ in restored if c == session.consumer_id)
             if name in session.queues:
                 waiting += engine.stats().available
         grant = session.max_backlog if session.max_backlog is not None else 1

@@ -195,6 +195,9 @@ class ShardCore:
         self.engines: dict[str, AnyEngine] = {}
         self.versions: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
+        #: Per queue: (consumer id, bookmark) of the leases restored from PostgreSQL when it was
+        #: loaded (protocol 8 credit reports count those still waiting for the replay).
+        self.restored_leases: dict[str, set[tuple[str, Bookmark]]] = {}
         self.payloads.clear()
         if self.native:
             self.lane = NativeLane(self)
@@ -801,6 +804,11 @@ class ShardCore:
             self._deleted[name] = deleted
         entries = [entry_record(row, session_of) for row in kept]
         engine.restore(entries, starts)
+        # Leases that wait for the replay to reach their record are not the engine's yet; a
+        # credit report (protocol 8) counts them meanwhile (`Control.credit_report`).
+        self.restored_leases[name] = {
+            (row.lease_consumer, Bookmark(row.topic, row.partition, row.offset))
+            for row in kept if row.lease_consumer is not None and row.state == "LEASED"}
         stored_entries = {e.bookmark: e for e in entries}
         for (topic, partition), start in list(starts.items()):
             first = state.log_starts.get((topic, partition), 0)
@@ -838,6 +846,7 @@ class ShardCore:
 
     def drop_queue(self, name: str, keep_sessions: bool = False) -> None:
         self.engines.pop(name)
+        self.restored_leases.pop(name, None)
         # Found again from what is stored (unchanged until a step writes it) if the queue
         # is added again.
         self._deleted.pop(name, None)
@@ -893,9 +902,13 @@ class ShardCore:
         for row in rows:
             if row.consumer_id in self.sessions:
                 continue
-            if only is None and row.shard is not None and row.shard != self.shard:
+            elsewhere = row.shard is not None and row.shard != self.shard
+            if elsewhere and (only is None or row.is_regex or row.credit_home is not None):
                 # Another shard's session (one consumer id, one session: 0013); a queue that
-                # moved here brings its sessions (``only``), whose rows the move re-stamped.
+                # moved here brings the sessions subscribed to it by name (``only``), whose
+                # rows the move re-stamped. A regex session of another shard is not copied
+                # here when a queue it matches appears here: that was a second backlog (issue
+                # 31); its consumer adds a part here (protocol 8, `layer.sdk.spanning`).
                 continue
             session = Session.from_row(row)
             try:

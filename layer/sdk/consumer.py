@@ -78,9 +78,10 @@ from layer.protocol.records import (
     SubscribeStatus,
     Unsubscribe,
 )
+from layer.sdk import spanning
 from layer.sdk.acks import DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, Accept, AckBatcher
 from layer.sdk.config import ClientConfig
-from layer.sdk.credit import CreditLedger
+from layer.sdk.directory import QueueDirectory
 from layer.sdk.errors import (
     AckFailure,
     ConsumerClosedError,
@@ -111,6 +112,7 @@ OnError = Literal["release", "reject", "raise"] | Callable[[Message, Exception],
 _MAX_POLL_WAIT = 0.5  # seconds; how often a blocked receive() notices close() from elsewhere
 _MAX_THREAD_WAIT = 1.0  # seconds; how quickly the background thread notices a dropped consumer
 _MAX_REASON = 2000  # characters of an exception kept as a REJECT reason
+
 _RESUBSCRIBE_ON = frozenset({SessionEndReason.TIMED_OUT, SessionEndReason.UNKNOWN_SESSION})
 _TOPIC_SAFE = re.compile(r"[^a-zA-Z0-9._-]+")
 
@@ -275,6 +277,10 @@ class QueueConsumer:
         # Protocol 8: the parts of a regex subscription whose queues are on several shards,
         # and the credit they hold (`layer.sdk.spans`); None for a subscription of one shard.
         self._spans: Spans | None = None
+        # A regex subscription follows the queue directory (`_follow_directory`): queues
+        # created later on a shard it has no part on are joined.
+        self._directory: QueueDirectory | None = None
+        self._next_directory_check = time.monotonic() + spanning.DIRECTORY_INTERVAL
         self._delivery_topic = self._topics.delivery(self._consumer_id)  # validates the id
         # Protocol 5: the live session's secret, proved by every later record; kept on disk
         # for a restarted process of this consumer id (`layer.sdk.identity`). Not for an id
@@ -309,7 +315,9 @@ class QueueConsumer:
         # request id -> the refusal's `qlayer.refusal` word (protocol 7)
         self._refused_why: dict[str, str] = {}
         # request id -> the shards a refused regex spans (protocol 8, ``spans_shards``)
-        self._spanning: dict[str, list[int]] = {}
+        self._spans_refused: dict[str, list[int]] = {}
+        # request id -> the shards an answer to a part says the subscription's queues are on
+        self._answer_shards: dict[str, list[int]] = {}
         self._renewals: dict[tuple[str, str], AckItemResult | None] = {}
         self._grants: dict[str, QueueGrant] = {}
         self._effective_session_timeout = session_timeout
@@ -428,6 +436,8 @@ class QueueConsumer:
             self._ingest(self._reader.poll(wait))
             self._handle_session_end()
             self._raise_failures()
+            if self._regex:
+                spanning.follow_directory(self)
             if self._buffer:
                 continue
             if self._closed:  # by another thread, or a signal handler, meanwhile
@@ -554,13 +564,7 @@ class QueueConsumer:
             return
         wait = self._subscribe_timeout if timeout is None else timeout
         if self._spans is not None:
-            if (new_queue, new_regex) != (self._queue, self._regex):
-                raise InvalidSubscriptionError(
-                    f"consumer {self._consumer_id}: the queues of a subscription that spans "
-                    f"shards ({self._queue!r} is on shards {self._spans.shards}) cannot be "
-                    "replaced yet; close it and subscribe again (its filter and max_backlog "
-                    "can be replaced)")
-            self._replace_spanning(new_filter, new_backlog, wait)
+            spanning.replace_spanning(self, new_queue, new_regex, new_filter, new_backlog, wait)
             return
         previous = (self._queue, self._regex, self._filter, self._max_backlog)
         request_id = uuid.uuid4().hex
@@ -598,49 +602,17 @@ class QueueConsumer:
                 return
         result = self._results.pop(request_id)
         if result.status is not SubscribeStatus.OK:
+            if self._spans_refused.pop(request_id, None) and self._shard is not None:
+                # The new queues are on other shards: the session spans them (protocol 8).
+                spanning.replace_onto_shards(self, new_queue, new_regex, new_filter,
+                                             new_backlog, wait)
+                return
             raise self._refusal(result, new_queue, new_filter)
         self._queue, self._regex = new_queue, new_regex
         self._filter, self._max_backlog = new_filter, new_backlog
         self._grants = {grant.queue: grant for grant in result.queues}
         self._seen.remember_for(sum(g.max_backlog for g in self._grants.values()))
         self._request_id = request_id
-
-    def _replace_spanning(self, new_filter: str | None, new_backlog: int, wait: float) -> None:
-        """Replace the filter and backlog of every part (protocol 8). A smaller backlog lowers
-        the grants at once; the leases held keep counting until they settle (AMPS)."""
-        spans = self._spans
-        session_id = self._session_id
-        assert spans is not None and session_id is not None
-        spans.ledger.backlog = new_backlog
-        share, extra = divmod(new_backlog, max(len(spans.shards), 1))
-        waiting: dict[str, int] = {}
-        for i, shard in enumerate(spans.shards):
-            grant = min(spans.ledger.shards[shard].grant, share + (1 if i < extra else 0))
-            request_id = uuid.uuid4().hex
-            spans.sent(shard, request_id, grant)
-            waiting[request_id] = shard
-            self._producer.send(self._topics.control, self._key, self._codec.encode_control(
-                Replace(consumer_id=self._consumer_id, session_id=session_id,
-                        request_id=request_id, queue=self._queue, queue_is_regex=True,
-                        max_backlog=grant, filter=new_filter,
-                        delivery_topic=self._delivery_topic, sent_at_ms=_now_ms())),
-                shard, [*self._format_header, *(self._proof or []), spans.header])
-        deadline = time.monotonic() + wait
-        while any(r not in self._results for r in waiting):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NoCoordinatorError(
-                    f"no coordinator answered the Replace of consumer {self._consumer_id} "
-                    f"within {wait:g}s on every shard of {self._queue!r}; some parts may still "
-                    "have the previous filter. Is `qlayer coordinator run` still running?")
-            self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
-        refused = [self._results.pop(r) for r in waiting]
-        refusal = next((r for r in refused if r.status is not SubscribeStatus.OK), None)
-        if refusal is not None:
-            raise self._refusal(refusal, self._queue, new_filter)
-        self._filter, self._max_backlog = new_filter, new_backlog
-        self._seen.remember_for(new_backlog * max(len(spans.shards), 1))
-        self._move_credit()
 
     # --- closing ----------------------------------------------------------------------------
 
@@ -687,6 +659,8 @@ class QueueConsumer:
                 self._active = False
             self._buffer.clear()
             self._reader.close()
+            if self._directory is not None:
+                self._directory.close()
 
     def __enter__(self) -> Self:
         return self
@@ -778,9 +752,9 @@ class QueueConsumer:
         if result.status is not SubscribeStatus.OK:
             with self._cond:
                 self._set_secret(previous)  # no session has the new secret
-            shards = self._spanning.pop(request_id, [])
+            shards = self._spans_refused.pop(request_id, [])
             if len(shards) > 1:
-                self._subscribe_spanning(shards)
+                spanning.subscribe_spanning(self, shards)
                 return
             raise self._refusal(result, self._queue, self._filter)
         if self._secrets is not None:
@@ -799,112 +773,6 @@ class QueueConsumer:
             self._next_heartbeat = time.monotonic() + interval
             self._active = True
             self._cond.notify_all()
-
-    def _subscribe_spanning(self, shards: list[int]) -> None:
-        """Subscribe a regex whose queues are on several shards (protocol 8): a part on the
-        home shard (the lowest), then one on each other shard, one session, one backlog held
-        as credit (`layer.sdk.credit`)."""
-        session_id = str(uuid.uuid4())
-        secret = new_session_secret()
-        previous = self._secret or (self._secrets.load() if self._secrets is not None
-                                    else None)
-        with self._cond:
-            self._session_id = session_id
-            self._set_secret(secret)
-            self._active = False
-        self._results.clear()
-        spans = self._spans = Spans(shards[0], CreditLedger(self._max_backlog))
-        grants = spans.ledger.initial(shards)
-        headers = (self._format_header + secret_headers(secret) + self._credential_header
-                   + [spans.header])
-        if previous is not None:
-            headers += proof_headers(previous)
-        refusal: SubscribeResult | None = None
-        grants_by_queue: dict[str, QueueGrant] = {}
-        deadline = time.monotonic() + self._subscribe_timeout
-        # The home part first: the other shards accept a part only of a session it holds.
-        for group in ([shards[0]], shards[1:]):
-            waiting: dict[str, int] = {}
-            for shard in group:
-                request_id = uuid.uuid4().hex
-                spans.sent(shard, request_id, grants[shard])
-                waiting[request_id] = shard
-                self._producer.send(self._topics.control, self._key, self._codec.encode_control(
-                    Subscribe(
-                        consumer_id=self._consumer_id, session_id=session_id,
-                        request_id=request_id, queue=self._queue, queue_is_regex=True,
-                        max_backlog=grants[shard], filter=self._filter,
-                        delivery_topic=self._delivery_topic,
-                        session_timeout_ms=round(self._session_timeout * 1000),
-                        client_name=self._client_name, client_version=__version__,
-                        sent_at_ms=_now_ms())), shard, headers)
-            while any(r not in self._results for r in waiting):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._end_parts(session_id, "no answer to Subscribe")
-                    silent = sorted(s for r, s in waiting.items() if r not in self._results)
-                    raise NoCoordinatorError(
-                        f"no coordinator answered the Subscribe to queue {self._queue!r} on "
-                        f"shard(s) {silent} within {self._subscribe_timeout:g}s (control topic "
-                        f"{self._topics.control} at {self._config.bootstrap_servers}). Is "
-                        "`qlayer coordinator run` running for every shard?")
-                self._ingest(self._reader.poll(min(remaining, _MAX_POLL_WAIT)))
-            for request_id, shard in waiting.items():
-                result = self._results.pop(request_id)
-                if result.status is SubscribeStatus.OK:
-                    grants_by_queue.update({g.queue: g for g in result.queues})
-                elif result.status is SubscribeStatus.UNKNOWN_QUEUE and shard != spans.home:
-                    spans.drop(shard)  # the directory was behind: no such queue there now
-                else:
-                    refusal = refusal or result
-            if refusal is not None:
-                self._end_parts(session_id, "subscription refused")
-                with self._cond:
-                    self._set_secret(previous)
-                raise self._refusal(refusal, self._queue, self._filter)
-        if self._secrets is not None:
-            self._secrets.save(secret)
-        self._request_id = ""
-        self._grants = grants_by_queue
-        self._seen.remember_for(self._max_backlog * max(len(spans.shards), 1))
-        interval = self._effective_session_timeout / 3
-        with self._cond:
-            self._heartbeat_interval = interval
-            self._next_heartbeat = time.monotonic() + interval
-            self._active = True
-            self._cond.notify_all()
-        self._move_credit()
-
-    def _end_parts(self, session_id: str, reason: str) -> None:
-        """Unsubscribe the session on every shard it was sent to (an answer that never came
-        must not leave a part, and its leases, behind)."""
-        spans = self._spans
-        if spans is None:
-            return
-        value = self._codec.encode_control(Unsubscribe(
-            consumer_id=self._consumer_id, session_id=session_id, reason=reason,
-            sent_at_ms=_now_ms()))
-        for shard in spans.shards:
-            self._producer.send(self._topics.control, self._key, value, shard,
-                                list(self._proof or []) or None)
-
-    def _move_credit(self) -> None:
-        """Send the grants the ledger plans (Replace records of the session's parts)."""
-        spans = self._spans
-        session_id = self._session_id
-        if spans is None or session_id is None or not self._active:
-            return
-        for shard, grant in spans.ledger.plan().items():
-            request_id = uuid.uuid4().hex
-            spans.sent(shard, request_id, grant)
-            self._producer.send(self._topics.control, self._key, self._codec.encode_control(
-                Replace(consumer_id=self._consumer_id, session_id=session_id,
-                        request_id=request_id, queue=self._queue, queue_is_regex=True,
-                        max_backlog=grant, filter=self._filter,
-                        delivery_topic=self._delivery_topic, sent_at_ms=_now_ms())),
-                shard, [*self._format_header, *(self._proof or []), spans.header])
-            with self._cond:
-                self._stats.credit_moves += 1
 
     def _subscribe_if_needed(self) -> None:
         if self._needs_subscribe:
@@ -985,7 +853,7 @@ class QueueConsumer:
                     report = parse_credit_report(headers)
                     shard = reply_shard(headers)
                     if report is not None and shard is not None:
-                        self._spans.reported(shard, report, len(entries))
+                        self._spans.reported(shard, report, 0)
                 session_id = self._session_id or ""
                 for entry in entries:
                     try:
@@ -1002,6 +870,8 @@ class QueueConsumer:
                         continue
                     delivered += 1
                     self._buffer.append(message)
+                    if self._spans is not None:
+                        self._spans.delivered(message.queue)
                 continue
             if is_reply(headers):
                 try:
@@ -1016,11 +886,20 @@ class QueueConsumer:
                     continue
                 shard = reply_shard(headers)
                 if self._spans is not None:
+                    unawaited = reply.request_id in self._spans.unawaited if isinstance(
+                        reply, SubscribeResult) else False
                     if isinstance(reply, SubscribeResult) and self._spans.answered(
                             reply.request_id, reply.status is SubscribeStatus.OK,
                             (g.queue for g in reply.queues),
                             parse_credit_report(headers)) is not None:
-                        if reply.request_id not in self._results and reply.request_id:
+                        if reply.status is SubscribeStatus.OK:
+                            self._grants.update({g.queue: g for g in reply.queues})
+                            self._answer_shards[reply.request_id] = parse_shards(headers)
+                        if unawaited:
+                            self._spans.unawaited.discard(reply.request_id)
+                            self._answer_shards.pop(reply.request_id, None)
+                            self._next_directory_check = 0.0  # join what waits for it now
+                        elif reply.request_id:
                             self._results[reply.request_id] = reply
                         continue
                     if (isinstance(reply, SessionEnded) and shard is not None
@@ -1038,7 +917,7 @@ class QueueConsumer:
                     if why is not None:
                         self._refused_why[reply.request_id] = why.decode("utf-8", "replace")
                         if why == SPANS_SHARDS.encode():
-                            self._spanning[reply.request_id] = parse_shards(headers)
+                            self._spans_refused[reply.request_id] = parse_shards(headers)
                 self._on_reply(reply)
                 continue
             if header_value(headers, SESSION) != session:
@@ -1069,7 +948,7 @@ class QueueConsumer:
             self._stats.delivered += delivered
             self._stats.repeated += repeated
         if self._spans is not None:
-            self._move_credit()
+            spanning.move_credit(self)
 
     def _on_reply(self, reply: ReplyMessage) -> None:
         match reply:

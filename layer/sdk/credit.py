@@ -130,7 +130,7 @@ class CreditLedger:
         after = self.reserved() - credit.reservation + max(credit.reservation, grant)
         if grant < 0 or after > self.backlog:
             raise ValueError(f"grant {grant} to shard {shard} would reserve {after} of a "
-                             f"backlog of {self.backlog}")
+                             f"backlog of {self.backlog} (shards: {self.shards})")
         credit.pending[request_id] = grant
 
     def refused(self, shard: int, request_id: str) -> None:

@@ -146,6 +146,12 @@ class QueueDirectory:
                 self._ensure_fresh(miss=True)
             return self._shards.get(name)
 
+    def placements(self) -> dict[str, int | None]:
+        """Every known queue and the shard serving it (None: a format-1 record)."""
+        with self._lock:
+            self._ensure_fresh(miss=False)
+            return {name: self._shards.get(name) for name in sorted(self._definitions)}
+
     def definitions(self) -> list[QueueDefinition]:
         """Every known queue definition, by name."""
         with self._lock:

@@ -30,6 +30,9 @@ class Spans:
     requests: dict[str, int] = field(default_factory=dict)
     #: Queue -> the shard that granted it (acks of its messages go to that shard's partition).
     queue_shard: dict[str, int] = field(default_factory=dict)
+    #: Requests nobody waits for (parts joined later, the home made spanning): answered as
+    #: they come.
+    unawaited: set[str] = field(default_factory=set)
 
     @property
     def header(self) -> tuple[str, bytes]:
@@ -56,6 +59,9 @@ class Spans:
             return None
         if not ok:
             self.ledger.refused(shard, request_id)
+            if request_id in self.unawaited and shard != self.home:
+                self.drop(shard)  # a part that did not join: tried again later
+            self.unawaited.discard(request_id)
             return shard
         for queue in queues:
             self.queue_shard[queue] = shard
@@ -63,8 +69,20 @@ class Spans:
             self.ledger.confirmed(shard, request_id, CreditReport(*report))
         return shard
 
+    def ready_to_join(self) -> bool:
+        """Whether parts may join: the home part applies a grant (it holds the session as a
+        spanning one, so the other shards accept parts of it)."""
+        home = self.ledger.shards.get(self.home)
+        return home is not None and home.applied is not None
+
     def reported(self, shard: int, report: tuple[int, int, int], delivered: int) -> None:
         self.ledger.reported(shard, CreditReport(*report), delivered)
+
+    def delivered(self, queue: str) -> None:
+        """A message of ``queue`` came: its shard has taken its turn of the remainder."""
+        credit = self.ledger.shards.get(self.shard_of(queue))
+        if credit is not None:
+            credit.delivered += 1
 
     def drop(self, shard: int) -> None:
         """The shard's part ended (refused, timed out, its queues gone): its credit is free."""

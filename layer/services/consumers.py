@@ -9,7 +9,7 @@ SessionEnded(EVICTED).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from layer.domain.definitions import DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG
@@ -25,7 +25,8 @@ from layer.settings import Settings
 from layer.store.rows import ConsumerRow
 from layer.store.store import Store
 
-__all__ = ["ConsumerInfo", "ConsumerService", "EvictionResult", "NoSuchConsumerError"]
+__all__ = ["ConsumerInfo", "ConsumerService", "CreditPart", "EvictionResult",
+           "NoSuchConsumerError"]
 
 # DESIGN §4: a consumer that gives no max_backlog gets 1.
 DEFAULT_CONSUMER_BACKLOG = 1
@@ -35,6 +36,17 @@ class NoSuchConsumerError(UnknownConsumerError):
     def __init__(self, consumer_id: str) -> None:
         super().__init__(consumer_id)
         self.args = (f"no consumer with id {consumer_id}; see `qlayer consumers`",)
+
+
+@dataclass(frozen=True, slots=True)
+class CreditPart:
+    """One shard's part of a session that spans shards (protocol 8)."""
+
+    shard: int
+    grant: int
+    """The credit the consumer granted this shard: it leases while it holds fewer."""
+    owner_id: str | None
+    """The coordinator process running the shard now (None: none runs it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,9 @@ class ConsumerInfo:
     owner_id: str | None = None
     """The coordinator process running that shard now (`qlayer coordinators`); None when no
     running process holds it (the session's queues are not served until one takes it)."""
+    credit: tuple[CreditPart, ...] | None = None
+    """A session over queues of several shards (protocol 8): its part on each shard, home
+    first, with the credit granted there; None for a session of one shard."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +123,12 @@ class ConsumerService:
                 raise NoSuchQueueError(queue)
             rows = attached_consumers(queue, rows)
         owners = self._running_owners(now)
+        spans: dict[str, list[ConsumerRow]] = {}
+        if any(row.credit_home is not None for row in rows):
+            for span in self.store.load_spans():
+                spans.setdefault(span.consumer_id, []).append(span)
         return [
-            _info(row, now, limits, owners)
+            _info(row, now, limits, owners, spans.get(row.consumer_id, ()))
             for row in sorted(rows, key=lambda r: (r.queue, r.consumer_id))
         ]
 
@@ -151,7 +170,8 @@ class ConsumerService:
 
 
 def _info(row: ConsumerRow, now: float, limits: dict[str, int],
-          owners: dict[str, str] | None = None) -> ConsumerInfo:
+          owners: dict[str, str] | None = None,
+          spans: Iterable[ConsumerRow] = ()) -> ConsumerInfo:
     asked = DEFAULT_CONSUMER_BACKLOG if row.max_backlog is None else row.max_backlog
     if row.is_regex:
         matched = {limits[name] for name in limits if attached_consumers(name, [row])}
@@ -176,4 +196,14 @@ def _info(row: ConsumerRow, now: float, limits: dict[str, int],
         principal=row.principal,
         shard=row.shard,
         owner_id=None if row.shard is None else (owners or {}).get(str(row.shard)),
+        credit=None if row.credit_home is None or row.shard is None else tuple(
+            CreditPart(part.shard, _grant(part), (owners or {}).get(str(part.shard)))
+            for part in [row, *sorted((s for s in spans if s.session_id == row.session_id
+                                       and s.shard is not None),
+                                      key=lambda s: s.shard or 0)]
+            if part.shard is not None),
     )
+
+
+def _grant(row: ConsumerRow) -> int:
+    return DEFAULT_CONSUMER_BACKLOG if row.max_backlog is None else row.max_backlog

@@ -412,3 +412,75 @@ def test_the_inputs_kafka_offsets_are_committed_at_most_once_per_interval_and_at
     # The clean stop committed what the shard had applied: every ack record is behind it.
     ends, committed = _ack_topic_positions(settings)
     assert ends and committed == ends
+
+
+def test_a_regex_consumer_over_two_processes_keeps_one_backlog_through_a_sigkill(
+    settings16: Settings, create_topic: Callable[..., str], tmp_path: Path,
+    processes: list[CoordinatorSubprocess | ConsumerWorker],
+) -> None:
+    """Issue 31: a regex consumer (max_backlog 2) over two queues whose shards two processes
+    run; SIGKILL the process of one of them mid-stream. Its part of the session comes back on
+    the other process with its leases and credit (consumer_spans): nothing lost, and two held
+    still stop every delivery, before and after the takeover."""
+    from layer.sdk import Message, QueueConsumer
+
+    settings = settings16
+    coordinators = [CoordinatorSubprocess(settings, tmp_path, f"k{i}") for i in range(2)]
+    processes.extend(coordinators)
+    with Store(settings.database_url) as store:
+        _wait(lambda: len(_owners(store)) == SHARDS and len(set(_owners(store).values())) == 2,
+              90, "2 processes running the 16 shards")
+        owners = _owners(store)
+        shards = {"KillA": min(s for s, o in owners.items() if o == "k0"),
+                  "KillB": min(s for s, o in owners.items() if o == "k1")}
+        topics = {q: create_topic(f"{settings.topic_prefix[:-1]}-{q}", 1) for q in shards}
+        # Leases outlive the test: one that expired (a restored lease is resent with its old
+        # deadline) would rightly be leased again while its first delivery is still held.
+        put_queues(settings, *({"name": q, "underlying_topic": topics[q], "shard": s,
+                                "lease_period": "120s"} for q, s in shards.items()))
+        per_queue = 60
+        for topic in topics.values():
+            produce_numbers(settings.bootstrap_servers, topic, per_queue)
+        got: set[tuple[str, str]] = set()
+        held: list[Message] = []
+
+        def two_held_stop_deliveries() -> None:
+            deadline = time.monotonic() + 60
+            while len(held) < 2 and time.monotonic() < deadline:
+                message = consumer.receive(timeout=0.5)
+                if message is not None:
+                    got.add((message.queue, str(message.bookmark)))
+                    held.append(message)
+            assert len(held) == 2
+            assert consumer.receive(timeout=2.0) is None, "a third came while two were held"
+            for message in held:
+                message.ack()
+            held.clear()
+
+        with QueueConsumer("^Kill(A|B)$", regex=True, max_backlog=2,
+                           bootstrap_servers=settings.bootstrap_servers,
+                           topic_prefix=settings.topic_prefix, subscribe_timeout=30,
+                           consumer_id="spanning-kill") as consumer:
+            two_held_stop_deliveries()
+            killed = False
+            deadline = time.monotonic() + 150
+            total = 2 * per_queue + 2  # and two more on KillA after the takeover
+            while len(got) < total and time.monotonic() < deadline:
+                message = consumer.receive(timeout=0.5)
+                if message is not None:
+                    got.add((message.queue, str(message.bookmark)))
+                    message.ack()
+                if not killed and len(got) >= per_queue // 2:
+                    coordinators[1].kill()
+                    killed = True
+                    _wait(lambda: _owners(store).get(shards["KillB"]) == "k0", 60,
+                          "KillB's shard taken over")
+                    produce_numbers(settings.bootstrap_servers, topics["KillA"], 2,
+                                    start=per_queue)
+                    two_held_stop_deliveries()
+            assert killed
+            assert {q for q, _ in got} == set(shards)
+            assert len(got) == total, f"{total - len(got)} never delivered"
+        _wait(lambda: sum(store.load_recovery_points("KillB").values()) == per_queue
+              and sum(store.load_recovery_points("KillA").values()) == per_queue + 2, 60,
+              "every message acked")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan
+from layer.domain.states import Bookmark
 from layer.kafka import JournalRecord
 from layer.protocol import Replace, SubscribeResult, SubscribeStatus
 from layer.protocol.headers import CREDIT, header_value, parse_credit_report
@@ -99,3 +100,39 @@ def test_a_part_joins_only_a_session_its_home_shard_holds() -> None:
     end = h.step([h.unsubscribe("c2")], 5.0)
     assert end.batch.span_deletes == {"c2": (0, "s-c2")}
     assert end.batch.session_deletes == {} and end.batch.consumer_deletes == set()
+
+
+def test_a_restored_lease_counts_as_held_before_the_replay_reaches_it() -> None:
+    """After a restart or takeover, a lease restored from PostgreSQL is the engine's only once
+    the journal's replay reaches its record; reported free meanwhile, its credit would be
+    granted to another shard too (seen in the SIGKILL test before this was counted)."""
+    from layer.coordinator.core import QueueState, ShardCore
+    from layer.coordinator.options import CoordinatorOptions
+    from layer.coordinator.ports import FakeTopicAdmin
+    from layer.domain.definitions import QueueDefinition
+    from layer.store.rows import EntryRow
+    from tests.unit.coordinator.test_core import JOURNAL
+
+    work = _queue("Work", 0)
+    row = _home_row("c1", 0, 1.0)
+    core = ShardCore(0, CoordinatorOptions(owner_id="t", core="python"), topics=TOPICS,
+                     catalog=lambda: Catalog.of(2, [work], [row], now=1.0),
+                     admin=FakeTopicAdmin({JOURNAL: 1, TOPICS.control: 2, TOPICS.ack: 2}),
+                     tokens=lambda: "new", owner_id="t")
+    core.epoch = 1
+    lease = EntryRow(queue="Work", topic=JOURNAL, partition=0, offset=0, state="LEASED",
+                     delivery_count=1, lease_consumer="c1", lease_token="tok",
+                     lease_deadline=100.0)
+    core.add_queue(QueueState(QueueDefinition.from_mapping(work.definition), 1, [lease],
+                              {(JOURNAL, 0): 0}, {}, {}, {(JOURNAL, 0): 0}), [row], 2.0)
+    core.restore_sessions([row], 2.0)
+    session = core.sessions["c1"]
+    lease_bookmark = Bookmark(JOURNAL, 0, 0)
+    assert core.engines["Work"].restoring(lease_bookmark)
+    assert core.control.credit_report(session)[0] == 1
+    replay = JournalRecord(JOURNAL, 0, 0, None, b'{"n": 0}', 1, None)
+    plan = core.step([replay], 3.0)
+    core.settled(plan)
+    assert not core.engines["Work"].restoring(lease_bookmark)
+    assert core.control.credit_report(session)[0] == 1  # the engine's now, counted once
+
