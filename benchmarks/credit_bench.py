@@ -15,6 +15,8 @@ processes running the SDK (acking every message, max_backlog 500, 1 KiB messages
   alternated with this tree's: the single-shard path must not regress.
 - regex-4-shards: four queues on shards 0-3, one regex consumer over them (one backlog of
   500 held as credit across the four shards); N messages spread over the four journals.
+- regex-4-queues-1-shard: the same four queues all on shard 0 (no credit: one shard holds
+  the whole backlog), to tell what credit costs from what spreading over shards costs.
 - credit latency: two queues on shards 0 and 1, a regex consumer with max_backlog 1. Each
   round: a message on A is delivered and held, a message on B waits, then A's is acked; the
   figure is the time from that ack to B's delivery (the credit comes back from shard 0 and is
@@ -90,10 +92,10 @@ def _produce(bootstrap: str, journals: list[str], count: int) -> None:
     producer.flush(60)
 
 
-def throughput(args: argparse.Namespace, tree: Path, queues: int, regex: bool
-               ) -> dict[str, Any]:
-    """acked/s and coordinator CPU µs/msg: ``queues`` queues on shards 0.. and one consumer
-    (a regex over them, or the one queue by name)."""
+def throughput(args: argparse.Namespace, tree: Path, queues: int, regex: bool,
+               one_shard: bool = False) -> dict[str, Any]:
+    """acked/s and coordinator CPU µs/msg: ``queues`` queues on shards 0.. (all on shard 0
+    with ``one_shard``) and one consumer (a regex over them, or the one queue by name)."""
     inst = Installation(args.bootstrap_servers, args.database_url, tree, args.log_dir)
     consumer: subprocess.Popen[bytes] | None = None
     try:
@@ -103,7 +105,7 @@ def throughput(args: argparse.Namespace, tree: Path, queues: int, regex: bool
         for i in range(queues):
             name, journal = f"Cq{i}", f"credit-{inst.prefix.rstrip('.')}-{i}"
             create_topic(args.bootstrap_servers, journal, 3)
-            inst.queue(name, journal, str(i), 1000)
+            inst.queue(name, journal, "0" if one_shard else str(i), 1000)
             names.append(name)
             journals.append(journal)
         time.sleep(2.0)  # the coordinator serves the queues before the consumer subscribes
@@ -170,12 +172,12 @@ def credit_latency(args: argparse.Namespace) -> dict[str, Any]:
                            subscribe_timeout=30) as consumer:
             for i in range(args.rounds):
                 other = "LatB" if i % 2 == 0 else "LatA"
-                for name in ("LatA", other):
-                    producer.produce(journals[name], b"x" * SIZE)
-                    producer.flush(10)
-                    if name == "LatA":
-                        first = _receive(consumer)
-                        assert first.queue == "LatA", first.queue
+                producer.produce(journals["LatA"], b"x" * SIZE)
+                producer.flush(10)
+                first = _receive(consumer)
+                assert first.queue == "LatA", first.queue
+                producer.produce(journals[other], b"x" * SIZE)
+                producer.flush(10)
                 time.sleep(0.3)  # the second waits, and its shard has said so
                 started = time.monotonic()
                 first.ack()
@@ -221,14 +223,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--before-tree", type=Path,
                         help="a checkout whose coordinator and SDK run the one-queue cell too")
+    parser.add_argument("--only-latency", action="store_true", help="the latency cell only")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp") / "qlayer-credit-bench")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    cells: dict[str, list[dict[str, Any]]] = {"one_queue": [], "regex_4_shards": []}
+    cells: dict[str, list[dict[str, Any]]] = {"one_queue": [], "regex_4_shards": [],
+                                              "regex_4_queues_1_shard": []}
     if args.before_tree is not None:
         cells["one_queue_before"] = []
-    for run in range(args.runs):
+    for run in range(0 if args.only_latency else args.runs):
         # Alternated, so that drift on a shared machine falls on both sides alike.
         if args.before_tree is not None:
             cells["one_queue_before"].append(throughput(args, args.before_tree, 1, False))
@@ -237,10 +241,16 @@ def main() -> None:
         print("one_queue", run, cells["one_queue"][-1], flush=True)
         cells["regex_4_shards"].append(throughput(args, HERE, 4, True))
         print("regex_4_shards", run, cells["regex_4_shards"][-1], flush=True)
-    result: dict[str, Any] = {name: _median(runs) for name, runs in cells.items()}
-    result["regex_4_shards_vs_one_queue"] = round(
-        result["regex_4_shards"]["acked_per_s"] / result["one_queue"]["acked_per_s"], 2)
-    if args.before_tree is not None:
+        cells["regex_4_queues_1_shard"].append(throughput(args, HERE, 4, True, one_shard=True))
+        print("regex_4_queues_1_shard", run, cells["regex_4_queues_1_shard"][-1], flush=True)
+    result: dict[str, Any] = {name: _median(runs) for name, runs in cells.items() if runs}
+    if not args.only_latency:
+        result["regex_4_shards_vs_one_queue"] = round(
+            result["regex_4_shards"]["acked_per_s"] / result["one_queue"]["acked_per_s"], 2)
+        result["regex_4_shards_vs_regex_1_shard"] = round(
+            result["regex_4_shards"]["acked_per_s"]
+            / result["regex_4_queues_1_shard"]["acked_per_s"], 2)
+    if args.before_tree is not None and not args.only_latency:
         result["one_queue_after_vs_before"] = round(
             result["one_queue"]["acked_per_s"] / result["one_queue_before"]["acked_per_s"], 2)
     result["credit_latency"] = credit_latency(args)

@@ -544,10 +544,11 @@ class Control:
         return held, grant, waiting
 
     def credit_notices(self, replies: list[OutgoingRecord]) -> None:
-        """Tell each credited session what changed since it was last told (its leases were
-        settled, work came to wait, its grant was applied): an empty delivery batch with a
-        ``qlayer.credit-report`` header, after this step's deliveries. Its consumer moves its
-        credit on these (`layer.sdk.credit`)."""
+        """Tell each credited session what changed since it was last told that its consumer
+        acts on (work came to wait or stopped waiting, a grant was applied, leases held past
+        the grant were settled): an empty delivery batch with a ``qlayer.credit-report``
+        header, after this step's deliveries. Its consumer moves its credit on these
+        (`layer.sdk.credit`)."""
         sessions = self.core.sessions
         for consumer_id in list(self.credited):
             session = sessions.get(consumer_id)
@@ -555,7 +556,14 @@ class Control:
                 self.credited.discard(consumer_id)
                 continue
             report = self.credit_report(session)
-            if report == session.reported:
+            last = session.reported
+            # Only what its consumer's ledger acts on: where work starts or stops waiting, a
+            # grant applied, and leases settled while more are held than granted (credit
+            # coming back). Deliveries within the grant need no word: at full speed a notice
+            # per step per shard cost more than the credit it moves.
+            if last is not None and not (
+                    report[1] != last[1] or (report[2] > 0) != (last[2] > 0)
+                    or (report[0] < last[0] and last[0] > report[1])):
                 continue
             session.reported = report
             replies.append(OutgoingRecord(
