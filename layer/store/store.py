@@ -472,54 +472,12 @@ class Store:
 
     def load_consumers(self) -> list[ConsumerRow]:
         with translate_errors("loading consumers"), self._engine.connect() as conn:
-            return [
-                ConsumerRow(
-                    consumer_id=row.consumer_id,
-                    session_id=row.session_id,
-                    queue=row.queue,
-                    is_regex=row.is_regex,
-                    delivery_topic=row.delivery_topic,
-                    session_timeout_ms=row.session_timeout_ms,
-                    subscribed_at=_to_seconds(row.subscribed_at),
-                    last_heartbeat_at=_to_seconds(row.last_heartbeat_at),
-                    max_backlog=row.max_backlog,
-                    filter=row.filter,
-                    client_info=row.client_info,
-                    evict_requested_at=_to_seconds_or_none(row.evict_requested_at),
-                    delivery_format=row.delivery_format,
-                    secret_hash=row.secret_sha256,
-                    shard=row.shard,
-                    principal=row.principal,
-                    credential_hash=row.credential_sha256,
-                    credit_home=row.credit_home,
-                )
-                for row in conn.execute(sql.SELECT_CONSUMERS)
-            ]
+            return [_consumer_row(row) for row in conn.execute(sql.SELECT_CONSUMERS)]
 
     def load_spans(self) -> list[ConsumerRow]:
         """The parts of sessions on shards other than their home (protocol 8)."""
         with translate_errors("loading session parts"), self._engine.connect() as conn:
-            return [
-                ConsumerRow(
-                    consumer_id=row.consumer_id,
-                    session_id=row.session_id,
-                    queue=row.queue,
-                    is_regex=row.is_regex,
-                    delivery_topic=row.delivery_topic,
-                    session_timeout_ms=row.session_timeout_ms,
-                    subscribed_at=_to_seconds(row.subscribed_at),
-                    last_heartbeat_at=_to_seconds(row.last_heartbeat_at),
-                    max_backlog=row.max_backlog,
-                    delivery_format=row.delivery_format,
-                    filter=row.filter,
-                    secret_hash=row.secret_sha256,
-                    shard=row.shard,
-                    principal=row.principal,
-                    credential_hash=row.credential_sha256,
-                    credit_home=row.credit_home,
-                )
-                for row in conn.execute(sql.SELECT_SPANS)
-            ]
+            return [_consumer_row(row) for row in conn.execute(sql.SELECT_SPANS)]
 
     def delivery_topics_in_use(self) -> set[str]:
         """The delivery topics of every stored session, whichever shard serves it."""
@@ -977,6 +935,33 @@ def _prune_below(conn: Executor, points: Mapping[PartitionKey, int]) -> Result |
     params["offset"] = [offset for _, offset in ordered]
     conn.execute(sql.PRUNE_RUNS_BELOW_RECOVERY_POINTS, params)
     return conn.execute(sql.PRUNE_BELOW_RECOVERY_POINTS, params)
+
+
+def _consumer_row(row: Any) -> ConsumerRow:
+    """A `consumers` or `consumer_spans` row (the parts have no client info and are never
+    asked to be evicted: the home row is)."""
+    mapping = row._mapping
+    evict = mapping.get("evict_requested_at")
+    return ConsumerRow(
+        consumer_id=row.consumer_id,
+        session_id=row.session_id,
+        queue=row.queue,
+        is_regex=row.is_regex,
+        delivery_topic=row.delivery_topic,
+        session_timeout_ms=row.session_timeout_ms,
+        subscribed_at=_to_seconds(row.subscribed_at),
+        last_heartbeat_at=_to_seconds(row.last_heartbeat_at),
+        max_backlog=row.max_backlog,
+        filter=row.filter,
+        client_info=mapping.get("client_info"),
+        evict_requested_at=_to_seconds_or_none(evict),
+        delivery_format=row.delivery_format,
+        secret_hash=row.secret_sha256,
+        shard=row.shard,
+        principal=row.principal,
+        credential_hash=row.credential_sha256,
+        credit_home=row.credit_home,
+    )
 
 
 def _write_spans(conn: Executor, batch: WriteBatch) -> tuple[int, Result | None]:
