@@ -649,11 +649,16 @@ class Control:
                                          shard=self.core.shard, reason="revoked"))
 
     def lost_claims(self, consumer_ids: frozenset[str], now: float,
-                    replies: list[OutgoingRecord]) -> None:
+                    replies: list[OutgoingRecord]) -> frozenset[str]:
         """Sessions this shard accepted whose row another shard holds for a live session of
         the same consumer id (two Subscribes at once on two shards: the store wrote the
         first): ended here, so one consumer id has one session; the OK this step was to send
-        becomes a refusal (the replies are not sent yet)."""
+        becomes a refusal (the replies are not sent yet). Returns the consumer ids ended: what
+        the step leased to them must not be sent either (`Output.deliveries`): the consumer
+        id's delivery topic is the live session's, which would get a message of a queue it
+        never subscribed to. Their leases are broken by the unsubscribe below; the next step
+        stores that."""
+        ended = frozenset(c for c in consumer_ids if c in self.core.sessions)
         for consumer_id in sorted(consumer_ids):
             if consumer_id not in self.core.sessions:
                 continue
@@ -685,3 +690,4 @@ class Control:
                     engine.unsubscribe(consumer_id, now, LeaveReason.EVICTED)
             # No row to delete (it is the other session's), and no reply: the consumer id's
             # delivery topic is the other session's too.
+        return ended

@@ -212,18 +212,22 @@ class Output:
         return out
 
     def deliveries(self, deliveries: list[ev.Delivery],
-                   reread: dict[Bookmark, JournalRecord]) -> list[OutgoingRecord]:
+                   reread: dict[Bookmark, JournalRecord],
+                   unsent: frozenset[str] = frozenset()) -> list[OutgoingRecord]:
         """One record per delivery for sessions that read records (protocol 1), one delivery
-        batch per session and iteration for those that read batches (protocol 3).
+        batch per session and iteration for those that read batches (protocol 3); none for
+        the consumer ids of ``unsent`` (sessions ended after the step leased to them:
+        `Control.lost_claims`).
 
         With native engines the lane encodes the batches of their deliveries; what it leaves
-        (record-format sessions, barriers with such a recipient) and ``deliveries`` (resent
-        leases) go here first, so a barrier's record precedes the leases dispatched after it."""
+        (record-format sessions, barriers with such a recipient, and leases of sessions no
+        longer known, as ``unsent``'s are) and ``deliveries`` (resent leases) go here first,
+        so a barrier's record precedes the leases dispatched after it."""
         lane = self.core.lane
         if lane is None:
-            return self._deliveries(deliveries, reread)
+            return self._deliveries(_sent_to(deliveries, unsent), reread)
         batches, rest, packed = lane.deliveries(reread, self.max_batch_bytes)
-        out = self._deliveries(deliveries + rest, reread)
+        out = self._deliveries(_sent_to(deliveries + rest, unsent), reread)
         out.extend(batches)
         self.delivered += packed
         return out
@@ -363,3 +367,10 @@ class Output:
         core.known_topics = set(core.admin.topics())
         core.topics_listed_at = now
         return topic in core.known_topics
+
+
+def _sent_to(deliveries: list[ev.Delivery], unsent: frozenset[str]) -> list[ev.Delivery]:
+    """The deliveries not leased to a consumer id of ``unsent``."""
+    if not unsent:
+        return deliveries
+    return [d for d in deliveries if type(d) is not ev.EntryLeased or d.consumer_id not in unsent]

@@ -452,14 +452,15 @@ class ShardLoop:
         batch_ids = self._commit(plan, now)
         if plan.batch.shard_counts:
             self.core.faults.committed(plan.batch.shard_counts)
+        unsent: frozenset[str] = frozenset()
         if self._consumers_refused:
             # Sessions whose row another shard holds for a live session of the same id.
-            self.core.control.lost_claims(self._consumers_refused, now, plan.replies)
+            unsent = self.core.control.lost_claims(self._consumers_refused, now, plan.replies)
             self._consumers_refused = frozenset()
         if plan.batch.outbox_published is not None:
             self._published = None  # deleted from the outbox by that transaction
         committed = clock()
-        out = self._write(plan, reread, writer, batch_ids, now)
+        out = self._write(plan, reread, writer, batch_ids, now, unsent)
         written = clock()
         self.core.settled(plan)
         if plan.wanted_documents:
@@ -556,14 +557,15 @@ class ShardLoop:
         return result.outbox_batch_ids
 
     def _write(self, plan: Plan, reread: dict[Bookmark, JournalRecord],
-               writer: RecordWriter, batch_ids: tuple[int, ...], now: float) -> int:
+               writer: RecordWriter, batch_ids: tuple[int, ...], now: float,
+               unsent: frozenset[str]) -> int:
         """Send deliveries, replies and the iteration's event batch; returns the µs spent
         encoding them. They are waited for only in a Kafka transaction; otherwise `_confirm`
         checks them next iteration. A failure raises: the rebuild that follows publishes the
         event batch from the outbox and sends the deliveries of the restored leases again."""
         started = time.perf_counter()
         stats, output = plan.stats, self.output
-        out = output.deliveries(plan.deliveries, reread)
+        out = output.deliveries(plan.deliveries, reread, unsent)
         stats.deliveries = output.delivered
         self.counters["delivery_records"] += len(out)
         stats.replies = len(plan.replies)

@@ -56,12 +56,16 @@ def test_a_subscribe_on_another_shard_neither_shadows_nor_deletes_a_live_session
         victim = pool.subscribe("A", max_backlog=5, session_timeout_ms=120_000)
         produce(settings.bootstrap_servers, a, [b"1"])
         (held,) = victim.receive(1)
+        # A message of B waits first: when shard 1's view of the registry is older than the
+        # victim's row, the step that accepts the forger also leases it that message, and the
+        # store's refusal of the row must stop that delivery too (it reached the victim's
+        # delivery topic in a CI run of stop 42).
+        produce(settings.bootstrap_servers, b, [b"x"])
         # Its own secret, a short session timeout, queue B, and shard 1's partition.
         forger = pool.new("B", consumer_id=victim.consumer_id, session_timeout_ms=1_000)
         forger.send_subscribe(partition=1)
         # Well past the forger's session timeout (and a catalog load): nothing of the victim's
         # may have gone, and nothing of queue B reached its consumer id.
-        produce(settings.bootstrap_servers, b, [b"x"])
         assert victim.idle(3.0) == []
         with Store(settings.database_url) as store:
             rows = [r for r in store.load_consumers() if r.consumer_id == victim.consumer_id]

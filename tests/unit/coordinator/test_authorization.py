@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from layer.coordinator.catalog import Catalog
+from layer.coordinator.output import Output
 from layer.domain.authorization import (
     AuthorizationMode,
     Entitlements,
@@ -32,7 +33,7 @@ from layer.protocol.headers import CREDENTIAL, REFUSAL, header_value
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
 
-from .test_identity import CORES, TOPICS, Shard, leases, replies, secret
+from .test_identity import CORES, JOURNAL, TOPICS, Shard, leases, replies, secret
 
 ALICE = issue_credential("alice")
 BOB = issue_credential("bob")
@@ -186,9 +187,35 @@ def test_a_session_the_store_did_not_write_ends_and_its_ok_becomes_a_refusal(
                   session_timeout_ms=600_000, client_name="t", client_version="0",
                   sent_at_ms=0)), _as(None))], shard.now + 1)
     assert "v" in shard.core.sessions
-    shard.core.control.lost_claims(frozenset({"v"}), shard.now + 1, plan.replies)
+    assert shard.core.control.lost_claims(frozenset({"v"}), shard.now + 1,
+                                          plan.replies) == {"v"}
     (answer,) = replies(plan)
     assert isinstance(answer, SubscribeResult)
     assert answer.status is SubscribeStatus.INVALID_REQUEST and answer.request_id == "r1"
     assert shard.core.sessions == {}
     assert shard.core.counters["registry_conflicts"] == 1
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["kept", "lost"])
+def test_what_a_lost_claim_was_leased_in_its_step_is_not_sent_and_goes_to_the_next_consumer(
+        shard: Shard, lost: bool) -> None:
+    """The Subscribe and a journal record read in one step: the plan leased the record to the
+    session (``kept``), which the store then refused (``lost``). The consumer id's delivery
+    topic is the live session's on another shard, so the delivery must not be sent (a CI run
+    saw it reach the live session as a message of a queue it never subscribed to); the entry
+    is leased again to the next consumer."""
+    _with(shard, grants=(), loaded_at=shard.now + 1.5)
+    shard.now += 1.0
+    plan = shard.core.step([
+        shard.record(TOPICS.control, shard.core.codec.encode_control(Subscribe(
+            consumer_id="v", session_id="s1", request_id="r1", queue="Work", max_backlog=5,
+            delivery_topic=TOPICS.delivery("v"), session_timeout_ms=600_000, client_name="t",
+            client_version="0", sent_at_ms=0)), _as(None)),
+        shard.record(JOURNAL, b'{"n": 0}')], shard.now)
+    unsent = (shard.core.control.lost_claims(frozenset({"v"}), shard.now, plan.replies)
+              if lost else frozenset())
+    sent = Output(shard.core).deliveries(plan.deliveries, {}, unsent)
+    shard.core.settled(plan)
+    assert [r.topic for r in sent] == ([] if lost else [TOPICS.delivery("v")])
+    taken = leases(shard, shard.subscribe("w", "s2", _as(None, "w")))
+    assert [(lease.offset, lease.consumer_id) for lease in taken] == ([(0, "w")] if lost else [])
