@@ -351,9 +351,9 @@ class ShardCore:
                 self._count_input_faults(batch, now)
             self._expire_refused(now)
             self._decide(plan, now)
-        if control.credited:
+        if control.credit.credited:
             # After the deliveries: what credited sessions hold and what waits (protocol 8).
-            control.credit_notices(plan.replies)
+            control.credit.notices(plan.replies)
         # One guarded transaction for everything decided, with how far the inputs were
         # applied: a restart reads on from there and applies no ack twice. Records that
         # changed nothing stored (at-most-once acks, refused items) do not make a
@@ -805,7 +805,7 @@ class ShardCore:
         entries = [entry_record(row, session_of) for row in kept]
         engine.restore(entries, starts)
         # Leases that wait for the replay to reach their record are not the engine's yet; a
-        # credit report (protocol 8) counts them meanwhile (`Control.credit_report`).
+        # credit report (protocol 8) counts them meanwhile (`Credit.report`).
         self.restored_leases[name] = {
             (row.lease_consumer, Bookmark(row.topic, row.partition, row.offset))
             for row in kept if row.lease_consumer is not None and row.state == "LEASED"}
@@ -930,7 +930,7 @@ class ShardCore:
             if session.queues:
                 self.sessions[row.consumer_id] = session
                 if session.home is not None:
-                    self.control.credited.add(row.consumer_id)
+                    self.control.credit.credited.add(row.consumer_id)
 
     def forget_empty_sessions(self) -> None:
         """Sessions left with no queue here (their queue moved): the shard the queue went to

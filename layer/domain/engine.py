@@ -440,6 +440,25 @@ class QueueEngine:
             for c in self._consumers.values()
         ]
 
+    def credit_view(self, consumer_id: str) -> tuple[int, int]:
+        """``(held, waiting)`` of one consumer, for the credit its consumer granted this shard
+        (protocol 8): the leases it holds here, and the AVAILABLE entries when at least one of
+        them is one it may take now (its filter, key groups, barriers), else 0. A consumer
+        whose filter matches none of what waits is not told that work waits for it: its
+        consumer would move credit here that no delivery ever uses, and away from a shard
+        where work does wait for it. Moves its pointer as dispatch would (`_candidates`), so
+        asking again is cheap."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            return 0, 0
+        held = len(consumer.leases)
+        if consumer.draining:
+            return held, 0
+        available = self._table.state.count(AVAILABLE)
+        if not available or not self._candidates(consumer, 1):
+            return held, 0
+        return held, available
+
     def fields_needed(self) -> frozenset[str]:
         """The /paths the queue's expressions and current consumer filters read.
 

@@ -148,6 +148,10 @@ class NativeQueueEngine:
     def consumers(self) -> list[ConsumerInfo]:
         return list(self._core.consumers())
 
+    def credit_view(self, consumer_id: str) -> tuple[int, int]:
+        held, waiting = self._core.credit_view(consumer_id)
+        return int(held), int(waiting)
+
     def fields_needed(self) -> frozenset[str]:
         fields = set(self.definition.expression_fields)
         for expression in self._core.consumer_filters():

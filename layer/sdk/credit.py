@@ -43,7 +43,8 @@ class CreditReport:
     held: int
     #: The grant the shard applies (the part's ``max_backlog``).
     grant: int
-    #: Entries available in the part's queues (before the consumer's filter): where work waits.
+    #: Entries available in the part's queues when one of them is one the part may take now
+    #: (its filter, key groups, barriers), else 0: where work waits for it.
     waiting: int
 
 

@@ -486,6 +486,24 @@ impl Engine {
         )
     }
 
+    /// (held, waiting) of one consumer for the credit its consumer granted this shard
+    /// (`QueueEngine.credit_view`): its leases here, and the AVAILABLE entries when at least
+    /// one of them is one it may take now, else 0.
+    pub fn credit_view(&mut self, py: Python<'_>, id: &Name) -> PyResult<(usize, usize)> {
+        let (held, draining) = match self.consumers.get(id) {
+            None => return Ok((0, 0)),
+            Some(c) => (c.leases.len(), c.draining),
+        };
+        if draining {
+            return Ok((held, 0));
+        }
+        let available = memchr::memchr_iter(AVAILABLE, &self.table.state).count();
+        if available == 0 || self.candidates(py, id, 1)?.is_empty() {
+            return Ok((held, 0));
+        }
+        Ok((held, available))
+    }
+
     pub fn next_deadline(&self) -> Option<f64> {
         let mut candidates: Vec<f64> = Vec::new();
         for seq in self.leased.values() {

@@ -232,6 +232,11 @@ impl NativeEngine {
         Ok(out)
     }
 
+    /// `QueueEngine.credit_view`: (held, waiting) of one consumer for its credit.
+    fn credit_view(&mut self, py: Python<'_>, consumer_id: &str) -> PyResult<(usize, usize)> {
+        self.core.credit_view(py, &Arc::from(consumer_id))
+    }
+
     /// The filters of the current consumers (for `fields_needed`).
     fn consumer_filters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);

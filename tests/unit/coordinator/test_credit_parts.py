@@ -129,10 +129,31 @@ def test_a_restored_lease_counts_as_held_before_the_replay_reaches_it() -> None:
     session = core.sessions["c1"]
     lease_bookmark = Bookmark(JOURNAL, 0, 0)
     assert core.engines["Work"].restoring(lease_bookmark)
-    assert core.control.credit_report(session)[0] == 1
+    assert core.control.credit.report(session)[0] == 1
     replay = JournalRecord(JOURNAL, 0, 0, None, b'{"n": 0}', 1, None)
     plan = core.step([replay], 3.0)
     core.settled(plan)
     assert not core.engines["Work"].restoring(lease_bookmark)
-    assert core.control.credit_report(session)[0] == 1  # the engine's now, counted once
+    assert core.control.credit.report(session)[0] == 1  # the engine's now, counted once
 
+
+
+def test_a_part_whose_filter_refuses_what_waits_reports_nothing_waiting() -> None:
+    """`waiting` is after the consumer's filter: entries it can never take draw no credit to
+    this shard (with one credit over two shards, the credit would have stayed here while the
+    other shard's entries for it waited forever)."""
+    h = Harness(_queue("Worker", 1))
+    sub = _credit(h.subscribe("c1", backlog=1, queue="Work.*", regex=True,
+                              filter="/n >= 3"), home=0)
+    plan = h.step([sub, *h.publish(3)], 1.0)  # n = 0, 1, 2: none of them its own
+    assert _leases(plan) == []
+    assert _reports(plan) == [(0, 1, 0)]  # the answer; nothing changed after it
+    # One of its own comes: leased at once (it has the credit), and nothing more waits for
+    # it, whatever else is available.
+    mine = h.step(h.publish(1), 2.0)
+    (leased,) = _leases(mine)
+    assert leased.bookmark.offset == 3
+    assert _reports(mine) == []
+    # Another of its own while it holds its one credit: work waits for it, it is told.
+    more = h.step(h.publish(1), 3.0)
+    assert _leases(more) == [] and _reports(more) == [(1, 1, 4)]

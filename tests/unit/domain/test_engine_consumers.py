@@ -9,7 +9,17 @@ from layer.domain.errors import ExpressionError, UnknownConsumerError
 from layer.domain.events import ConsumerLeft, EntryLeased, LeaseBroken
 from layer.domain.states import AckOutcome, EntryState, LeaveReason
 
-from .engine_helpers import bm, by_consumer, engine, leases, of_type, offer, settle, subscribe
+from .engine_helpers import (
+    bm,
+    by_consumer,
+    engine,
+    leases,
+    of_type,
+    offer,
+    record,
+    settle,
+    subscribe,
+)
 
 pytestmark = pytest.mark.usefixtures("engine_implementation")
 
@@ -222,3 +232,49 @@ def test_an_entry_goes_to_the_consumer_for_which_it_is_the_oldest_match() -> Non
     events = leases(queue.drain().events)
     assert [e.bookmark.offset for e in events] == [0, 1, 2]
     assert all(isinstance(e, EntryLeased) for e in events)
+
+
+# ------------------------------------------------------------------ credit (protocol 8)
+def test_credit_view_says_work_waits_only_when_an_entry_is_one_the_consumer_may_take() -> None:
+    """What a shard reports to a consumer granting it credit: its leases here, and what waits
+    for it, after its filter (a regex subscription with one credit over two shards must not
+    leave that credit on the shard whose entries its filter refuses)."""
+    queue = engine()
+    assert queue.credit_view("nobody") == (0, 0)
+    offer(queue, [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}])
+    subscribe(queue, "big", max_backlog=1, filter="/n >= 2")
+    # Nothing leased yet, and two of the four available entries are its own.
+    assert queue.credit_view("big") == (0, 4)
+    (first,) = leases(queue.dispatch(0.0))
+    assert first.bookmark.offset == 2
+    assert queue.credit_view("big") == (1, 3)  # n=3 waits for it
+    settle(queue, first)
+    (second,) = leases(queue.dispatch(0.0))
+    assert second.bookmark.offset == 3
+    # n=0 and n=1 wait, but not for it: asked again, the answer stays (its pointer moved on).
+    assert queue.credit_view("big") == (1, 0)
+    assert queue.credit_view("big") == (1, 0)
+    offer(queue, [{"n": 7}], start=4)
+    assert queue.credit_view("big") == (1, 3)
+    # An unfiltered consumer is told of everything available.
+    subscribe(queue, "any", max_backlog=0)
+    assert queue.credit_view("any") == (0, 3)
+
+
+def test_credit_view_of_a_key_in_flight_and_of_a_queue_a_replace_left() -> None:
+    queue = engine(key_groups=True)
+    queue.enqueue([record(0, key=b"alice"), record(1, key=b"alice")], 0.0)
+    subscribe(queue, "a", max_backlog=1)
+    subscribe(queue, "b", max_backlog=0)
+    (held,) = leases(queue.dispatch(0.0))
+    assert held.consumer_id == "a"
+    # alice's second entry waits behind the first, in flight: nothing b may take now.
+    assert queue.credit_view("b") == (0, 0)
+    settle(queue, held)
+    assert queue.credit_view("b") == (0, 1)
+    # A consumer a replace took off the queue drains its leases and takes nothing new.
+    (again,) = leases(queue.dispatch(0.0))
+    assert queue.retire("a", 0.0) is not None
+    queue.enqueue([record(2, key=b"bob")], 0.0)
+    assert queue.credit_view("a") == (1, 0)
+    assert again.consumer_id == "a"

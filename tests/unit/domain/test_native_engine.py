@@ -231,6 +231,12 @@ class Twins(RuleBasedStateMachine):
     def dispatch_again(self) -> None:
         self.dispatch()
 
+    @rule(consumer=st.sampled_from([*CONSUMERS, "nobody"]))
+    def credit_view(self, consumer: str) -> None:
+        # A rule, not a reading: it moves the consumer's pointer as dispatch would, and what
+        # the engines dispatch after it must still agree.
+        self.both("credit_view", consumer)
+
     @rule()
     def drain(self) -> None:
         self._absorb(self.both("drain"))
