@@ -1,8 +1,10 @@
 """One backlog over several shards (protocol 8, issue 31): what credit costs, in one run.
 
-    .venv/bin/python benchmarks/credit_bench.py --bootstrap-servers 127.0.0.1:9092 \\
-        --database-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres \\
+    .venv/bin/python benchmarks/credit_bench.py [--bootstrap-servers 127.0.0.1:9092] \\
+        [--database-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres] \\
         [--messages 20000] [--runs 3] [--rounds 40] [--before-tree /path/to/older/checkout]
+
+`make bench` runs it after bench.py (CREDIT_ARGS for its options), on the same stack.
 
 Runs against a local stack (`qlayer dev up`), in scratch databases under fresh topic prefixes,
 with one real `qlayer coordinator run` process (its CPU time read from /proc) and consumer
@@ -15,6 +17,7 @@ processes running the SDK (acking every message, max_backlog 500, 1 KiB messages
   alternated with this tree's: the single-shard path must not regress.
 - regex-4-shards: four queues on shards 0-3, one regex consumer over them (one backlog of
   500 held as credit across the four shards); N messages spread over the four journals.
+  With --before-tree, the same cell with that checkout too, alternated.
 - regex-4-queues-1-shard: the same four queues all on shard 0 (no credit: one shard holds
   the whole backlog), to tell what credit costs from what spreading over shards costs.
 - credit latency: two queues on shards 0 and 1, a regex consumer with max_backlog 1. Each
@@ -44,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import create_topic, machine, percentile
 from confluent_kafka import Producer
 from shards_bench import Installation
+
+from layer.settings import Settings
 
 HERE = Path(__file__).resolve().parent.parent
 RESULTS = HERE / "benchmarks" / "results" / "credit.json"
@@ -215,23 +220,33 @@ def _median(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bootstrap-servers", required=True)
-    parser.add_argument("--database-url", required=True,
-                        help="a server URL where CREATE DATABASE is allowed")
+    parser.add_argument("--bootstrap-servers",
+                        help="default: the settings' (QLAYER_BOOTSTRAP_SERVERS, the dev stack)")
+    parser.add_argument("--database-url",
+                        help="a server URL where CREATE DATABASE is allowed (default: the "
+                             "settings')")
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--before-tree", type=Path,
-                        help="a checkout whose coordinator and SDK run the one-queue cell too")
+                        help="a checkout whose coordinator and SDK run the one-queue and the "
+                             "regex-4-shards cells too")
     parser.add_argument("--only-latency", action="store_true", help="the latency cell only")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp") / "qlayer-credit-bench")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.bootstrap_servers is None or args.database_url is None:
+        # As `make bench` runs it: on the stack bench.py uses.
+        settings = Settings.load(bootstrap_servers=args.bootstrap_servers,
+                                 database_url=args.database_url)
+        args.bootstrap_servers = settings.bootstrap_servers
+        args.database_url = settings.database_url
     args.log_dir.mkdir(parents=True, exist_ok=True)
     cells: dict[str, list[dict[str, Any]]] = {"one_queue": [], "regex_4_shards": [],
                                               "regex_4_queues_1_shard": []}
     if args.before_tree is not None:
         cells["one_queue_before"] = []
+        cells["regex_4_shards_before"] = []
     for run in range(0 if args.only_latency else args.runs):
         # Alternated, so that drift on a shared machine falls on both sides alike.
         if args.before_tree is not None:
@@ -241,6 +256,9 @@ def main() -> None:
         print("one_queue", run, cells["one_queue"][-1], flush=True)
         cells["regex_4_shards"].append(throughput(args, HERE, 4, True))
         print("regex_4_shards", run, cells["regex_4_shards"][-1], flush=True)
+        if args.before_tree is not None:
+            cells["regex_4_shards_before"].append(throughput(args, args.before_tree, 4, True))
+            print("regex_4_shards_before", run, cells["regex_4_shards_before"][-1], flush=True)
         cells["regex_4_queues_1_shard"].append(throughput(args, HERE, 4, True, one_shard=True))
         print("regex_4_queues_1_shard", run, cells["regex_4_queues_1_shard"][-1], flush=True)
     result: dict[str, Any] = {name: _median(runs) for name, runs in cells.items() if runs}
@@ -253,7 +271,11 @@ def main() -> None:
     if args.before_tree is not None and not args.only_latency:
         result["one_queue_after_vs_before"] = round(
             result["one_queue"]["acked_per_s"] / result["one_queue_before"]["acked_per_s"], 2)
+        result["regex_4_shards_after_vs_before"] = round(
+            result["regex_4_shards"]["acked_per_s"]
+            / result["regex_4_shards_before"]["acked_per_s"], 2)
     result["credit_latency"] = credit_latency(args)
+    result["messages"] = args.messages
     result["machine"] = machine()
     result["command"] = " ".join(sys.argv)
     result["id"] = uuid.uuid4().hex[:8]

@@ -684,6 +684,53 @@ def render_core(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CREDIT = ROOT / "benchmarks" / "results" / "credit.json"
+
+
+def render_credit(data: dict[str, Any]) -> str:
+    """`benchmarks/credit_bench.py`: one backlog over several shards (protocol 8)."""
+    def row(label: str, key: str) -> str:
+        cell = data[key]
+        return f"| {label} | {cell['acked_per_s']:,} | {cell['cpu_us_per_msg']:.1f} |"
+
+    lines = ["", "## One backlog over several shards (credit, protocol 8)", "",
+             "`benchmarks/credit_bench.py`: one real `qlayer coordinator run` process and one "
+             "SDK consumer process (max_backlog 500, acking everything), 1 KiB messages, "
+             f"{data.get('messages', 20000):,} per cell produced as fast as possible; acked/s "
+             "and the coordinator's CPU µs per message, medians of the runs, the cells "
+             "alternated in one session on "
+             f"{data['machine'].get('cpu', 'this machine')} "
+             f"({data['machine'].get('cpus', '?')} cores). \"before\" is the checkout given "
+             "as `--before-tree`, run in the same session.", "",
+             "| cell | acked/s | coordinator CPU µs/msg |", "|---|---:|---:|"]
+    if "one_queue_before" in data:
+        lines.append(row("one queue, one shard (before)", "one_queue_before"))
+    lines.append(row("one queue, one shard", "one_queue"))
+    lines.append(row("regex over 4 queues on one shard (no credit)", "regex_4_queues_1_shard"))
+    if "regex_4_shards_before" in data:
+        lines.append(row("regex over 4 queues on 4 shards (credit, before)",
+                         "regex_4_shards_before"))
+    lines.append(row("regex over 4 queues on 4 shards (credit)", "regex_4_shards"))
+    ratios = [f"regex on 4 shards / one queue: {data['regex_4_shards_vs_one_queue']:.2f}x",
+              "regex on 4 shards / the same regex on one shard: "
+              f"{data['regex_4_shards_vs_regex_1_shard']:.2f}x"]
+    if "one_queue_after_vs_before" in data:
+        ratios.append(f"one queue after / before: {data['one_queue_after_vs_before']:.2f}x")
+    if "regex_4_shards_after_vs_before" in data:
+        ratios.append("regex on 4 shards after / before: "
+                      f"{data['regex_4_shards_after_vs_before']:.2f}x")
+    latency = data["credit_latency"]
+    lines += ["", "Ratios (same run): " + "; ".join(ratios) + ".", "",
+              "From an ack on one shard to the next delivery from another shard that only "
+              "then gets the credit (max_backlog 1, "
+              f"{latency['rounds']} rounds): p50 {latency['across_shards_p50_ms']:.1f} ms, "
+              f"p99 {latency['across_shards_p99_ms']:.1f} ms; the same on one shard (no credit "
+              f"moves): p50 {latency['same_shard_p50_ms']:.1f} ms, "
+              f"p99 {latency['same_shard_p99_ms']:.1f} ms.", "",
+              f"Command: `{data['command']}`.", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -701,6 +748,8 @@ def main() -> None:
         page += render_scale(json.loads(SCALE.read_text()))
     if SCALE_STATIC.exists():
         page += render_static_restart(json.loads(SCALE_STATIC.read_text()))
+    if CREDIT.exists():
+        page += render_credit(json.loads(CREDIT.read_text()))
     DOC.write_text(page)
     print(f"written to {DOC}")
 

@@ -50,8 +50,8 @@ __all__ = ["on_subscribe"]
 
 
 def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: WriteBatch,
-                  replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD,
-                  headers: InputHeaders = None, came: float | None = None) -> bool:
+                 replies: list[OutgoingRecord], formats: str = DeliveryFormat.RECORD,
+                 headers: InputHeaders = None, came: float | None = None) -> bool:
     """Subscribe or Replace; False when the answer must wait for a fresher catalog."""
     kind = RequestKind.SUBSCRIBE if isinstance(m, Subscribe) else RequestKind.REPLACE
     existing = control.core.sessions.get(m.consumer_id)
