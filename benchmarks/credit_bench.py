@@ -276,6 +276,10 @@ def main() -> None:
             / result["regex_4_shards_before"]["acked_per_s"], 2)
     result["credit_latency"] = credit_latency(args)
     result["messages"] = args.messages
+    if args.before_tree is not None:
+        result["before_commit"] = subprocess.run(
+            ["git", "-C", str(args.before_tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False).stdout.strip() or None
     result["machine"] = machine()
     result["command"] = " ".join(sys.argv)
     result["id"] = uuid.uuid4().hex[:8]

@@ -254,6 +254,10 @@ def render(data: dict[str, Any], profile: Path | None = None) -> str:
     lines += loop_phases(cells)
     lines += before_and_after_v2(data, BASELINE_V2)
     lines += before_and_after(data, BASELINE)
+    # Before/after checks measured by hand, kept beside their results (a regenerated page
+    # must not drop them).
+    for note in sorted((ROOT / "benchmarks" / "results").glob("stop*-before-after.md")):
+        lines += ["", note.read_text().rstrip()]
     lines += ["", *limits(CPU_SHARE)]
     if profile is not None and profile.exists():
         lines += ["", "## Where the coordinator spends its time (qlayer at-least-once)", "",
@@ -701,7 +705,8 @@ def render_credit(data: dict[str, Any]) -> str:
              "alternated in one session on "
              f"{data['machine'].get('cpu', 'this machine')} "
              f"({data['machine'].get('cpus', '?')} cores). \"before\" is the checkout given "
-             "as `--before-tree`, run in the same session.", "",
+             f"as `--before-tree` ({data.get('before_commit') or 'its commit not recorded'}), "
+             "run in the same session.", "",
              "| cell | acked/s | coordinator CPU µs/msg |", "|---|---:|---:|"]
     if "one_queue_before" in data:
         lines.append(row("one queue, one shard (before)", "one_queue_before"))
