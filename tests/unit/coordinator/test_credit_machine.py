@@ -5,10 +5,13 @@ what the SDK does: it subscribes a regex over both with credit (home part first)
 `CreditLedger`, acks what it holds, and moves credit with Replace records on the shards'
 reports. Each shard reads its control and ack records in its own order; its output (deliveries,
 answers, credit notices) reaches the consumer in order per shard and interleaved across shards.
-After every step: the leases the two cores hold for the consumer never exceed the backlog, and
-each holds no more than the ledger reserves for it. At the end, everything published that
-the subscription's filter (if it has one) takes is delivered and acked: credit never gets stuck,
-not even on a shard whose waiting entries the filter refuses.
+The consumer may replace its filter over both parts; a shard's process may die between two
+steps and a new owner take the shard over from what the steps stored (entry rows, recovery
+point, the part's row), reading the journal again. After every step: the leases the two cores
+hold for the consumer never exceed the backlog, and each holds no more than the ledger reserves
+for it. No entry is delivered under two lease tokens (no lease is ever broken here). At the
+end, everything published that the subscription's filter (if it has one) takes is delivered and
+acked: credit never gets stuck, not even on a shard whose waiting entries the filter refuses.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from layer.coordinator.catalog import Catalog
-from layer.coordinator.core import QueueState, ShardCore
+from layer.coordinator.core import Plan, QueueState, ShardCore
 from layer.coordinator.options import CoordinatorOptions
 from layer.coordinator.ports import FakeTopicAdmin
 from layer.domain import events as ev
@@ -41,7 +44,7 @@ from layer.protocol import (
 )
 from layer.protocol.headers import CREDIT, header_value, parse_credit_report, reply_shard
 from layer.sdk.credit import CreditLedger, CreditReport
-from layer.store.rows import QueueRecord
+from layer.store.rows import ConsumerRow, EntryKey, EntryRow, PartitionKey, QueueRecord
 
 TOPICS = TopicNames("qc.")
 CODEC = Codec()
@@ -64,6 +67,13 @@ class Shard:
     acks: deque[JournalRecord] = field(default_factory=deque)
     journal: list[JournalRecord] = field(default_factory=list)
     out: deque[OutgoingRecord | ev.EntryLeased] = field(default_factory=deque)
+    #: Every journal record published, for a replay after a restart.
+    history: list[JournalRecord] = field(default_factory=list)
+    #: What PostgreSQL holds of the shard (every step commits whole): entry rows, the
+    #: recovery point and the admitted offset of its journal partition.
+    entries: dict[EntryKey, EntryRow] = field(default_factory=dict)
+    recovery_point: int = 0
+    admitted: int | None = None
 
 
 class TwoShards(RuleBasedStateMachine):
@@ -74,17 +84,16 @@ class TwoShards(RuleBasedStateMachine):
                                   now=0.0)
         self.admin = FakeTopicAdmin({"journal-a": 1, "journal-b": 1, TOPICS.control: 2,
                                      TOPICS.ack: 2})
-        tokens = itertools.count()
+        self.tokens = itertools.count()
+        self.sessions: dict[int, ConsumerRow] = {}  # the stored row of each shard's part
         self.shards: dict[int, Shard] = {}
-        for shard, (queue, journal) in QUEUES.items():
-            core = ShardCore(shard, CoordinatorOptions(owner_id=f"o{shard}", core="python"),
-                             topics=TOPICS, catalog=lambda: self.catalog, admin=self.admin,
-                             tokens=lambda: f"t{next(tokens)}", owner_id=f"o{shard}")
-            core.epoch = 1
-            definition = QueueDefinition.from_mapping(_record(queue, shard).definition)
-            core.add_queue(QueueState(definition, 1, [], {(journal, 0): 0}, {}, {},
-                                      {(journal, 0): 0}), [], 0.0)
-            self.shards[shard] = Shard(core)
+        for shard in QUEUES:
+            self.shards[shard] = Shard(self._core(shard, Shard(None)))  # type: ignore[arg-type]
+        self.seen: set[str] = set()  # lease tokens the consumer got (repeats are dropped)
+        #: The lease tokens each entry was delivered under: one each, as no lease is ever
+        #: broken here (no expiry, no timeout), restarts included.
+        self.tokens_of: dict[tuple[int, int], set[str]] = {}
+        self.restarts = 0
         self.offsets: dict[str, int] = {}
         self.ledger: CreditLedger | None = None
         self.requests: dict[str, int] = {}
@@ -95,6 +104,25 @@ class TwoShards(RuleBasedStateMachine):
         self.acked: set[tuple[int, int]] = set()
         self.active = False
         self.ids = itertools.count()
+
+    def _core(self, shard: int, stored: Shard, epoch: int = 1) -> ShardCore:
+        """A shard core serving its queue from what ``stored`` says PostgreSQL holds, with the
+        sessions stored for it."""
+        queue, journal = QUEUES[shard]
+        core = ShardCore(shard, CoordinatorOptions(owner_id=f"o{shard}", core="python"),
+                         topics=TOPICS, catalog=lambda: self.catalog, admin=self.admin,
+                         tokens=lambda: f"t{next(self.tokens)}", owner_id=f"o{shard}")
+        core.epoch = epoch
+        definition = QueueDefinition.from_mapping(_record(queue, shard).definition)
+        key = PartitionKey(queue, journal, 0)
+        rows = [self.sessions[shard]] if shard in self.sessions else []
+        core.add_queue(QueueState(
+            definition, 1, list(stored.entries.values()), {(journal, 0): stored.recovery_point},
+            {key: stored.recovery_point} if stored.recovery_point else {},
+            {key: stored.admitted} if stored.admitted is not None else {},
+            {(journal, 0): 0}), rows, self.now)
+        core.restore_sessions(rows, self.now)
+        return core
 
     # --- the records a consumer writes ------------------------------------------------------
 
@@ -140,9 +168,11 @@ class TwoShards(RuleBasedStateMachine):
         journal = QUEUES[shard][1]
         for _ in range(n):
             offset = self._next(journal)
-            self.shards[shard].journal.append(JournalRecord(
+            record = JournalRecord(
                 journal, 0, offset, None,
-                json.dumps({"n": offset, "mine": "yes" if mine else "no"}).encode(), 1, None))
+                json.dumps({"n": offset, "mine": "yes" if mine else "no"}).encode(), 1, None)
+            self.shards[shard].journal.append(record)
+            self.shards[shard].history.append(record)
             self.published[(shard, offset)] = mine
 
     @property
@@ -175,6 +205,7 @@ class TwoShards(RuleBasedStateMachine):
         self.now += 0.01
         plan = model.core.step(records, self.now)
         model.core.settled(plan)
+        self._store(shard, plan)
         for row in plan.batch.consumers.values():
             # The store: the home row is what the other shard's catalog will show.
             self.catalog = Catalog.of(2, self.catalog.queues.values(), [row], now=self.now,
@@ -192,6 +223,10 @@ class TwoShards(RuleBasedStateMachine):
         assert self.ledger is not None
         item = self.shards[shard].out.popleft()
         if isinstance(item, ev.EntryLeased):
+            if item.token in self.seen:
+                return  # a restored lease's delivery sent again: the SDK drops it by token
+            self.seen.add(item.token)
+            self.tokens_of.setdefault((shard, item.bookmark.offset), set()).add(item.token)
             self.holding[shard].append(item)
             # As the SDK counts them (`Spans.delivered`): the shard took its turn.
             credit = self.ledger.shards.get(shard)
@@ -238,6 +273,35 @@ class TwoShards(RuleBasedStateMachine):
             CODEC.encode_accept(record), 1, None))
         self.acked.update((shard, d.bookmark.offset) for d in leases)
 
+    def _store(self, shard: int, plan: Plan) -> None:
+        """What the step's transaction wrote, as PostgreSQL would keep it."""
+        batch, model = plan.batch, self.shards[shard]
+        assert not batch.runs, "the Python core writes entry rows one by one"
+        for key in batch.entry_deletes:
+            model.entries.pop(key, None)
+        model.entries.update(batch.entries)
+        for offset in batch.recovery_points.values():
+            model.recovery_point = offset
+            model.entries = {k: r for k, r in model.entries.items() if k.offset >= offset}
+        for offset in batch.admitted.values():
+            model.admitted = offset
+        for row in (*batch.consumers.values(), *batch.spans.values()):
+            self.sessions[shard] = row
+        if batch.consumer_deletes or batch.session_deletes or batch.span_deletes:
+            self.sessions.pop(shard, None)
+
+    @rule(shard=st.sampled_from([0, 1]))
+    @precondition(lambda self: self.active and self.restarts < 3)
+    def shard_restarts(self, shard: int) -> None:
+        """The shard's process is SIGKILLed between two steps and another takes the shard
+        over: engine, sessions and leases come back from what was stored, the journal is read
+        again from the recovery point, and the restored leases' deliveries are sent again
+        (the consumer is not told; its ledger goes on from the reports)."""
+        self.restarts += 1
+        model = self.shards[shard]
+        model.core = self._core(shard, model, epoch=model.core.epoch + 1)
+        model.journal = [r for r in model.history if r.offset >= model.recovery_point]
+
     # --- what holds ---------------------------------------------------------------------------
 
     def _held(self, shard: int) -> int:
@@ -271,6 +335,7 @@ class TwoShards(RuleBasedStateMachine):
                 break
         assert self.wanted <= self.acked, (self.wanted - self.acked, self.published)
         assert self.acked <= set(self.published)
+        assert {k: t for k, t in self.tokens_of.items() if len(t) > 1} == {}
 
 
 TwoShards.TestCase.settings = settings(
@@ -290,3 +355,27 @@ def test_one_credit_does_not_stay_on_the_shard_whose_waiting_entries_the_filter_
         machine.subscribe(backlog=1, filtered=True)
         machine.teardown()
         assert machine.acked == machine.wanted == {(1 - first, 0)}
+
+
+def test_a_shard_restarted_while_its_part_holds_leases_keeps_them_and_the_one_backlog() -> None:
+    """Shard 1's process dies while the consumer holds two of its leases: the new owner
+    restores them from the store (counted as held while the replay has not reached them),
+    the consumer's acks of the old tokens settle them, and nothing is delivered again."""
+    machine = TwoShards()
+    machine.publish(shard=1, n=4, mine=True)
+    machine.subscribe(backlog=2, filtered=False)
+    for _ in range(6):  # the home part, the part on shard 1, credit moved to where work is
+        for shard in (0, 1):
+            machine._step(shard, True, False)
+            while machine.shards[shard].out:
+                machine._read(shard)
+    held = list(machine.holding[1])
+    assert len(held) == 2 and machine.holding[0] == []
+    machine.shard_restarts(shard=1)
+    core = machine.shards[1].core
+    assert core.sessions[CONSUMER].max_backlog == 2
+    assert core.control.credit.report(core.sessions[CONSUMER])[0] == 2
+    machine._ack(1, 2)
+    machine.teardown()
+    assert machine.acked == machine.wanted
+    assert all(len(t) == 1 for t in machine.tokens_of.values())
