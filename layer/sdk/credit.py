@@ -126,10 +126,14 @@ class CreditLedger:
 
     def sent(self, shard: int, request_id: str, grant: int) -> None:
         """A Subscribe or Replace carrying ``grant`` is about to go to ``shard``. Raises
-        ``ValueError`` if it would break the invariant."""
+        ``ValueError`` if it would break the invariant: reserve more than the backlog where
+        it reserved less. (Reservations may already exceed it for a moment, not by a grant:
+        a queue moved to another shard takes its leases along, which the new shard reports
+        held while the old part's grant is still counted until that part is left.)"""
         credit = self.shards[shard]
-        after = self.reserved() - credit.reservation + max(credit.reservation, grant)
-        if grant < 0 or after > self.backlog:
+        before = self.reserved()
+        after = before - credit.reservation + max(credit.reservation, grant)
+        if grant < 0 or (after > self.backlog and after > before):
             raise ValueError(f"grant {grant} to shard {shard} would reserve {after} of a "
                              f"backlog of {self.backlog} (shards: {self.shards})")
         credit.pending[request_id] = grant

@@ -169,6 +169,38 @@ def follow_directory(c: QueueConsumer) -> None:
         return
     for shard in sorted(shards - set(spans.shards)):
         join(c, shard)
+    # Queues the directory shows on another shard than the one that granted them moved
+    # (`qlayer queue move`), their leases along: acks go to the new shard from now on, and a
+    # part whose every queue moved away, on a shard no queue it matches is on, is left. Only
+    # a move the directory shows: a queue it does not list yet may be a new one.
+    vacated: set[int] = set()
+    for queue, granted in list(spans.queue_shard.items()):
+        now_on = placed.get(queue)
+        if now_on is not None and now_on != granted:
+            spans.queue_shard[queue] = now_on
+            vacated.add(granted)
+    for shard in sorted(vacated - shards - {spans.home}):
+        if shard in spans.ledger.shards and shard not in spans.queue_shard.values():
+            leave(c, shard)
+
+
+def leave(c: QueueConsumer, shard: int) -> None:
+    """Leave the part on a shard where no queue the subscription matches lives any more
+    (its queues moved to other shards, taking their leases along): its credit is free
+    again for the shards that have the work. The shard is told (an Unsubscribe); one that
+    already dropped the part (it rebuilt without the queues) counts it, changes nothing."""
+    spans, session_id = c._spans, c._session_id
+    assert spans is not None
+    if session_id is None:
+        return
+    log.info("consumer %s: no queue %r matches is on shard %d any more; leaving it",
+             c._consumer_id, c._queue, shard)
+    spans.drop(shard)
+    value = c._codec.encode_control(Unsubscribe(
+        consumer_id=c._consumer_id, session_id=session_id, reason="no matching queue here",
+        sent_at_ms=_now_ms()))
+    c._producer.send(c._topics.control, c._key, value, shard,
+                     [*(c._proof or []), spans.header])
 
 
 def become_spanning(c: QueueConsumer, here: int) -> None:

@@ -160,3 +160,54 @@ def test_a_replace_onto_a_queue_of_another_shard_keeps_the_leases_held(
         with Store(settings.database_url) as store:
             # Both acks on A were applied: its recovery point passed them.
             assert sum(store.load_recovery_points("MoveA").values()) == 2
+
+
+def test_a_queue_of_a_spanning_subscription_moves_and_nothing_is_lost_or_held_twice(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """`qlayer queue move` of one of a regex subscription's queues, from the shard of its part
+    to another shard, while the consumer holds leases of it: the held ones stay ackable, the
+    rest of its messages come from the new shard, and the one backlog holds throughout."""
+    topics = {"MvOne": journal("one"), "MvTwo": journal("two")}
+    put_queues(settings, {"name": "MvOne", "underlying_topic": topics["MvOne"], "shard": 0},
+               {"name": "MvTwo", "underlying_topic": topics["MvTwo"], "shard": 1})
+    with running_coordinator(settings):
+        for topic in topics.values():
+            produce_numbers(settings.bootstrap_servers, topic, 10)
+        with QueueConsumer("^Mv(One|Two)$", regex=True, max_backlog=2,
+                           bootstrap_servers=settings.bootstrap_servers,
+                           topic_prefix=settings.topic_prefix) as consumer:
+            got: list[tuple[str, str]] = []
+            held: list[Message] = []
+            deadline = time.monotonic() + 30
+            while not any(m.queue == "MvTwo" for m in held) and time.monotonic() < deadline:
+                message = consumer.receive(timeout=0.5)
+                if message is None:
+                    continue
+                held.append(message)
+                if len(held) > 1:  # keep one of MvTwo held across the move
+                    first = held.pop(0)
+                    got.append((first.queue, str(first.bookmark)))
+                    first.ack()
+            assert any(m.queue == "MvTwo" for m in held)
+            with Store(settings.database_url) as store:
+                moved = store.move_queue("MvTwo", 2, time.time())
+            assert (moved.from_shard, moved.to_shard) == (1, 2)
+            for message in held:
+                got.append((message.queue, str(message.bookmark)))
+                message.ack()
+            deadline = time.monotonic() + 90
+            while len(set(got)) < 20 and time.monotonic() < deadline:
+                # Take what comes until nothing more does: never more than the backlog.
+                holding: list[Message] = []
+                while len(holding) <= 2:
+                    message = consumer.receive(timeout=1.0)
+                    if message is None:
+                        break
+                    holding.append(message)
+                assert len(holding) <= 2, "more held than the one backlog"
+                for m in holding:
+                    got.append((m.queue, str(m.bookmark)))
+                    m.ack()
+            assert Counter(q for q, _ in set(got)) == {"MvOne": 10, "MvTwo": 10}
+            assert len(got) == len(set(got)), "a message was delivered twice"

@@ -42,6 +42,33 @@ def test_initial_grants_split_the_backlog_and_never_exceed_it() -> None:
         ledger.sent(2, "more", 2)
 
 
+def test_a_queue_moved_with_its_leases_reserves_past_the_backlog_for_a_moment_only() -> None:
+    """`qlayer queue move` of a queue from shard 1 to shard 2 takes its held lease along:
+    shard 2 reports it held while shard 1's grant still counts, so the reservations exceed the
+    backlog until the consumer leaves shard 1. Meanwhile no grant adds to them (a grant that
+    changes nothing is not refused: it crashed the consumer before), and once shard 1 is left
+    the credit is exact again."""
+    ledger = CreditLedger(2)
+    for shard, grant in ledger.initial([0, 1]).items():
+        ledger.sent(shard, f"s{shard}", grant)
+        ledger.confirmed(shard, f"s{shard}", CreditReport(0, grant, 5 if shard else 0))
+    ledger.add(2)
+    ledger.sent(2, "join", 0)
+    ledger.confirmed(2, "join", CreditReport(held=1, grant=0, waiting=9))
+    assert ledger.reserved() == 3
+    assert ledger.plan() == {2: 1}  # shard 2's grant covers the lease it holds
+    for shard, grant in ledger.plan().items():
+        ledger.sent(shard, f"p{shard}", grant)  # does not raise
+    assert ledger.reserved() == 3
+    with pytest.raises(ValueError, match="would reserve 4 of a backlog of 2"):
+        ledger.sent(0, "more", 2)
+    ledger.remove(1)  # the consumer left the part its queue moved away from
+    assert ledger.reserved() <= 2
+    for shard, grant in ledger.plan().items():
+        ledger.sent(shard, f"q{shard}", grant)
+    assert ledger.reserved() <= 2
+
+
 def test_credit_moves_to_where_work_waits_only_after_the_other_shard_gives_it_back() -> None:
     ledger = CreditLedger(2)
     for shard, grant in ledger.initial([0, 1]).items():
