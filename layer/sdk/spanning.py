@@ -129,9 +129,7 @@ def end_parts(c: QueueConsumer, session_id: str, reason: str) -> None:
     spans = c._spans
     if spans is None:
         return
-    value = c._codec.encode_control(Unsubscribe(
-        consumer_id=c._consumer_id, session_id=session_id, reason=reason,
-        sent_at_ms=_now_ms()))
+    value = _unsubscribe(c, session_id, reason)
     for shard in spans.shards:
         c._producer.send(c._topics.control, c._key, value, shard,
                             list(c._proof or []) or None)
@@ -196,11 +194,16 @@ def leave(c: QueueConsumer, shard: int) -> None:
     log.info("consumer %s: no queue %r matches is on shard %d any more; leaving it",
              c._consumer_id, c._queue, shard)
     spans.drop(shard)
-    value = c._codec.encode_control(Unsubscribe(
-        consumer_id=c._consumer_id, session_id=session_id, reason="no matching queue here",
-        sent_at_ms=_now_ms()))
-    c._producer.send(c._topics.control, c._key, value, shard,
+    c._producer.send(c._topics.control, c._key,
+                     _unsubscribe(c, session_id, "no matching queue here"), shard,
                      [*(c._proof or []), spans.header])
+
+
+def _unsubscribe(c: QueueConsumer, session_id: str, reason: str) -> bytes:
+    """An Unsubscribe of the session's part on one shard, encoded."""
+    return c._codec.encode_control(Unsubscribe(
+        consumer_id=c._consumer_id, session_id=session_id, reason=reason,
+        sent_at_ms=_now_ms()))
 
 
 def become_spanning(c: QueueConsumer, here: int) -> None:
