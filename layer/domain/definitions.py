@@ -27,6 +27,7 @@ from layer.domain.positions import DEFAULT_RECOVERY_POINT
 __all__ = [
     "DEFAULT_LEASE_PERIOD",
     "DEFAULT_MAX_PER_SUBSCRIPTION_BACKLOG",
+    "MAX_PARTS",
     "Fairness",
     "Leasing",
     "QueueDefinition",
@@ -117,6 +118,8 @@ def _bounded_duration(value: object, *, low: float, high: float, example: str) -
 #: The largest count a queue may set: delivery and cancel counts, backlogs and depths are
 #: 32-bit integers in PostgreSQL and on the wire (Avro ``int``).
 MAX_COUNT: Final = 2**31 - 1
+#: A part is served by a shard: no installation has more than 1,024 (`MAX_SHARD_COUNT`).
+MAX_PARTS: Final = 1024
 
 
 def _count(value: object, *, minimum: int, example: str) -> int:
@@ -293,6 +296,10 @@ class QueueDefinition(BaseModel):
     shard_group: str | None = None
     """Queues with the same group share a shard, so one regex subscription can read them all
     with one backlog (beyond AMPS; docs/coordinator.md)."""
+    parts: int = 1
+    """Parts the queue is split into by journal partition (beyond AMPS; docs/coordinator.md,
+    "Partitioned queues"): partition p is part p mod ``parts``, each part served by a shard
+    of its own, so one queue grows past one process. 1: the whole queue on one shard."""
 
     # -- field rules ----------------------------------------------------------------------------
     @model_validator(mode="before")
@@ -434,6 +441,16 @@ class QueueDefinition(BaseModel):
     @classmethod
     def _parse_shard(cls, value: object) -> int | None:
         return None if value is None else _count(value, minimum=0, example="3")
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _parse_parts(cls, value: object) -> int:
+        if value is None:
+            return 1
+        parts = _count(value, minimum=1, example="4")
+        if parts > MAX_PARTS:
+            raise ValueError(f"must be at most {MAX_PARTS} (e.g. 4), got {parts}")
+        return parts
 
     @field_validator("shard_group", mode="before")
     @classmethod
@@ -676,6 +693,7 @@ def _given(value: object) -> bool:
 def _combination_problems(values: Mapping[str, object]) -> list[tuple[str, str]]:
     """Rules about pairs of fields; tolerant of raw values so it can run after field errors."""
     problems: list[tuple[str, str]] = []
+    problems.extend(_parts_problems(values))
     if _given(values.get("target_queue_depth")):
         if _given(values.get("priority")):
             problems.append(
@@ -703,6 +721,23 @@ def _combination_problems(values: Mapping[str, object]) -> list[tuple[str, str]]
                 "remove fairness or set it to round-robin",
             )
         )
+    return problems
+
+
+def _parts_problems(values: Mapping[str, object]) -> list[tuple[str, str]]:
+    """Rules a queue of several parts cannot keep: one order over the whole queue (each part
+    has its own; docs/amps-mapping.md, "Partitioned queues")."""
+    parts = values.get("parts")
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts <= 1:
+        return []
+    problems = []
+    for field, why in (("barrier_expression", "a barrier holds back every later message of "
+                        "the queue, and a queue of several parts has no one order"),
+                       ("target_queue_depth", "the active window is the first N entries "
+                        "of the queue, and a queue of several parts has no one order")):
+        if _given(values.get(field)):
+            problems.append(("parts", f"cannot be combined with {field} ({why}); use "
+                                      f"parts: 1 or remove {field}"))
     return problems
 
 

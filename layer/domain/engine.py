@@ -288,6 +288,9 @@ class QueueEngine:
         )
         # The plain enqueue path: nothing to evaluate or track per record.
         self._plain = not self._done_hooks and policy.filter is None
+        # A part of a queue of several parts (`serve_parts`): its parts' partitions only.
+        self._parts = 1
+        self._served: frozenset[int] = frozenset()
         # Entries delivered at least once and still in the queue (plus done ones not drained).
         self._touched: dict[int, Touched] = {}
         # Current leases and at-most-once backlog slots, by bookmark, in lease order: with a
@@ -725,6 +728,17 @@ class QueueEngine:
         return count
 
     # ------------------------------------------------------------------ enqueue
+    def serve_parts(self, parts: int, served: frozenset[int]) -> None:
+        """Serve these parts of a queue of ``parts`` parts: records of the other parts'
+        journal partitions (partition p is part p mod parts) are not offered to this engine
+        (`enqueue` passes them over), their shards serve them."""
+        self._parts = parts
+        self._served = frozenset(served)
+
+    def serves(self, partition: int) -> bool:
+        """Whether a journal partition is in a part this engine serves."""
+        return self._parts <= 1 or partition % self._parts in self._served
+
     def enqueue(self, records: Iterable[OfferedRecord], now: float,
                 projected: frozenset[str] | None = None) -> int:
         """Offer journal records to the queue; returns how many became entries.
@@ -757,8 +771,11 @@ class QueueEngine:
         delivery_delay = self._policy.delivery_delay
         depth = self._policy.target_queue_depth
         rereading = self._rereading
+        parts, served = self._parts, self._served
         for record in records:
             topic, partition, offset, key, doc, timestamp, deliver_at, expiration = record
+            if parts > 1 and partition % parts not in served:
+                continue  # another part's partition: its own shard serves it
             if delivery_delay:
                 # The queue's delay counts from the record's timestamp (the same after a
                 # replay); a later deliver-at of its own wins.

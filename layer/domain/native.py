@@ -148,6 +148,12 @@ class NativeQueueEngine:
     def consumers(self) -> list[ConsumerInfo]:
         return list(self._core.consumers())
 
+    def serve_parts(self, parts: int, served: frozenset[int]) -> None:
+        self._core.serve_parts(parts, sorted(served))
+
+    def serves(self, partition: int) -> bool:
+        return bool(self._core.serves(partition))
+
     def credit_view(self, consumer_id: str) -> tuple[int, int]:
         held, waiting = self._core.credit_view(consumer_id)
         return int(held), int(waiting)

@@ -14,6 +14,8 @@ from typing import Final
 __all__ = [
     "DEFAULT_SHARD_COUNT",
     "MAX_SHARD_COUNT",
+    "part_of",
+    "part_shards",
     "shard_count_problem",
     "shard_for",
     "shard_key",
@@ -53,3 +55,17 @@ def shard_for(name: str, *, shard: int | None, shard_group: str | None,
                              f"0..{shard_count - 1}")
         return shard
     return zlib.crc32((shard_group or name).encode()) % shard_count
+
+
+def part_of(partition: int, parts: int) -> int:
+    """The part of a queue of ``parts`` parts that a journal partition belongs to: partition
+    p is part p mod parts, so a partition keeps its part when the journal gains partitions
+    (docs/coordinator.md, "Partitioned queues")."""
+    return partition % parts if parts > 1 else 0
+
+
+def part_shards(first: int, parts: int, shard_count: int) -> tuple[int, ...]:
+    """The shard of each part of a queue whose first part is on shard ``first``: part k on
+    shard (first + k) mod shard_count, so the parts of one queue are on as many shards as
+    there are parts (up to the shard count) and one process per shard can serve them."""
+    return tuple((first + k) % shard_count for k in range(max(parts, 1)))

@@ -313,6 +313,10 @@ pub struct Engine {
     projection_fields: Vec<Py<PyAny>>,
     wanted: OrderedSet<Seq>,
     empty: Name,
+    /// `QueueEngine._parts` / `_served`: a part of a queue of several parts serves the
+    /// journal partitions of its parts only.
+    parts: i64,
+    served: FxHashSet<i64>,
 }
 
 fn call_matches(py: Python<'_>, expression: &Py<PyAny>, doc: &Py<PyAny>) -> PyResult<bool> {
@@ -375,7 +379,20 @@ impl Engine {
             projection_fields: Vec::new(),
             wanted: OrderedSet::new(),
             empty: Arc::from(""),
+            parts: 1,
+            served: FxHashSet::default(),
         }
+    }
+
+    /// `QueueEngine.serve_parts`.
+    pub fn serve_parts(&mut self, parts: i64, served: Vec<i64>) {
+        self.parts = parts;
+        self.served = served.into_iter().collect();
+    }
+
+    /// `QueueEngine.serves`.
+    pub fn serves(&self, partition: i64) -> bool {
+        self.parts <= 1 || self.served.contains(&partition.rem_euclid(self.parts))
     }
 
     fn name(&self) -> Name {
@@ -794,7 +811,11 @@ impl Engine {
         let depth = self.policy.target_queue_depth;
         let mut current: Option<usize> = None; // index into `accepted`
         let mut source: usize = usize::MAX;
+        let split = self.parts > 1;
         for record in records {
+            if split && !self.serves(record.partition) {
+                continue; // another part's partition: its own shard serves it
+            }
             let same = source != usize::MAX && {
                 let s = &self.table.sources[source];
                 s.partition == record.partition && *s.topic == *record.topic

@@ -232,6 +232,16 @@ impl NativeEngine {
         Ok(out)
     }
 
+    /// `QueueEngine.serve_parts`: the parts of a queue of several parts this engine serves.
+    fn serve_parts(&mut self, parts: i64, served: Vec<i64>) {
+        self.core.serve_parts(parts, served)
+    }
+
+    /// `QueueEngine.serves`.
+    fn serves(&self, partition: i64) -> bool {
+        self.core.serves(partition)
+    }
+
     /// `QueueEngine.credit_view`: (held, waiting) of one consumer for its credit.
     fn credit_view(&mut self, py: Python<'_>, consumer_id: &str) -> PyResult<(usize, usize)> {
         self.core.credit_view(py, &Arc::from(consumer_id))

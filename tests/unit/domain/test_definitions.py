@@ -236,7 +236,7 @@ def test_every_number_a_queue_definition_holds_is_bounded() -> None:
                if field.annotation in (int, int | None, float, float | None)}
     assert numeric == {"lease_period", "max_deliveries", "max_cancels", "expiration",
                        "delivery_delay", "max_per_subscription_backlog", "target_queue_depth",
-                       "shard"}
+                       "shard", "parts"}
     for name in sorted(numeric):
         [(where, message)] = problems_of({"name": "Q", name: 10**20})
         assert (where, message.startswith("must be ")) == (name, True), message
