@@ -134,8 +134,11 @@ class Acks:
             self.core.count_malformed("ack", r, exc, now)
             return 0
         engines = self.core.engines
+        split = self.core.split
         if isinstance(decoded, AcceptRecord):
-            if all(g.queue in engines for g in decoded.groups):
+            if all(g.queue in engines for g in decoded.groups) and (
+                    not split or all(g.queue not in split or engines[g.queue].serves(g.partition)
+                                     for g in decoded.groups)):
                 if not admitted and not self._admitted(r, decoded.consumer_id,
                                                        decoded.session_id, now):
                     return 0
@@ -148,7 +151,8 @@ class Acks:
         else:
             record = decoded
         items = record.items
-        if not all(item.queue in engines for item in items):
+        if not all(item.queue in engines for item in items) or (
+                split and any(item.queue in split for item in items)):
             items = self._forward_acks(r, record)
         if items and not admitted and not self._admitted(r, record.consumer_id,
                                                          record.session_id, now):
@@ -193,8 +197,15 @@ class Acks:
         catalog = self.core.catalog()
         mine: list[AckItem] = []
         theirs: dict[int, list[AckItem]] = {}
+        engines, split = self.core.engines, self.core.split
         for item in record.items:
-            shard = None if item.queue in self.core.engines else catalog.shard_of(item.queue)
+            if item.queue in split:
+                # A queue of several parts: the part of the item's journal partition.
+                partition = _partition_of(item.bookmark)
+                shard = (None if partition is None or engines[item.queue].serves(partition)
+                         else catalog.shard_of(item.queue, partition))
+            else:
+                shard = None if item.queue in engines else catalog.shard_of(item.queue)
             if shard is None or shard == self.core.shard:
                 mine.append(item)
             else:
@@ -448,3 +459,12 @@ def _split_answers(answers: list[AckItemResult]) -> list[list[AckItemResult]]:
         parts[-1].append(answer)
         size += length
     return parts
+
+
+def _partition_of(bookmark: str) -> int | None:
+    """The journal partition of a bookmark (``topic/partition/offset``), None when it is not
+    one (the item is answered INVALID where it is settled)."""
+    try:
+        return int(bookmark.rsplit("/", 2)[1])
+    except (IndexError, ValueError):
+        return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from layer.domain.authorization import Entitlements
 from layer.domain.likepattern import name_matcher
+from layer.domain.shards import part_of
 from layer.store.rows import ConsumerRow, QueueRecord
 
 __all__ = ["Catalog"]
@@ -63,21 +64,39 @@ class Catalog:
             return None
         return row
 
-    def shard_of(self, queue: str) -> int | None:
+    def shard_of(self, queue: str, partition: int | None = None) -> int | None:
+        """The shard serving the queue (its first part), or, given a journal partition, the
+        part of the queue that partition is in."""
         record = self.queues.get(queue)
-        return None if record is None else record.shard
+        if record is None:
+            return None
+        if partition is None or record.parts == 1:
+            return record.shard
+        return record.part_shards(self.shard_count)[part_of(partition, record.parts)]
+
+    def shards_of(self, record: QueueRecord) -> tuple[int, ...]:
+        """The shards serving the queue's parts (one for a queue of one part)."""
+        return (record.shard,) if record.parts == 1 else record.part_shards(self.shard_count)
 
     def on_shard(self, shard: int) -> dict[str, QueueRecord]:
-        return {n: q for n, q in self.queues.items() if q.shard == shard}
+        """The queues with a part on the shard."""
+        return {n: q for n, q in self.queues.items()
+                if q.shard == shard or (q.parts > 1 and shard in self.shards_of(q))}
+
+    def parts_on(self, record: QueueRecord, shard: int) -> frozenset[int] | None:
+        """The parts of a queue of several parts the shard serves; None for a queue of one."""
+        if record.parts == 1:
+            return None
+        return frozenset(k for k, s in enumerate(self.shards_of(record)) if s == shard)
 
     def shards_matching(self, queue: str, is_regex: bool) -> set[int]:
         """The shards of the queues a subscription names (a name, or a regex over names).
         Raises ``re.error`` for an invalid regex."""
         if not is_regex:
-            found = self.shard_of(queue)
-            return set() if found is None else {found}
+            found = self.queues.get(queue)
+            return set() if found is None else set(self.shards_of(found))
         matches = name_matcher(queue)
-        return {q.shard for n, q in self.queues.items() if matches(n)}
+        return {s for n, q in self.queues.items() if matches(n) for s in self.shards_of(q)}
 
     def consumer_shards(self, consumer_id: str, session_id: str) -> set[int]:
         """The shards serving a known session's queues (empty when the session is unknown)."""

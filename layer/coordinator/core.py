@@ -126,6 +126,8 @@ class QueueState:
     #: its end offset: stored state of a partition not here, or past its end, describes a
     #: log that was deleted (`layer.coordinator.deleted`). None: not checked.
     ends: dict[tuple[str, int], int] | None = None
+    #: The parts of a queue of several parts this shard serves (None: the whole queue).
+    parts_served: frozenset[int] | None = None
 
 
 def _newly_admitted(e: ev.EntriesEnqueued, counted_from: dict[tuple[str, int], int]
@@ -193,6 +195,9 @@ class ShardCore:
     def reset(self) -> None:
         """Forget everything (a rebuild): nothing here outlives a failure."""
         self.engines: dict[str, AnyEngine] = {}
+        #: Queues of several parts this shard serves some of (docs/coordinator.md,
+        #: "Partitioned queues"): their acks of the other parts' partitions are passed on.
+        self.split: set[str] = set()
         self.versions: dict[str, int] = {}
         self.sessions: dict[str, Session] = {}
         #: Per queue: (consumer id, bookmark) of the leases restored from PostgreSQL when it was
@@ -783,6 +788,8 @@ class ShardCore:
         engine = new_engine(definition, tokens=self.tokens,
                             session_timeout=self.options.default_session_timeout,
                             native=self.native)
+        if state.parts_served is not None:
+            engine.serve_parts(definition.parts, state.parts_served)
         starts = dict(state.starts)
         kept, stored_points, admitted = state.entries, state.stored_points, state.admitted
         deleted = (deleted_partitions(definition, stored_points, admitted, kept, state.ends,
@@ -825,6 +832,8 @@ class ShardCore:
                           name, topic, partition, start, first - 1, len(lost))
                 starts[(topic, partition)] = first
         self.engines[name] = engine
+        if state.parts_served is not None:
+            self.split.add(name)
         self.versions[name] = state.version
         for topic, partition in starts:
             key = PartitionKey(name, topic, partition)
@@ -846,6 +855,7 @@ class ShardCore:
 
     def drop_queue(self, name: str, keep_sessions: bool = False) -> None:
         self.engines.pop(name)
+        self.split.discard(name)
         self.restored_leases.pop(name, None)
         # Found again from what is stored (unchanged until a step writes it) if the queue
         # is added again.

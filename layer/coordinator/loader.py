@@ -13,6 +13,7 @@ from layer.coordinator.logformat import fields
 from layer.coordinator.ports import JournalSource, StateStore, TopicAdmin
 from layer.domain.definitions import QueueDefinition
 from layer.domain.errors import QueueConfigError
+from layer.domain.shards import part_of
 from layer.kafka import TopicSpec
 from layer.protocol import TopicNames
 from layer.store.rows import ConsumerRow, EntryRow, PartitionKey, QueueRecord
@@ -152,6 +153,15 @@ class QueueLoader:
         stored = self.store.load_recovery_points(name)
         entries = self.store.load_entries(name)
         admitted = self.store.load_admitted(name)
+        served = self.parts_served(definition)
+        if served is not None:
+            # A part of the queue: the other parts' state is their shards' (the store keeps
+            # one queue; its partitions are split between the parts).
+            parts = definition.parts
+            stored = {k: v for k, v in stored.items() if part_of(k.partition, parts) in served}
+            entries = [r for r in entries if part_of(r.partition, parts) in served]
+            admitted = {k: v for k, v in admitted.items()
+                        if part_of(k.partition, parts) in served}
         if forget:
             # Partitions of a deleted journal: what is stored of them is being forgotten by
             # the batch not committed yet (`journal_deleted`).
@@ -173,7 +183,7 @@ class QueueLoader:
         # journal deleted, and perhaps made again, while no coordinator served the queue.
         state = QueueState(definition, record.version, entries, starts, stored, admitted,
                            self.admin.log_start_offsets(list(starts)),
-                           self.admin.end_offsets(partitions))
+                           self.admin.end_offsets(partitions), served)
         starts = core.add_queue(state, rows, now)
         dead_letters = TopicSpec(dead_letter_topic(topics, definition), 1)
         if self._dead_letters is not None:
@@ -191,8 +201,22 @@ class QueueLoader:
         # Looked up by name, not tried on every listed topic: a thousand queues over a
         # thousand topics were a million `matches_topic` calls at each shard start and
         # partition check (`QueueDefinition.journal_topics`).
+        served = self.parts_served(definition)
         return [(topic, p) for topic in definition.journal_topics(listed)
-                if not topics.is_internal(topic) for p in range(listed[topic])]
+                if not topics.is_internal(topic) for p in range(listed[topic])
+                if served is None or part_of(p, definition.parts) in served]
+
+    def parts_served(self, definition: QueueDefinition) -> frozenset[int] | None:
+        """The parts of a queue of several parts this shard serves (None: a queue of one
+        part, served whole)."""
+        if definition.parts == 1:
+            return None
+        catalog = self.core.catalog()
+        record = catalog.queues.get(definition.name)
+        if record is None:
+            return frozenset()
+        served = catalog.parts_on(record, self.core.shard)
+        return frozenset() if served is None else served
 
     def start_positions(self, definition: QueueDefinition, partitions: list[tuple[str, int]],
                         stored: dict[PartitionKey, int]) -> dict[tuple[str, int], int]:

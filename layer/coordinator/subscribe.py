@@ -203,8 +203,9 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
         # filter a regex subscription the same way).
         names = [n for n in control.core.engines if session.matches(n)
                  and entitlements.may_consume(principal, n)]
-        shards = {catalog.queues[n].shard for n in catalog.queues
-                  if session.matches(n) and entitlements.may_consume(principal, n)}
+        shards = {s for n, q in catalog.queues.items()
+                  if session.matches(n) and entitlements.may_consume(principal, n)
+                  for s in catalog.shards_of(q)}
     except re.error as exc:
         return refuse(SubscribeStatus.INVALID_REQUEST, f"invalid queue regex: {exc}")
     if home is None and (len(shards) > 1 or (shards and control.core.shard not in shards)):

@@ -42,6 +42,7 @@ __all__ = [
     "InvalidQueueFileError",
     "NoSuchQueueError",
     "PartitionFigures",
+    "PartitionedQueueError",
     "PurgeResult",
     "QueueChange",
     "QueueDescription",
@@ -68,6 +69,18 @@ class NoSuchQueueError(UnknownQueueError):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.args = (f"no queue named {name}; see `qlayer queue list`",)
+
+
+class PartitionedQueueError(QlayerError, ValueError):
+    """An operation a queue of several parts does not have yet."""
+
+    def __init__(self, name: str, parts: int, what: str) -> None:
+        super().__init__(
+            f"queue {name} has {parts} parts: {what} of a queue of several parts is not "
+            "supported yet (each part's shard would have to carry it out and report it; "
+            "docs/coordinator.md, 'Partitioned queues'). Acknowledge or reject its messages "
+            "from a consumer, or create the queue again")
+        self.name, self.parts = name, parts
 
 
 class QueueExistsError(QlayerError):
@@ -625,7 +638,7 @@ class QueueService:
         With ``wait`` (seconds), poll until the coordinator reports it done; raises
         `WaitTimedOutError` when it has not by then (the request stays recorded).
         """
-        self._live(name)
+        self._whole(name, "a purge")
         requested_at = self.clock()
         try:
             version = self.store.request_purge(name, requested_at)
@@ -654,7 +667,7 @@ class QueueService:
             compile_expression(filter)
         except ExpressionError as exc:
             raise InvalidFilterError(filter, exc) from None
-        self._live(name)
+        self._whole(name, "an ack by filter")
         if dry_run:
             settings = self.settings or Settings.load()
             from layer.services.views import count_matching
@@ -686,7 +699,7 @@ class QueueService:
         target now; the coordinator resolves it again when it carries the reset out).
         """
         target = parse_target(to)
-        record = self._live(name)
+        record = self._whole(name, "a reset")
         attached = [row.consumer_id for row in attached_consumers(name,
                                                                    self.store.load_consumers())]
         partitions = self._reset_plan(record, target)
@@ -706,6 +719,13 @@ class QueueService:
                           "reset it")
         return ResetResult(name, target.text, False, partitions, attached, version,
                            requested_at, done.reset_done_at)
+
+    def _whole(self, name: str, what: str) -> QueueRecord:
+        """The live queue, refused (`PartitionedQueueError`) when it has several parts."""
+        record = self._live(name)
+        if record.parts > 1:
+            raise PartitionedQueueError(name, record.parts, what)
+        return record
 
     def _reset_plan(self, record: QueueRecord, target: ResetTarget) -> list[ResetPartition]:
         pairs = self._journal_partitions(record)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
+from layer.domain.shards import part_shards
 from layer.domain.states import EntryState
 
 __all__ = [
@@ -158,6 +159,18 @@ class QueueRecord:
     @property
     def deleted(self) -> bool:
         return self.deleted_at is not None
+
+    @property
+    def parts(self) -> int:
+        """The queue's ``parts`` (1 for a stored definition without a valid one)."""
+        parts = self.definition.get("parts", 1)
+        return parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 1 \
+            else 1
+
+    def part_shards(self, shard_count: int) -> tuple[int, ...]:
+        """The shard serving each part; ``shard`` is the first part's (docs/coordinator.md,
+        "Partitioned queues")."""
+        return part_shards(self.shard, self.parts, shard_count)
 
     @property
     def reset_pending(self) -> bool:

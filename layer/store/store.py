@@ -27,7 +27,7 @@ from sqlalchemy.engine import Row
 
 from layer.domain.errors import QueueConfigError, UnknownConsumerError, UnknownQueueError
 from layer.domain.positions import DEFAULT_RECOVERY_POINT
-from layer.domain.shards import shard_for, shard_key
+from layer.domain.shards import part_shards, shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
@@ -578,17 +578,32 @@ class Store:
                     if current.definition == wanted:
                         return int(current.version)
                     shard = int(current.shard)
+                    parts = _parts(wanted)
+                    if _parts(current.definition) != parts:
+                        raise QueueConfigError([("parts", (
+                            f"cannot change on a live queue ({_parts(current.definition)} -> "
+                            f"{parts}): its entries are split by journal partition between "
+                            "the parts' shards. Create a queue with the parts you want over "
+                            "the same journal, move the consumers to it, then delete this "
+                            "one (docs/coordinator.md, 'Partitioned queues')"))])
                     if _placement_fields(current.definition) != _placement_fields(wanted):
                         # The queue file asks for another placement: a move, fenced like
-                        # `qlayer queue move`.
+                        # `qlayer queue move` (every part's shard).
                         if placed != shard:
-                            _fence(conn, shard)
+                            for old in part_shards(shard, parts, count):
+                                _fence(conn, old)
                         shard = placed
                     # A recovery_point other than the one the positions were set from moves
                     # them there (AMPS: a changed RecoveryPoint); the reset is requested in
                     # the same write, so no coordinator sees the one without the other.
                     moves = (setting is not None and current.positions_from is not None
                              and str(setting) != current.positions_from)
+                    if moves and parts > 1:
+                        raise QueueConfigError([("recovery_point", (
+                            f"cannot change on a queue of {parts} parts (from "
+                            f"{current.positions_from}): moving the positions of every part "
+                            "at once is not supported yet (docs/coordinator.md, 'Partitioned "
+                            "queues')"))])
                     statement = (sql.UPDATE_QUEUE_DEFINITION_AND_RESET if moves
                                  else sql.UPDATE_QUEUE_DEFINITION)
                     return int(conn.execute(statement,
@@ -617,7 +632,10 @@ class Store:
             old = int(current.shard)
             if old == shard:
                 return QueueMove(name, old, shard, int(current.version))
-            _fence(conn, old)
+            # A queue of several parts moves whole: its first part to ``shard``, the others
+            # after it; every shard that served a part rebuilds without it.
+            for served in part_shards(old, _parts(current.definition), count):
+                _fence(conn, served)
             version = conn.execute(sql.MOVE_QUEUE, {"queue_name": name, "the_shard": shard,
                                                     "now": _to_datetime(now)}).scalar_one()
             conn.execute(sql.MOVE_QUEUE_CONSUMERS, {"queue_name": name, "the_shard": shard})
@@ -1129,10 +1147,21 @@ def _placement_fields(definition: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def _placement(name: str, definition: Mapping[str, Any], count: int) -> int:
     explicit, group = _placement_fields(definition)
+    parts = _parts(definition)
+    if parts > count:
+        raise QueueConfigError([("parts", (
+            f"{parts} parts need {parts} shards and this installation has {count}: each part "
+            "is served by a shard of its own (`qlayer db upgrade --shards N` sets the count "
+            "of a new database)"))])
     try:
         return shard_for(name, shard=explicit, shard_group=group, shard_count=count)
     except ValueError as exc:
         raise QueueConfigError([("shard", str(exc))]) from None
+
+
+def _parts(definition: Mapping[str, Any]) -> int:
+    parts = definition.get("parts", 1)
+    return parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 1 else 1
 
 
 def _fence(conn: Connection, shard: int) -> None:
