@@ -871,7 +871,8 @@ class QueueConsumer:
                     delivered += 1
                     self._buffer.append(message)
                     if self._spans is not None:
-                        self._spans.delivered(message.queue)
+                        self._spans.delivered(message.queue, message.bookmark.partition
+                                              if message.queue in self._spans.parts else None)
                 continue
             if is_reply(headers):
                 try:
@@ -1091,21 +1092,22 @@ class QueueConsumer:
         spans = self._spans
         if spans is not None:
             # Each shard's items to its own partition (protocol 8).
-            batches = [[i for i in batch if spans.shard_of(i.queue) == shard]
+            batches = [[i for i in batch if spans.shard_of(i.queue, _partition(spans, i)) == shard]
                        for batch in batches for shard in spans.shards]
             batches = [b for b in batches if b]
         for batch in batches:
             record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
                                sent_at_ms=_now_ms(), items=tuple(batch))
             self._producer.send(self._topics.ack, self._key, self._codec.encode_ack(record),
-                                spans.shard_of(batch[0].queue) if spans is not None
-                                else self._shard, self._proof)
+                                spans.shard_of(batch[0].queue, _partition(spans, batch[0]))
+                                if spans is not None else self._shard, self._proof)
             self._stats.ack_records_sent += 1
             self._stats.ack_items_sent += len(batch)
         if accepts and spans is not None:
             by_shard: dict[int, list[Accept]] = {}
             for accept_item in accepts:
-                by_shard.setdefault(spans.shard_of(accept_item[0]), []).append(accept_item)
+                by_shard.setdefault(spans.shard_of(accept_item[0], accept_item[2]),
+                                    []).append(accept_item)
             for shard, some in by_shard.items():
                 self._send_accepts(session_id, some, shard)
         elif accepts:
@@ -1208,3 +1210,14 @@ def _background_loop(
                 wait = _MAX_THREAD_WAIT
             del consumer
             cond.wait(wait)
+
+
+def _partition(spans: Spans, item: AckItem) -> int | None:
+    """The journal partition of an ack item of a queue of several parts (its part's shard
+    settles it); None for other queues, whose shard the queue says."""
+    if item.queue not in spans.parts:
+        return None
+    try:
+        return int(item.bookmark.rsplit("/", 2)[1])
+    except (IndexError, ValueError):
+        return None

@@ -31,6 +31,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from layer.domain.definitions import QueueDefinition
 from layer.domain.definitions import publish_target as route
 from layer.domain.errors import QueueConfigError
+from layer.domain.shards import part_shards
 from layer.kafka.directory import DIRECTORY_TOPIC_CONFIG
 from layer.kafka.errors import KafkaAdapterError
 from layer.kafka.logs import logged
@@ -69,15 +70,23 @@ def decode_placed_definition(key: bytes | None, value: bytes | None
                              ) -> tuple[str, QueueDefinition | None, int | None]:
     """``(queue name, definition, shard)`` of a directory record (see `decode_definition`);
     the shard is None in a format-1 record or a tombstone."""
+    name, definition, shard, _ = decode_placement(key, value)
+    return name, definition, shard
+
+
+def decode_placement(key: bytes | None, value: bytes | None
+                     ) -> tuple[str, QueueDefinition | None, int | None, int | None]:
+    """``(queue name, definition, shard, shard count)`` of a directory record (see
+    `decode_placed_definition`)."""
     record = decode_directory_record(key, value)
     if record.definition is None:
-        return record.name, None, None
+        return record.name, None, None, None
     definition = QueueDefinition.from_mapping(record.definition)
     if definition.name != record.name:
         raise ValueError(
             f"directory record keyed {record.name!r} defines queue {definition.name!r}"
         )
-    return record.name, definition, record.shard
+    return record.name, definition, record.shard, record.shard_count
 
 
 def decode_definition(key: bytes | None, value: bytes | None) -> tuple[str, QueueDefinition | None]:
@@ -117,6 +126,7 @@ class QueueDirectory:
         self._lock = threading.Lock()
         self._definitions: dict[str, QueueDefinition] = {}
         self._shards: dict[str, int] = {}
+        self._counts: dict[str, int] = {}
         self._positions: dict[int, int] = {}
         self._loaded_at: float | None = None
         self._consumer: Any = None
@@ -145,6 +155,22 @@ class QueueDirectory:
             if name not in self._definitions:
                 self._ensure_fresh(miss=True)
             return self._shards.get(name)
+
+    def part_shards(self, name: str) -> tuple[int, ...]:
+        """The shard serving each part of queue ``name`` (docs/coordinator.md, "Partitioned
+        queues"): one for a queue of one part, none when the queue or its shard is not
+        known."""
+        with self._lock:
+            self._ensure_fresh(miss=False)
+            if name not in self._definitions:
+                self._ensure_fresh(miss=True)
+            definition, shard = self._definitions.get(name), self._shards.get(name)
+            if definition is None or shard is None:
+                return ()
+            count = self._counts.get(name)
+            if definition.parts == 1 or count is None:
+                return (shard,)
+            return part_shards(shard, definition.parts, count)
 
     def placements(self) -> dict[str, int | None]:
         """Every known queue and the shard serving it (None: a format-1 record)."""
@@ -266,7 +292,7 @@ class QueueDirectory:
 
     def _apply(self, key: bytes | None, value: bytes | None) -> None:
         try:
-            name, definition, shard = decode_placed_definition(key, value)
+            name, definition, shard, count = decode_placement(key, value)
         except ValueError as exc:  # QueueConfigError is a ValueError too
             self.malformed += 1
             log.warning("ignoring queue directory record on %s: %s", self.topic, exc)
@@ -285,6 +311,10 @@ class QueueDirectory:
                 self._shards.pop(name, None)
             else:
                 self._shards[name] = shard
+            if count is None:
+                self._counts.pop(name, None)
+            else:
+                self._counts[name] = count
 
 
 class QueueDirectoryWriter:

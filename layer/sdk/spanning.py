@@ -61,6 +61,7 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
         c._active = False
     c._results.clear()
     spans = c._spans = Spans(shards[0], CreditLedger(c._max_backlog))
+    learn_parts(c)
     grants = spans.ledger.initial(shards)
     headers = (c._format_header + secret_headers(secret) + c._credential_header
                + [spans.header])
@@ -79,7 +80,7 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
             c._producer.send(c._topics.control, c._key, c._codec.encode_control(
                 Subscribe(
                     consumer_id=c._consumer_id, session_id=session_id,
-                    request_id=request_id, queue=c._queue, queue_is_regex=True,
+                    request_id=request_id, queue=c._queue, queue_is_regex=c._regex,
                     max_backlog=grants[shard], filter=c._filter,
                     delivery_topic=c._delivery_topic,
                     session_timeout_ms=round(c._session_timeout * 1000),
@@ -123,6 +124,35 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
     move_credit(c)
 
 
+def _directory(c: QueueConsumer) -> QueueDirectory:
+    if c._directory is None:
+        c._directory = QueueDirectory(config=c._config, refresh_interval=DIRECTORY_INTERVAL,
+                                      timeout=c._subscribe_timeout)
+    return c._directory
+
+
+def learn_parts(c: QueueConsumer) -> None:
+    """Where the parts of the subscription's queues of several parts are (the directory
+    says: docs/coordinator.md, "Partitioned queues"), so that each message's acks go to its
+    part's shard at once. A queue the directory does not show yet is settled through the
+    shard that granted it, which passes its acks on."""
+    spans = c._spans
+    if spans is None:
+        return
+    try:
+        directory = _directory(c)
+        if c._regex:
+            matches = name_matcher(c._queue)
+            names = [n for n in directory.placements() if matches(n)]
+        else:
+            names = [c._queue]
+        found = {name: directory.part_shards(name) for name in names}
+    except QlayerError as exc:
+        log.debug("consumer %s: the queue directory: %s", c._consumer_id, exc)
+        return
+    spans.parts = {name: shards for name, shards in found.items() if len(shards) > 1}
+
+
 def end_parts(c: QueueConsumer, session_id: str, reason: str) -> None:
     """Unsubscribe the session on every shard it was sent to (an answer that never came
     must not leave a part, and its leases, behind)."""
@@ -145,17 +175,17 @@ def follow_directory(c: QueueConsumer) -> None:
         return
     c._next_directory_check = now + DIRECTORY_INTERVAL
     try:
-        if c._directory is None:
-            c._directory = QueueDirectory(config=c._config,
-                                             refresh_interval=DIRECTORY_INTERVAL,
-                                             timeout=c._subscribe_timeout)
-        placed = c._directory.placements()
+        placed = _directory(c).placements()
     except QlayerError as exc:
         log.debug("consumer %s: the queue directory: %s", c._consumer_id, exc)
         return
     matches = name_matcher(c._queue)
-    shards = {shard for name, shard in placed.items()
-              if shard is not None and matches(name)}
+    try:
+        shards = {s for name, shard in placed.items() if shard is not None and matches(name)
+                  for s in _directory(c).part_shards(name) or (shard,)}
+    except QlayerError as exc:
+        log.debug("consumer %s: the queue directory: %s", c._consumer_id, exc)
+        return
     spans = c._spans
     if spans is None:
         here = c._shard
@@ -163,6 +193,7 @@ def follow_directory(c: QueueConsumer) -> None:
             return
         become_spanning(c, here)
         return
+    learn_parts(c)
     if not spans.ready_to_join():
         return
     for shard in sorted(shards - set(spans.shards)):
@@ -173,6 +204,8 @@ def follow_directory(c: QueueConsumer) -> None:
     # a move the directory shows: a queue it does not list yet may be a new one.
     vacated: set[int] = set()
     for queue, granted in list(spans.queue_shard.items()):
+        if queue in spans.parts:
+            continue  # its parts' shards are all joined above; acks follow `spans.parts`
         now_on = placed.get(queue)
         if now_on is not None and now_on != granted:
             spans.queue_shard[queue] = now_on

@@ -33,6 +33,9 @@ class Spans:
     #: Requests nobody waits for (parts joined later, the home made spanning): answered as
     #: they come.
     unawaited: set[str] = field(default_factory=set)
+    #: Queues of several parts -> the shard of each part (docs/coordinator.md, "Partitioned
+    #: queues"): a message's acks go to the shard of its journal partition's part.
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def header(self) -> tuple[str, bytes]:
@@ -43,7 +46,12 @@ class Spans:
         """The shards holding a part of the session, home first."""
         return sorted(self.ledger.shards, key=lambda s: (s != self.home, s))
 
-    def shard_of(self, queue: str) -> int:
+    def shard_of(self, queue: str, partition: int | None = None) -> int:
+        """The shard a message of ``queue`` from journal ``partition`` is settled on."""
+        if partition is not None:
+            shards = self.parts.get(queue)
+            if shards:
+                return shards[partition % len(shards)]
         return self.queue_shard.get(queue, self.home)
 
     def sent(self, shard: int, request_id: str, grant: int) -> None:
@@ -78,9 +86,9 @@ class Spans:
     def reported(self, shard: int, report: tuple[int, int, int], delivered: int) -> None:
         self.ledger.reported(shard, CreditReport(*report), delivered)
 
-    def delivered(self, queue: str) -> None:
+    def delivered(self, queue: str, partition: int | None = None) -> None:
         """A message of ``queue`` came: its shard has taken its turn of the remainder."""
-        credit = self.ledger.shards.get(self.shard_of(queue))
+        credit = self.ledger.shards.get(self.shard_of(queue, partition))
         if credit is not None:
             credit.delivered += 1
 

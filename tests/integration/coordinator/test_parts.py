@@ -1,0 +1,95 @@
+"""Partitioned queues (issue 32, docs/coordinator.md "Partitioned queues"): one queue split by
+journal partition into parts on several shards, consumed by name through the public SDK with
+one backlog over its parts. A real coordinator, broker and database."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from layer.domain.errors import QueueConfigError
+from layer.sdk import Message, QueueConsumer
+from layer.services.queues import InvalidQueueFileError, PartitionedQueueError, QueueService
+from layer.settings import Settings
+from layer.store.store import Store
+from tests.support.coordinator import put_queues, running_coordinator
+from tests.support.processes import audit, produce_numbers, read_events
+
+pytestmark = pytest.mark.integration
+
+
+def _drain(consumer: QueueConsumer, want: int, got: list[tuple[str, str]],
+           timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        message = consumer.receive(timeout=0.5)
+        if message is not None:
+            got.append((message.queue, str(message.bookmark)))
+            message.ack()
+
+
+def test_a_queue_of_four_parts_is_served_by_four_shards_and_consumed_by_name_with_one_backlog(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """Parts 0..3 of a queue over an 8-partition journal on shards 0..3 (the first part is
+    pinned to shard 0); a consumer of the queue by name with max_backlog 3 holds at most 3
+    over all the parts, and gets every message once; every part's shard acks its own."""
+    topic = journal("parts", partitions=8)
+    put_queues(settings, {"name": "Split", "underlying_topic": topic, "parts": 4, "shard": 0,
+                          "lease_period": "120s"})
+    total = 200
+    with running_coordinator(settings):
+        produce_numbers(settings.bootstrap_servers, topic, total)
+        with QueueConsumer("Split", max_backlog=3, bootstrap_servers=settings.bootstrap_servers,
+                           topic_prefix=settings.topic_prefix) as consumer:
+            held: list[Message] = []
+            deadline = time.monotonic() + 60
+            while len(held) < 3 and time.monotonic() < deadline:
+                message = consumer.receive(timeout=0.5)
+                if message is not None:
+                    held.append(message)
+            assert len(held) == 3
+            assert consumer.receive(timeout=2.0) is None, "a fourth came while three were held"
+            got = [(m.queue, str(m.bookmark)) for m in held]
+            for message in held:
+                message.ack()
+            _drain(consumer, total, got)
+            assert len(got) == total, f"{total - len(got)} never delivered"
+            assert len(set(got)) == total, "a message was delivered twice"
+            partitions = Counter(int(b.split("/")[1]) for _, b in got)
+            assert set(partitions) == set(range(8))
+        with Store(settings.database_url) as store:
+            deadline = time.monotonic() + 30
+            while (sum(store.load_recovery_points("Split").values()) < total
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            points = store.load_recovery_points("Split")
+            assert sum(points.values()) == total
+            assert sorted(k.partition for k in points) == list(range(8))
+    acked, late = audit(read_events(settings, {"Split"}))
+    assert len(acked) == total and max(acked.values()) == 1
+    assert late == []
+
+
+def test_refused_combinations_and_operations_of_a_partitioned_queue_say_why_in_one_line(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    topic = journal("refused", partitions=4)
+    put_queues(settings, {"name": "Parted", "underlying_topic": topic, "parts": 2})
+    with QueueService.from_settings(settings) as service:
+        with pytest.raises(QueueConfigError, match=r"parts.*cannot change on a live queue"):
+            service.apply(f"queues:\n  - name: Parted\n    underlying_topic: {topic}\n"
+                          "    parts: 3\n")
+        with pytest.raises(QueueConfigError, match=r"5 parts need 5 shards.*has 4"):
+            service.apply(f"queues:\n  - name: TooMany\n    underlying_topic: {topic}\n"
+                          "    parts: 5\n")
+        with pytest.raises(InvalidQueueFileError, match="cannot be combined with barrier"):
+            service.apply(f"queues:\n  - name: Barred\n    underlying_topic: {topic}\n"
+                          "    parts: 2\n    barrier_expression: /b = 1\n")
+        for refused in (lambda: service.purge("Parted"), lambda: service.ack("Parted", "/a = 1"),
+                        lambda: service.reset("Parted", "beginning")):
+            with pytest.raises(PartitionedQueueError, match="queue Parted has 2 parts"):
+                refused()
