@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from layer.services.queues import (
         AckResult,
         ApplyResult,
+        Placement,
         QueueChange,
         QueueDescription,
         QueueService,
@@ -304,7 +305,11 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
         "positions_from": d.record.positions_from,
         "definition": d.definition,
         "shard": d.record.shard,
-        "owner": _placement_json(d),
+        "owner": _placement_json(d.placement),
+        "parts": [{"part": part.part, "shard": part.placement.shard,
+                   "owner": _placement_json(part.placement),
+                   "partitions": [p.partition for p in part.partitions],
+                   "journal_backlog": part.journal_backlog} for part in d.parts],
         "counters": counters,
         "journal_backlog": d.journal_backlog,
         "partitions": [{"topic": p.topic, "partition": p.partition,
@@ -321,17 +326,15 @@ def _describe_json(d: QueueDescription) -> dict[str, Any]:
     }
 
 
-def _placement_json(d: QueueDescription) -> dict[str, Any] | None:
-    """The process running the queue's shard: None when no process holds it."""
-    p = d.placement
+def _placement_json(p: Placement | None) -> dict[str, Any] | None:
+    """The process running the queue's (or a part's) shard: None when no process holds it."""
     if p is None or p.owner_id is None:
         return None
     return {"owner_id": p.owner_id, "epoch": p.epoch, "host": p.host, "pid": p.pid,
             "running": p.running}
 
 
-def _placement_text(d: QueueDescription) -> str:
-    p = d.placement
+def _placement_text(p: Placement | None) -> str:
     if p is None or p.owner_id is None:
         return "no coordinator holds the shard: the queue is not served"
     where = f" on {p.host} pid {p.pid}" if p.host is not None else ""
@@ -346,8 +349,17 @@ def _print_describe(d: QueueDescription) -> None:
     for field, value in d.definition.items():
         definition.add_row(field, value_text(field, value))
     state = new_table("figure", "value", title="state")
-    state.add_row("shard", str(record.shard))
-    state.add_row("served by", _placement_text(d))
+    if d.parts:
+        for part in d.parts:
+            backlog = part.journal_backlog
+            state.add_row(f"part {part.part}", (
+                f"shard {part.placement.shard}, partitions "
+                f"{', '.join(str(p.partition) for p in part.partitions) or 'none yet'}"
+                f"{'' if backlog is None else f', backlog {backlog}'}: "
+                f"{_placement_text(part.placement)}"))
+    else:
+        state.add_row("shard", str(record.shard))
+        state.add_row("served by", _placement_text(d.placement))
     state.add_row("created", time_text(record.created_at))
     state.add_row("updated", time_text(record.updated_at))
     if record.purge_requested_at is not None:

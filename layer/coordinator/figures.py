@@ -61,6 +61,37 @@ class ConsumerFigures:
     max_backlog: int
 
 
+def by_queue(queues: Iterable[QueueFigures]) -> list[QueueFigures]:
+    """One figure per queue: the parts of a queue of several parts this process serves
+    (docs/coordinator.md, "Partitioned queues") summed, so a metric has one series per
+    queue. Consumers are subscribed to every part: the most any part counts; the oldest
+    entry is the oldest of any part; the shard is the lowest of the parts here."""
+    merged: dict[str, QueueFigures] = {}
+    for q in queues:
+        seen = merged.get(q.queue)
+        if seen is None:
+            merged[q.queue] = q
+            continue
+        ages = [a for a in (seen.oldest_available_age, q.oldest_available_age) if a is not None]
+        merged[q.queue] = QueueFigures(
+            q.queue, min(seen.shard, q.shard), seen.available + q.available,
+            seen.leased + q.leased, seen.delayed + q.delayed, seen.inactive + q.inactive,
+            max(seen.consumers, q.consumers), max(ages) if ages else None)
+    return list(merged.values())
+
+
+def by_consumer(consumers: Iterable[ConsumerFigures]) -> list[ConsumerFigures]:
+    """One figure per queue and consumer: a consumer's leases and grants in the parts of a
+    queue of several parts summed (its one backlog is spread over them as credit)."""
+    merged: dict[tuple[str, str], ConsumerFigures] = {}
+    for c in consumers:
+        key = (c.queue, c.consumer_id)
+        seen = merged.get(key)
+        merged[key] = c if seen is None else ConsumerFigures(
+            c.queue, c.consumer_id, seen.backlog + c.backlog, seen.max_backlog + c.max_backlog)
+    return list(merged.values())
+
+
 @dataclass(frozen=True, slots=True)
 class PartitionLag:
     """How far a queue's recovery point is behind the end of one journal partition."""

@@ -34,7 +34,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from layer.coordinator.faults import split_refusal_key
-from layer.coordinator.figures import Snapshot
+from layer.coordinator.figures import Snapshot, by_consumer, by_queue
 from layer.coordinator.phases import PHASE_BUCKETS_US, PHASES
 from layer.protocol.records import AckStatus, SubscribeStatus
 
@@ -141,7 +141,7 @@ def _queue_families(s: Snapshot) -> Iterator[Metric]:
                             labels=["queue"])
     shard = GaugeMetricFamily("qlayer_queue_shard", "The shard that serves the queue.",
                               labels=["queue"])
-    for q in s.queues:
+    for q in by_queue(s.queues):
         for name, family in families.items():
             family.add_metric([q.queue], getattr(q, name))
         age.add_metric([q.queue], q.oldest_available_age or 0.0)
@@ -176,7 +176,7 @@ def _consumer_families(s: Snapshot) -> Iterator[Metric]:
                                 "and not acknowledged yet.", labels=["queue", "consumer"])
     limit = GaugeMetricFamily("qlayer_consumer_max_backlog", "The consumer's backlog limit "
                               "in the queue.", labels=["queue", "consumer"])
-    for c in s.consumers:
+    for c in by_consumer(s.consumers):
         backlog.add_metric([c.queue, c.consumer_id], c.backlog)
         limit.add_metric([c.queue, c.consumer_id], c.max_backlog)
     yield backlog

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 from layer.domain.errors import ExpressionError, QlayerError, QueueConfigError, UnknownQueueError
 from layer.domain.likepattern import name_matcher
 from layer.domain.positions import ResetTarget, parse_target, resolve_target
+from layer.domain.shards import part_of
 from layer.protocol.topics import TopicNames
 from layer.services.coordinators import STALE_AFTER
 from layer.settings import Settings
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidFilterError",
     "InvalidQueueFileError",
     "NoSuchQueueError",
+    "PartFigures",
     "PartitionFigures",
     "PartitionedQueueError",
     "PurgeResult",
@@ -321,6 +323,23 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class PartFigures:
+    """One part of a queue of several parts (docs/coordinator.md, "Partitioned queues"):
+    the shard serving it, that shard's holder, and its journal partitions."""
+
+    part: int
+    placement: Placement
+    partitions: list[PartitionFigures]
+
+    @property
+    def journal_backlog(self) -> int | None:
+        known = [p.backlog for p in self.partitions]
+        if any(b is None for b in known):
+            return None
+        return sum(b for b in known if b is not None)
+
+
+@dataclass(frozen=True, slots=True)
 class QueueDescription:
     record: QueueRecord
     definition: dict[str, Any]
@@ -334,6 +353,8 @@ class QueueDescription:
     queue until a valid one is applied), or None."""
     placement: Placement | None = None
     """The shard serving the queue and the process that runs it (None: not read)."""
+    parts: list[PartFigures] = field(default_factory=list)
+    """A queue of several parts: each part's shard, holder and partitions (empty for one)."""
 
     @property
     def owner(self) -> str | None:
@@ -599,16 +620,27 @@ class QueueService:
             for topic, partition in sorted(pairs)
         ]
         return QueueDescription(record, definition, counters, partitions, consumers,
-                                kafka_problem, definition_problem, self._placement(record))
+                                kafka_problem, definition_problem, self._placement(record),
+                                self._parts(record, partitions))
 
-    def _placement(self, record: QueueRecord) -> Placement:
-        owner = self.store.owner(str(record.shard))
+    def _parts(self, record: QueueRecord, partitions: list[PartitionFigures]
+               ) -> list[PartFigures]:
+        if record.parts == 1:
+            return []
+        shards = record.part_shards(self.store.shard_count())
+        return [PartFigures(k, self._placement(record, shard),
+                            [p for p in partitions if part_of(p.partition, record.parts) == k])
+                for k, shard in enumerate(shards)]
+
+    def _placement(self, record: QueueRecord, shard: int | None = None) -> Placement:
+        shard = record.shard if shard is None else shard
+        owner = self.store.owner(str(shard))
         if owner is None:
-            return Placement(record.shard, None, None, None, None, False)
+            return Placement(shard, None, None, None, None, False)
         process = next((p for p in self.store.processes() if p.owner_id == owner.owner_id),
                        None)
         running = process is not None and time.time() - process.seen_at <= STALE_AFTER
-        return Placement(record.shard, owner.owner_id, owner.epoch,
+        return Placement(shard, owner.owner_id, owner.epoch,
                          process.host if process else None, process.pid if process else None,
                          running)
 

@@ -4,17 +4,23 @@ one backlog over its parts. A real coordinator, broker and database."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner, Result
 
 from layer.domain.errors import QueueConfigError
 from layer.sdk import Message, QueueConsumer
 from layer.services.queues import InvalidQueueFileError, PartitionedQueueError, QueueService
 from layer.settings import Settings
 from layer.store.store import Store
+from layer_cli.main import app
 from tests.support.coordinator import put_queues, running_coordinator
 from tests.support.processes import audit, produce_numbers, read_events
 
@@ -69,6 +75,15 @@ def test_a_queue_of_four_parts_is_served_by_four_shards_and_consumed_by_name_wit
             points = store.load_recovery_points("Split")
             assert sum(points.values()) == total
             assert sorted(k.partition for k in points) == list(range(8))
+        # The operator sees each part, its shard, its holder and its partitions.
+        described = _qlayer(settings, "queue", "describe", "Split", "--json")
+        assert described.exit_code == 0, described.output
+        parts = json.loads(described.stdout)["parts"]
+        assert [(p["part"], p["shard"], p["partitions"], p["journal_backlog"])
+                for p in parts] == [(k, k, [k, k + 4], 0) for k in range(4)]
+        assert all(p["owner"] is not None and p["owner"]["running"] for p in parts)
+        text = _qlayer(settings, "queue", "describe", "Split").stdout
+        assert "part 3" in text and "shard 3, partitions 3, 7, backlog 0" in text
     acked, late = audit(read_events(settings, {"Split"}))
     assert len(acked) == total and max(acked.values()) == 1
     assert late == []
@@ -93,3 +108,19 @@ def test_refused_combinations_and_operations_of_a_partitioned_queue_say_why_in_o
                         lambda: service.reset("Parted", "beginning")):
             with pytest.raises(PartitionedQueueError, match="queue Parted has 2 parts"):
                 refused()
+    # The command line says it in one line, and fails.
+    purged = subprocess.run(
+        [str(Path(sys.executable).parent / "qlayer"), "queue", "purge", "Parted",
+         "--database-url", settings.database_url], capture_output=True, text=True, timeout=60,
+        check=False)
+    assert purged.returncode == 1
+    [line] = purged.stderr.splitlines()
+    assert line.startswith("error: queue Parted has 2 parts: a purge of a queue of several "
+                           "parts is not supported yet"), line
+
+
+def _qlayer(settings: Settings, *args: str) -> Result:
+    flags = ["--bootstrap-servers", settings.bootstrap_servers,
+             "--database-url", settings.database_url, "--topic-prefix", settings.topic_prefix]
+    return CliRunner().invoke(app, [*args, *flags], catch_exceptions=False,
+                              env={"COLUMNS": "250"})

@@ -102,6 +102,31 @@ def test_a_snapshot_reads_as_the_figures_a_user_checks() -> None:
                   (("phase", "deciding"), ("shard", "2")))] == pytest.approx(0.0015)
 
 
+def test_the_parts_of_a_queue_in_one_process_are_one_series_of_their_sums() -> None:
+    """A process serving two parts of a queue of several parts (docs/coordinator.md,
+    "Partitioned queues") shows the queue once: two series with the same labels are an
+    invalid exposition that Prometheus refuses."""
+    from dataclasses import replace
+
+    one = _snapshot()
+    snapshot = replace(
+        one, queues=(*one.queues, QueueFigures("Jobs", 3, available=6, leased=1, delayed=0,
+                                               inactive=0, consumers=1,
+                                               oldest_available_age=30.0)),
+        consumers=(*one.consumers, ConsumerFigures("Jobs", "w1", backlog=1, max_backlog=2)))
+    registry = CollectorRegistry()
+    registry.register(CoordinatorCollector(lambda: snapshot))
+    text = generate_latest(registry).decode()
+    assert text.count('qlayer_queue_depth{queue="Jobs"}') == 1
+    assert text.count('qlayer_consumer_backlog{consumer="w1",queue="Jobs"}') == 1
+    found = _samples(snapshot)
+    assert found[("qlayer_queue_depth", (("queue", "Jobs"),))] == 17  # 10 + 6 + 1
+    assert found[("qlayer_queue_consumers", (("queue", "Jobs"),))] == 1
+    assert found[("qlayer_queue_oldest_available_age_seconds", (("queue", "Jobs"),))] == 30.0
+    assert found[("qlayer_queue_shard", (("queue", "Jobs"),))] == 2
+    assert found[("qlayer_consumer_backlog", (("consumer", "w1"), ("queue", "Jobs")))] == 3
+
+
 def test_nothing_is_shown_before_the_first_snapshot() -> None:
     registry = CollectorRegistry()
     registry.register(CoordinatorCollector(lambda: None))
