@@ -60,7 +60,7 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
         c._set_secret(secret)
         c._active = False
     c._results.clear()
-    spans = c._spans = Spans(shards[0], CreditLedger(c._max_backlog))
+    spans = c._spans = Spans(shards[0], CreditLedger(whole_backlog(c)))
     learn_parts(c)
     grants = spans.ledger.initial(shards)
     headers = (c._format_header + secret_headers(secret) + c._credential_header
@@ -129,6 +129,22 @@ def _directory(c: QueueConsumer) -> QueueDirectory:
         c._directory = QueueDirectory(config=c._config, refresh_interval=DIRECTORY_INTERVAL,
                                       timeout=c._subscribe_timeout)
     return c._directory
+
+
+def whole_backlog(c: QueueConsumer) -> int:
+    """The session's one backlog: its ``max_backlog``, and for a queue of several parts no
+    more than the queue's ``max_per_subscription_backlog``: each part's shard holds the
+    consumer to that limit in its part alone, the SDK over the whole queue."""
+    if c._regex:
+        return c._max_backlog
+    try:
+        definition = _directory(c).get(c._queue)
+    except QlayerError as exc:
+        log.debug("consumer %s: the queue directory: %s", c._consumer_id, exc)
+        return c._max_backlog
+    if definition is None or definition.parts == 1:
+        return c._max_backlog
+    return min(c._max_backlog, definition.max_per_subscription_backlog)
 
 
 def learn_parts(c: QueueConsumer) -> None:
@@ -298,6 +314,8 @@ def replace_spanning(c: QueueConsumer, new_queue: str, new_regex: bool, new_filt
     c._queue, c._regex = new_queue, new_regex
     c._filter, c._max_backlog = new_filter, new_backlog
     c._seen.remember_for(new_backlog * max(len(spans.shards), 1))
+    learn_parts(c)
+    spans.ledger.backlog = whole_backlog(c)
     move_credit(c)
 
 
@@ -322,6 +340,8 @@ def replace_onto_shards(c: QueueConsumer, new_queue: str, new_regex: bool, new_f
     c._queue, c._regex = new_queue, new_regex
     c._filter, c._max_backlog = new_filter, new_backlog
     c._seen.remember_for(new_backlog * max(len(spans.shards), 1))
+    learn_parts(c)
+    spans.ledger.backlog = whole_backlog(c)
     move_credit(c)
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,13 @@ from layer.settings import Settings
 from layer.store.store import Store
 from layer_cli.main import app
 from tests.support.coordinator import put_queues, running_coordinator
-from tests.support.processes import audit, produce_numbers, read_events
+from tests.support.processes import (
+    ConsumerWorker,
+    CoordinatorSubprocess,
+    audit,
+    produce_numbers,
+    read_events,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +130,117 @@ def _qlayer(settings: Settings, *args: str) -> Result:
              "--database-url", settings.database_url, "--topic-prefix", settings.topic_prefix]
     return CliRunner().invoke(app, [*args, *flags], catch_exceptions=False,
                               env={"COLUMNS": "250"})
+
+
+def test_a_key_groups_queue_of_parts_keeps_one_in_flight_per_key_and_its_cap_over_the_parts(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """A key is in one journal partition, so in one part: a consumer holding many messages
+    of a key-groups queue of 2 parts holds at most one of each key. The queue's
+    max_per_subscription_backlog (40) holds over both parts together (each part's shard
+    applies it to its part; the SDK to the whole queue), not 40 per part."""
+    topic = journal("keyed", partitions=4)
+    put_queues(settings, {"name": "Keyed", "underlying_topic": topic, "parts": 2,
+                          "key_groups": True, "lease_period": "120s",
+                          "max_per_subscription_backlog": 40})
+    total = 120  # keys 0..96: 23 keys have two messages
+    with running_coordinator(settings):
+        produce_numbers(settings.bootstrap_servers, topic, total)
+        with QueueConsumer("Keyed", max_backlog=100,
+                           bootstrap_servers=settings.bootstrap_servers,
+                           topic_prefix=settings.topic_prefix) as consumer:
+            held: list[Message] = []
+            deadline = time.monotonic() + 60
+            while len(held) < 40 and time.monotonic() < deadline:
+                message = consumer.receive(timeout=0.5)
+                if message is not None:
+                    held.append(message)
+            assert len(held) == 40
+            assert consumer.receive(timeout=2.0) is None, "more than 40 held over the parts"
+            keys = Counter(m.key for m in held)
+            assert max(keys.values()) == 1, "two messages of one key in flight"
+            assert {m.bookmark.partition % 2 for m in held} == {0, 1}  # from both parts
+            got = [(m.queue, str(m.bookmark)) for m in held]
+            for message in held:
+                message.ack()
+            _drain(consumer, total, got)
+            assert len(set(got)) == len(got) == total
+
+
+@pytest.fixture
+def processes() -> Iterator[list[CoordinatorSubprocess | ConsumerWorker]]:
+    procs: list[CoordinatorSubprocess | ConsumerWorker] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _wait(probe: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, f"{what} within {timeout}s"
+        time.sleep(0.2)
+
+
+def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigkilled(
+    settings: Settings, journal: Callable[..., str], tmp_path: Path,
+    processes: list[CoordinatorSubprocess | ConsumerWorker],
+) -> None:
+    """Issue 32: 4 parts on the 4 shards of two coordinator processes, 4 consumer processes
+    (max_backlog 50 each) on the queue by name; SIGKILL one coordinator mid-stream: the
+    other takes its parts. Every message is received, none is acked twice or delivered after
+    its ack, and no consumer holds more than 50 leases over the parts at any sampled
+    instant."""
+    topic = journal("busy", partitions=8)
+    put_queues(settings, {"name": "Busy", "underlying_topic": topic, "parts": 4, "shard": 0,
+                          "max_per_subscription_backlog": 50, "lease_period": "30s"})
+    coordinators = [CoordinatorSubprocess(settings, tmp_path, f"p{i}") for i in range(2)]
+    processes.extend(coordinators)
+    total = 4000
+    with Store(settings.database_url) as store:
+        def owners() -> dict[int, str | None]:
+            return {int(o.shard): o.owner_id for o in store.owners()}
+
+        _wait(lambda: len(owners()) == 4 and len(set(owners().values())) == 2, 90,
+              "2 processes running the 4 shards")
+        workers = [ConsumerWorker(settings, tmp_path, f"b{i}", ["Busy"]) for i in range(4)]
+        processes.extend(workers)
+
+        def received() -> int:
+            return sum(len(w.received()) for w in workers)
+
+        most = 0
+
+        def sample() -> None:
+            nonlocal most
+            held = Counter(r.lease_consumer for r in store.load_entries("Busy")
+                           if r.state == "LEASED")
+            most = max([most, *held.values()])
+
+        produce_numbers(settings.bootstrap_servers, topic, total // 2)
+        deadline = time.monotonic() + 120
+        while received() < total // 4 and time.monotonic() < deadline:
+            sample()
+        victim = coordinators[1]
+        lost = {s for s, o in owners().items() if o == victim.name}
+        assert lost, "the victim ran no shard"
+        victim.kill()
+        produce_numbers(settings.bootstrap_servers, topic, total // 2, start=total // 2)
+        _wait(lambda: all(owners().get(s) == coordinators[0].name for s in lost), 60,
+              "the killed process's parts taken over")
+        deadline = time.monotonic() + 180
+        while len({v for w in workers for _, v in w.received()}) < total \
+                and time.monotonic() < deadline:
+            sample()
+            time.sleep(0.1)
+        values = {v for w in workers for _, v in w.received()}
+        assert values == {str(i) for i in range(total)}, f"{total - len(values)} never came"
+        assert most <= 50, f"a consumer held {most} leases over the parts"
+        _wait(lambda: sum(store.load_recovery_points("Busy").values()) == total, 60,
+              "every message acked")
+    acked, late = audit(read_events(settings, {"Busy"}))
+    assert len(acked) == total
+    assert max(acked.values()) == 1, "an entry was acked twice"
+    assert late == [], "an entry was delivered after its ack"
