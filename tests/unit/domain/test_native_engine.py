@@ -79,11 +79,17 @@ class Twins(RuleBasedStateMachine):
 
     def _pair(self) -> tuple[QueueEngine, NativeQueueEngine]:
         self.seed += 1
-        return (QueueEngine(self.definition, tokens=random_tokens(random.Random(self.seed)),
+        pair = (QueueEngine(self.definition, tokens=random_tokens(random.Random(self.seed)),
                             session_timeout=30.0),
                 NativeQueueEngine(self.definition,
                                   tokens=random_tokens(random.Random(self.seed)),
                                   session_timeout=30.0))
+        if self.definition.parts > 1:
+            # One part of the queue, as a shard serves it: the records of the other parts'
+            # partitions are offered too (another queue's journal read) and passed over.
+            for engine in pair:
+                engine.serve_parts(self.definition.parts, frozenset({1}))
+        return pair
 
     def both(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call the method on both engines; they must answer alike (errors included)."""
@@ -323,6 +329,7 @@ class Twins(RuleBasedStateMachine):
         for filter in FILTERS:
             self.both("view", filter, 5)
         for partition in (0, 1):
+            self.both("serves", partition)
             for offset in (0, 1, 3):
                 bookmark = Bookmark(TOPIC, partition, offset)
                 self.both("entry", bookmark)
@@ -366,6 +373,11 @@ class KeyGroups(Twins):
                                            "delivery_delay": "2s"}
 
 
+class Parts(Twins):
+    fields: ClassVar[dict[str, object]] = {"parts": 2, "key_groups": True, "priority": "/p",
+                                           "lease_period": "5s"}
+
+
 class Barriers(Twins):
     fields: ClassVar[dict[str, object]] = {"barrier_expression": "/barrier = 1",
                                            "priority": "/p", "lease_period": "5s"}
@@ -390,4 +402,5 @@ TestFastPermissive = _case(FastPermissive)
 TestAtMostOnce = _case(AtMostOnce)
 TestKeyGroups = _case(KeyGroups)
 TestBarriers = _case(Barriers)
+TestParts = _case(Parts)
 TestTargetDepth = _case(TargetDepth)
