@@ -31,7 +31,8 @@ def _document(status: CoordinatorStatus) -> dict[str, Any]:
                        "shards": list(p.shards)} for p in status.processes],
         "shards": [{"shard": s.shard, "owner_id": s.owner_id, "epoch": s.epoch,
                     "queues": s.queues, "lag": s.lag,
-                    "reported_at": iso_or_none(s.reported_at), "running": s.running}
+                    "reported_at": iso_or_none(s.reported_at), "running": s.running,
+                    "parts": list(s.parts)}
                    for s in status.shards],
         "unowned_shards": [s.shard for s in status.unowned],
     }
@@ -58,7 +59,9 @@ def coordinators(json_out: JsonOut = False, database_url: DatabaseUrl = None) ->
         seen = age_text(status.now - p.seen_at) + ("" if status.live(p) else " (silent)")
         processes.add_row(p.owner_id, p.host, str(p.pid),
                           ",".join(map(str, p.shards)) or "none (standby)", seen)
-    shards = new_table("shard", "owner", "epoch", "queues", "lag", "reported", title="shards")
+    with_parts = any(s.parts for s in status.shards)
+    shards = new_table("shard", "owner", "epoch", "queues", "lag", "reported",
+                       *(("parts",) if with_parts else ()), title="shards")
     for s in status.shards:
         if s.owner_id is None and not s.queues:
             continue
@@ -67,7 +70,8 @@ def coordinators(json_out: JsonOut = False, database_url: DatabaseUrl = None) ->
             owner += " (not running)"
         shards.add_row(str(s.shard), owner, "-" if s.epoch is None else str(s.epoch),
                        str(s.queues), "-" if s.lag is None else str(s.lag),
-                       "-" if s.reported_at is None else age_text(status.now - s.reported_at))
+                       "-" if s.reported_at is None else age_text(status.now - s.reported_at),
+                       *((", ".join(s.parts) or "-",) if with_parts else ()))
     show(processes, shards)
     warning = unowned_warning(status)
     if warning:

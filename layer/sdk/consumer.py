@@ -438,6 +438,8 @@ class QueueConsumer:
             self._raise_failures()
             if self._regex:
                 spanning.follow_directory(self)
+            elif self._spans is not None:
+                spanning.follow_parts(self)
             if self._buffer:
                 continue
             if self._closed:  # by another thread, or a signal handler, meanwhile

@@ -32,7 +32,8 @@ from layer.sdk.spans import Spans
 if TYPE_CHECKING:
     from layer.sdk.consumer import QueueConsumer
 
-__all__ = ["DIRECTORY_INTERVAL", "follow_directory", "move_credit", "replace_onto_shards",
+__all__ = ["DIRECTORY_INTERVAL", "follow_directory", "follow_parts", "move_credit",
+           "replace_onto_shards",
            "replace_spanning", "subscribe_spanning"]
 
 log = logging.getLogger("layer.sdk.consumer")
@@ -167,6 +168,19 @@ def learn_parts(c: QueueConsumer) -> None:
         log.debug("consumer %s: the queue directory: %s", c._consumer_id, exc)
         return
     spans.parts = {name: shards for name, shards in found.items() if len(shards) > 1}
+
+
+def follow_parts(c: QueueConsumer) -> None:
+    """For a session over the parts of one queue: learn where its parts are once the
+    directory shows them (a queue applied a moment ago may not be there yet when the
+    consumer subscribes; until then each ack goes through the shard that granted the
+    queue, which passes it on, at a cost to both)."""
+    spans = c._spans
+    now = time.monotonic()
+    if spans is None or c._queue in spans.parts or now < c._next_directory_check:
+        return
+    c._next_directory_check = now + DIRECTORY_INTERVAL
+    learn_parts(c)
 
 
 def end_parts(c: QueueConsumer, session_id: str, reason: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from layer.domain.shards import part_shards
 from layer.store.rows import Ownership, ProcessRow, QueueMove
 from layer.store.store import Store
 
@@ -29,6 +30,9 @@ class ShardStatus:
     reported_at: float | None
     #: The owner is a process that reports (not a killed one whose shard awaits the group).
     running: bool
+    #: Parts of queues of several parts served here, as ``queue[part]`` (the first part of
+    #: such a queue is counted in ``queues`` too; docs/coordinator.md "Partitioned queues").
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ def coordinator_status(store: Store, now: float) -> CoordinatorStatus:
     owners: dict[int, Ownership] = {int(o.shard): o for o in store.owners()
                                     if o.shard.isdigit()}
     queues = store.queues_per_shard()
+    parts: dict[int, list[str]] = {}
+    for name, first, n in store.partitioned_queues():
+        for k, shard in enumerate(part_shards(first, n, count)):
+            parts.setdefault(shard, []).append(f"{name}[{k}]")
+            if k:
+                queues[shard] = queues.get(shard, 0) + 1  # its first part is counted already
     live = {p.owner_id for p in processes if now - p.seen_at <= STALE_AFTER}
     shards = []
     for shard in range(count):
@@ -61,7 +71,8 @@ def coordinator_status(store: Store, now: float) -> CoordinatorStatus:
             shard=shard, owner_id=owner.owner_id if owner else None,
             epoch=owner.epoch if owner else None, queues=queues.get(shard, 0),
             lag=owner.lag if owner else None, reported_at=owner.reported_at if owner else None,
-            running=owner is not None and owner.owner_id in live))
+            running=owner is not None and owner.owner_id in live,
+            parts=tuple(parts.get(shard, ()))))
     return CoordinatorStatus(count, processes, shards, now)
 
 

@@ -690,6 +690,15 @@ QUEUES_PER_SHARD: Final = (
     select(queues.c.shard, func.count()).where(queues.c.deleted_at.is_(None))
     .group_by(queues.c.shard)
 )
+# Queues of several parts (`parts` > 1 in their definition): their parts are on the shards
+# after their first part's (`layer.domain.shards.part_shards`).
+PARTITIONED_QUEUES: Final = (
+    select(queues.c.name, queues.c.shard, queues.c.definition["parts"].as_integer())
+    .where(queues.c.deleted_at.is_(None))
+    .where(func.jsonb_typeof(queues.c.definition["parts"]) == "number")
+    .where(queues.c.definition["parts"].as_integer() > 1)
+    .order_by(queues.c.name)
+)
 SELECT_QUEUE_FOR_UPDATE: Final = (
     select(queues).where(queues.c.name == bindparam("queue_name")).with_for_update()
 )

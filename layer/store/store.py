@@ -725,6 +725,12 @@ class Store:
         with translate_errors("counting queues by shard"), self._engine.connect() as conn:
             return {int(shard): int(n) for shard, n in conn.execute(sql.QUEUES_PER_SHARD)}
 
+    def partitioned_queues(self) -> list[tuple[str, int, int]]:
+        """``(name, first part's shard, parts)`` of every live queue of several parts."""
+        with translate_errors("listing partitioned queues"), self._engine.connect() as conn:
+            return [(str(n), int(s), int(k)) for n, s, k in conn.execute(
+                sql.PARTITIONED_QUEUES)]
+
     def list_queues(self, *, include_deleted: bool = False) -> list[QueueRecord]:
         statement = sql.SELECT_QUEUES
         if not include_deleted:

@@ -90,6 +90,13 @@ def test_a_queue_of_four_parts_is_served_by_four_shards_and_consumed_by_name_wit
         assert all(p["owner"] is not None and p["owner"]["running"] for p in parts)
         text = _qlayer(settings, "queue", "describe", "Split").stdout
         assert "part 3" in text and "shard 3, partitions 3, 7, backlog 0" in text
+        # `qlayer coordinators` shows which parts each shard serves.
+        listed = CliRunner().invoke(app, ["coordinators", "--json", "--database-url",
+                                          settings.database_url], catch_exceptions=False)
+        assert listed.exit_code == 0, listed.output
+        shards = json.loads(listed.stdout)["shards"]
+        assert [(s["shard"], s["parts"], s["queues"]) for s in shards] == [
+            (k, [f"Split[{k}]"], 1) for k in range(4)]
     acked, late = audit(read_events(settings, {"Split"}))
     assert len(acked) == total and max(acked.values()) == 1
     assert late == []
