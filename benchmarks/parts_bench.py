@@ -147,6 +147,7 @@ def run_cell(args: argparse.Namespace, parts: int, processes: int) -> dict[str, 
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     consumers: list[Any] = []
+    counters: list[Any] = []
     try:
         for i in range(processes):
             cell.start(f"p{i}")
@@ -158,8 +159,8 @@ def run_cell(args: argparse.Namespace, parts: int, processes: int) -> dict[str, 
                   "60s", "--max-backlog", "1000", "--set", f"shard={first}",
                   "--set", f"parts={parts}")
         spread_over = len({owners[str(s)] for s in part_shards(first, parts, SHARDS)})
-        for _ in range(args.consumers):
-            counter = ctx.Value("q", 0)
+        counters += [ctx.Value("q", 0) for _ in range(args.consumers)]  # kept: the children
+        for counter in counters:  # unpickle them after this loop
             p = ctx.Process(target=consume, args=(args.bootstrap_servers, cell.prefix, "Busy",
                                                   True, counter, stop))
             p.start()
@@ -186,6 +187,8 @@ def run_cell(args: argparse.Namespace, parts: int, processes: int) -> dict[str, 
 
         produce(2000)  # every consumer subscribed over every part, every shard warm
         wait_acked(produced)
+        if not all(p.is_alive() for p in consumers):
+            raise RuntimeError("a consumer process ended during the warm-up")
         runs = []
         for _ in range(args.runs):
             n = args.messages * processes

@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+from report_parts import PARTS, plot_parts, render_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "bench.json"
@@ -755,6 +756,10 @@ def main() -> None:
         page += render_static_restart(json.loads(SCALE_STATIC.read_text()))
     if CREDIT.exists():
         page += render_credit(json.loads(CREDIT.read_text()))
+    if PARTS.exists():
+        parts = json.loads(PARTS.read_text())
+        plot_parts(parts, PLOTS / "parts.png")
+        page += render_parts(parts)
     DOC.write_text(page)
     print(f"written to {DOC}")
 
