@@ -257,3 +257,34 @@ def test_a_repeated_enqueued_after_a_lease_leaves_the_entry_leased(spark: SparkS
     assert by_bookmark(reconciled)[3]["status"] == "pending"
     entries = by_bookmark(lifecycle(frame(spark, events)))
     assert (entries[3]["enqueued_ms"], entries[3]["outcome"]) == (T0, "pending")
+
+
+def test_a_queue_of_several_parts_reconciles_as_one_queue(spark: SparkSession) -> None:
+    """Issue 32: the parts of a queue (partition p is part p mod 2) are served by two
+    coordinators, each writing the events of its part's partitions, interleaved in the
+    events topic. Events name the queue, never the part: lifecycle and reconcile see one
+    queue, and the audit balances."""
+    from datetime import UTC, datetime
+
+    def part_event(kind: str, at: int, partition: int, offset: int,
+                   **fields: Any) -> dict[str, Any]:
+        return ev(kind, at, offset, bookmark=f"orders/{partition}/{offset}",
+                  partition=partition, coordinator_id=f"coordinator-{partition % 2}",
+                  coordinator_epoch=3 + partition % 2, **fields)
+
+    events = sorted(
+        (e for p in range(4) for o in range(3) for e in (
+            part_event("ENQUEUED", 10 * o + p, p, o),
+            part_event("LEASED", 10 * o + p + 1, p, o, consumer_id="c", session_id="s",
+                       delivery_count=1, lease_expires_ms=T0 + 60_000),
+            part_event("ACKED", 10 * o + p + 2, p, o, consumer_id="c", delivery_count=1))),
+        key=lambda e: e["timestamp_ms"])
+    when = datetime.fromtimestamp(T0 / 1000, UTC)
+    records = spark.createDataFrame(
+        [("orders", p, o, when, b"{}") for p in range(4) for o in range(3)],
+        "topic string, partition int, offset long, timestamp timestamp, value binary")
+    reconciled = reconcile(frame(spark, events), records, "Q").collect()
+    assert len(reconciled) == 12
+    assert {r["status"] for r in reconciled} == {"done"}
+    assert all(r["violations"] == [] for r in reconciled)
+    assert counters(frame(spark, events)).collect()[0].asDict()["acked"] == 12
