@@ -204,8 +204,13 @@ class Acks:
                 partition = _partition_of(item.bookmark)
                 shard = (None if partition is None or engines[item.queue].serves(partition)
                          else catalog.shard_of(item.queue, partition))
+            elif item.queue in engines:
+                shard = None
             else:
-                shard = None if item.queue in engines else catalog.shard_of(item.queue)
+                # Of a queue of several parts served elsewhere: straight to its part's shard.
+                placed = catalog.queues.get(item.queue)
+                shard = catalog.shard_of(item.queue, _partition_of(item.bookmark)
+                                         if placed is not None and placed.parts > 1 else None)
             if shard is None or shard == self.core.shard:
                 mine.append(item)
             else:

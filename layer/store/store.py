@@ -27,7 +27,7 @@ from sqlalchemy.engine import Row
 
 from layer.domain.errors import QueueConfigError, UnknownConsumerError, UnknownQueueError
 from layer.domain.positions import DEFAULT_RECOVERY_POINT
-from layer.domain.shards import part_shards, shard_for, shard_key
+from layer.domain.shards import shard_for, shard_key
 from layer.store import statements as sql
 from layer.store.batch import WriteBatch
 from layer.store.errors import FencedError, QueueVersionConflictError, StoreError, translate_errors
@@ -588,10 +588,10 @@ class Store:
                             "one (docs/coordinator.md, 'Partitioned queues')"))])
                     if _placement_fields(current.definition) != _placement_fields(wanted):
                         # The queue file asks for another placement: a move, fenced like
-                        # `qlayer queue move` (every part's shard).
+                        # `qlayer queue move`.
                         if placed != shard:
-                            for old in part_shards(shard, parts, count):
-                                _fence(conn, old)
+                            _refuse_moving_parts(current.definition)
+                            _fence(conn, shard)
                         shard = placed
                     # A recovery_point other than the one the positions were set from moves
                     # them there (AMPS: a changed RecoveryPoint); the reset is requested in
@@ -632,10 +632,8 @@ class Store:
             old = int(current.shard)
             if old == shard:
                 return QueueMove(name, old, shard, int(current.version))
-            # A queue of several parts moves whole: its first part to ``shard``, the others
-            # after it; every shard that served a part rebuilds without it.
-            for served in part_shards(old, _parts(current.definition), count):
-                _fence(conn, served)
+            _refuse_moving_parts(current.definition)
+            _fence(conn, old)
             version = conn.execute(sql.MOVE_QUEUE, {"queue_name": name, "the_shard": shard,
                                                     "now": _to_datetime(now)}).scalar_one()
             conn.execute(sql.MOVE_QUEUE_CONSUMERS, {"queue_name": name, "the_shard": shard})
@@ -1163,6 +1161,19 @@ def _placement(name: str, definition: Mapping[str, Any], count: int) -> int:
         return shard_for(name, shard=explicit, shard_group=group, shard_count=count)
     except ValueError as exc:
         raise QueueConfigError([("shard", str(exc))]) from None
+
+
+def _refuse_moving_parts(definition: Mapping[str, Any]) -> None:
+    """A queue of several parts is not moved (yet): its consumers' sessions span the parts'
+    shards, and a move would end them under their leases (docs/coordinator.md,
+    "Partitioned queues")."""
+    parts = _parts(definition)
+    if parts > 1:
+        raise QueueConfigError([("shard", (
+            f"a queue of {parts} parts cannot be moved yet: its consumers' sessions span the "
+            "parts' shards and would end under their leases. Create a queue with the "
+            "placement you want over the same journal, move the consumers to it, then "
+            "delete this one (docs/coordinator.md, 'Partitioned queues')"))])
 
 
 def _parts(definition: Mapping[str, Any]) -> int:

@@ -251,3 +251,59 @@ def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigk
     assert len(acked) == total
     assert max(acked.values()) == 1, "an entry was acked twice"
     assert late == [], "an entry was delivered after its ack"
+
+
+def test_moving_a_queue_of_parts_is_refused_in_one_line_and_changes_nothing(
+    settings: Settings, journal: Callable[..., str]
+) -> None:
+    """A move would end the consumers' sessions over the parts under their leases (found by
+    a test that held leases across one): refused, by `qlayer queue move` and by a queue file
+    asking for another shard, until it is made safe."""
+    topic = journal("moving", partitions=4)
+    put_queues(settings, {"name": "MovingParts", "underlying_topic": topic, "parts": 2,
+                          "shard": 0})
+    with Store(settings.database_url) as store:
+        before = {o.shard: o.epoch for o in store.owners()}
+        with pytest.raises(QueueConfigError, match="a queue of 2 parts cannot be moved yet"):
+            store.move_queue("MovingParts", 2, time.time())
+        with QueueService.from_settings(settings) as service, \
+                pytest.raises(QueueConfigError, match="cannot be moved yet"):
+            service.apply(f"queues:\n  - name: MovingParts\n    underlying_topic: {topic}\n"
+                          "    parts: 2\n    shard: 2\n")
+        record = store.get_queue("MovingParts")
+        assert record is not None and record.shard == 0
+        assert {o.shard: o.epoch for o in store.owners()} == before  # nobody fenced
+    moved = subprocess.run(
+        [str(Path(sys.executable).parent / "qlayer"), "queue", "move", "MovingParts",
+         "--shard", "2", "--database-url", settings.database_url], capture_output=True,
+        text=True, timeout=60, check=False)
+    assert moved.returncode == 1
+    [line] = moved.stderr.splitlines()
+    assert "a queue of 2 parts cannot be moved yet" in line, line
+
+
+def test_acks_sent_to_another_parts_shard_are_passed_on_and_applied_once(
+    settings: Settings, journal: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer that does not know where the parts are (another client, or the SDK before
+    the directory shows the queue) sends every ack to the shard that granted the queue last:
+    that shard passes each ack of another part's partition on to its part's shard."""
+    import layer.sdk.spanning
+
+    monkeypatch.setattr(layer.sdk.spanning, "learn_parts", lambda c: None)
+    topic = journal("forwarded", partitions=4)
+    put_queues(settings, {"name": "Forwarded", "underlying_topic": topic, "parts": 4,
+                          "shard": 0})
+    total = 100
+    with running_coordinator(settings) as coordinator, Store(settings.database_url) as store:
+        produce_numbers(settings.bootstrap_servers, topic, total)
+        with QueueConsumer("Forwarded", max_backlog=10,
+                           bootstrap_servers=settings.bootstrap_servers,
+                           topic_prefix=settings.topic_prefix) as consumer:
+            got: list[tuple[str, str]] = []
+            _drain(consumer, total, got)
+            assert len(set(got)) == len(got) == total
+            _wait(lambda: sum(store.load_recovery_points("Forwarded").values()) == total, 30,
+                  "every message acked")
+            assert consumer.stats.ack_failures == 0
+        assert coordinator.counters["forwarded"] >= 1
