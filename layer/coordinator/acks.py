@@ -30,6 +30,7 @@ from layer.protocol import (
     topic_name_problem,
 )
 from layer.protocol import Bookmark as WireBookmark
+from layer.protocol.bookmark import partition_of
 
 if TYPE_CHECKING:
     from layer.coordinator.core import ShardCore
@@ -201,7 +202,7 @@ class Acks:
         for item in record.items:
             if item.queue in split:
                 # A queue of several parts: the part of the item's journal partition.
-                partition = _partition_of(item.bookmark)
+                partition = partition_of(item.bookmark)
                 shard = (None if partition is None or engines[item.queue].serves(partition)
                          else catalog.shard_of(item.queue, partition))
             elif item.queue in engines:
@@ -209,7 +210,7 @@ class Acks:
             else:
                 # Of a queue of several parts served elsewhere: straight to its part's shard.
                 placed = catalog.queues.get(item.queue)
-                shard = catalog.shard_of(item.queue, _partition_of(item.bookmark)
+                shard = catalog.shard_of(item.queue, partition_of(item.bookmark)
                                          if placed is not None and placed.parts > 1 else None)
             if shard is None or shard == self.core.shard:
                 mine.append(item)
@@ -465,11 +466,3 @@ def _split_answers(answers: list[AckItemResult]) -> list[list[AckItemResult]]:
         size += length
     return parts
 
-
-def _partition_of(bookmark: str) -> int | None:
-    """The journal partition of a bookmark (``topic/partition/offset``), None when it is not
-    one (the item is answered INVALID where it is settled)."""
-    try:
-        return int(bookmark.rsplit("/", 2)[1])
-    except (IndexError, ValueError):
-        return None

@@ -76,7 +76,7 @@ class Catalog:
 
     def shards_of(self, record: QueueRecord) -> tuple[int, ...]:
         """The shards serving the queue's parts (one for a queue of one part)."""
-        return (record.shard,) if record.parts == 1 else record.part_shards(self.shard_count)
+        return record.part_shards(self.shard_count)
 
     def on_shard(self, shard: int) -> dict[str, QueueRecord]:
         """The queues with a part on the shard."""

@@ -15,7 +15,7 @@ from typing import Self
 from layer.protocol.errors import ProtocolError, ProtocolErrorKind
 from layer.protocol.topics import topic_name_problem
 
-__all__ = ["Bookmark"]
+__all__ = ["Bookmark", "partition_of"]
 
 # Python's int() also accepts "+1", " 1", "1_000" and non-ASCII digits; a bookmark must not.
 _CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]{0,18}")
@@ -69,3 +69,13 @@ class Bookmark:
     def format(self) -> str:
         """The wire form, ``topic/partition/offset`` (same as ``str()``)."""
         return f"{self.topic}/{self.partition}/{self.offset}"
+
+
+def partition_of(text: str) -> int | None:
+    """The partition of a bookmark's text, without parsing the rest (a queue of several
+    parts routes each ack by it); None when it has none: the item is answered where it is
+    settled, as the full parse says."""
+    parts = text.split("/")
+    if len(parts) != 3 or _CANONICAL_NUMBER.fullmatch(parts[1]) is None:
+        return None
+    return int(parts[1])

@@ -40,6 +40,7 @@ from layer.protocol.batch import (
     DeliveryFormat,
     decode_delivery_batch_fields,
 )
+from layer.protocol.bookmark import partition_of
 from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
@@ -1217,9 +1218,4 @@ def _background_loop(
 def _partition(spans: Spans, item: AckItem) -> int | None:
     """The journal partition of an ack item of a queue of several parts (its part's shard
     settles it); None for other queues, whose shard the queue says."""
-    if item.queue not in spans.parts:
-        return None
-    try:
-        return int(item.bookmark.rsplit("/", 2)[1])
-    except (IndexError, ValueError):
-        return None
+    return partition_of(item.bookmark) if item.queue in spans.parts else None

@@ -24,6 +24,7 @@ __all__ = [
     "QueueMove",
     "QueueRecord",
     "StoredState",
+    "parts_in",
     "stored_state",
 ]
 
@@ -162,10 +163,8 @@ class QueueRecord:
 
     @property
     def parts(self) -> int:
-        """The queue's ``parts`` (1 for a stored definition without a valid one)."""
-        parts = self.definition.get("parts", 1)
-        return parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 1 \
-            else 1
+        """The queue's ``parts`` (`parts_in` its stored definition)."""
+        return parts_in(self.definition)
 
     def part_shards(self, shard_count: int) -> tuple[int, ...]:
         """The shard serving each part; ``shard`` is the first part's (docs/coordinator.md,
@@ -185,6 +184,13 @@ class QueueRecord:
         if self.purge_requested_at is None:
             return False
         return self.purged_at is None or self.purged_at < self.purge_requested_at
+
+
+def parts_in(definition: Mapping[str, Any]) -> int:
+    """The ``parts`` of a stored definition, uninterpreted otherwise: 1 when it has none or
+    none that is a count of several."""
+    parts = definition.get("parts", 1)
+    return parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 1 else 1
 
 
 @dataclass(frozen=True, slots=True)

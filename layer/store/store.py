@@ -49,6 +49,7 @@ from layer.store.rows import (
     QueueCounters,
     QueueMove,
     QueueRecord,
+    parts_in,
 )
 from layer.store.tables import (
     COUNTER_NAMES,
@@ -578,10 +579,10 @@ class Store:
                     if current.definition == wanted:
                         return int(current.version)
                     shard = int(current.shard)
-                    parts = _parts(wanted)
-                    if _parts(current.definition) != parts:
+                    parts = parts_in(wanted)
+                    if parts_in(current.definition) != parts:
                         raise QueueConfigError([("parts", (
-                            f"cannot change on a live queue ({_parts(current.definition)} -> "
+                            f"cannot change on a live queue ({parts_in(current.definition)} -> "
                             f"{parts}): its entries are split by journal partition between "
                             "the parts' shards. Create a queue with the parts you want over "
                             "the same journal, move the consumers to it, then delete this "
@@ -1151,7 +1152,7 @@ def _placement_fields(definition: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def _placement(name: str, definition: Mapping[str, Any], count: int) -> int:
     explicit, group = _placement_fields(definition)
-    parts = _parts(definition)
+    parts = parts_in(definition)
     if parts > count:
         raise QueueConfigError([("parts", (
             f"{parts} parts need {parts} shards and this installation has {count}: each part "
@@ -1167,7 +1168,7 @@ def _refuse_moving_parts(definition: Mapping[str, Any]) -> None:
     """A queue of several parts is not moved (yet): its consumers' sessions span the parts'
     shards, and a move would end them under their leases (docs/coordinator.md,
     "Partitioned queues")."""
-    parts = _parts(definition)
+    parts = parts_in(definition)
     if parts > 1:
         raise QueueConfigError([("shard", (
             f"a queue of {parts} parts cannot be moved yet: its consumers' sessions span the "
@@ -1176,9 +1177,6 @@ def _refuse_moving_parts(definition: Mapping[str, Any]) -> None:
             "delete this one (docs/coordinator.md, 'Partitioned queues')"))])
 
 
-def _parts(definition: Mapping[str, Any]) -> int:
-    parts = definition.get("parts", 1)
-    return parts if isinstance(parts, int) and not isinstance(parts, bool) and parts > 1 else 1
 
 
 def _fence(conn: Connection, shard: int) -> None:

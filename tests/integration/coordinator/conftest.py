@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from layer.settings import Settings
+from tests.support.processes import ConsumerWorker, CoordinatorSubprocess
 
 
 @pytest.fixture
@@ -22,3 +23,14 @@ def journal(unique_name: Callable[[str], str], create_topic: Callable[..., str]
         return create_topic(unique_name(stem), partitions)
 
     return make
+
+
+@pytest.fixture
+def processes() -> Iterator[list[CoordinatorSubprocess | ConsumerWorker]]:
+    """Coordinator and consumer processes a test starts: stopped when it ends."""
+    procs: list[CoordinatorSubprocess | ConsumerWorker] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()

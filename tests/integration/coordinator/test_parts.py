@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from layer.services.queues import InvalidQueueFileError, PartitionedQueueError, 
 from layer.settings import Settings
 from layer.store.store import Store
 from layer_cli.main import app
-from tests.support.coordinator import put_queues, running_coordinator
+from tests.support.coordinator import put_queues, running_coordinator, wait_until
 from tests.support.processes import (
     ConsumerWorker,
     CoordinatorSubprocess,
@@ -43,6 +43,18 @@ def _drain(consumer: QueueConsumer, want: int, got: list[tuple[str, str]],
             message.ack()
 
 
+def _hold(consumer: QueueConsumer, count: int, timeout: float = 60) -> list[Message]:
+    """``count`` messages received and not settled (fails the test when fewer come)."""
+    held: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while len(held) < count and time.monotonic() < deadline:
+        message = consumer.receive(timeout=0.5)
+        if message is not None:
+            held.append(message)
+    assert len(held) == count
+    return held
+
+
 def test_a_queue_of_four_parts_is_served_by_four_shards_and_consumed_by_name_with_one_backlog(
     settings: Settings, journal: Callable[..., str]
 ) -> None:
@@ -57,13 +69,7 @@ def test_a_queue_of_four_parts_is_served_by_four_shards_and_consumed_by_name_wit
         produce_numbers(settings.bootstrap_servers, topic, total)
         with QueueConsumer("Split", max_backlog=3, bootstrap_servers=settings.bootstrap_servers,
                            topic_prefix=settings.topic_prefix) as consumer:
-            held: list[Message] = []
-            deadline = time.monotonic() + 60
-            while len(held) < 3 and time.monotonic() < deadline:
-                message = consumer.receive(timeout=0.5)
-                if message is not None:
-                    held.append(message)
-            assert len(held) == 3
+            held = _hold(consumer, 3)
             assert consumer.receive(timeout=2.0) is None, "a fourth came while three were held"
             got = [(m.queue, str(m.bookmark)) for m in held]
             for message in held:
@@ -156,13 +162,7 @@ def test_a_key_groups_queue_of_parts_keeps_one_in_flight_per_key_and_its_cap_ove
         with QueueConsumer("Keyed", max_backlog=100,
                            bootstrap_servers=settings.bootstrap_servers,
                            topic_prefix=settings.topic_prefix) as consumer:
-            held: list[Message] = []
-            deadline = time.monotonic() + 60
-            while len(held) < 40 and time.monotonic() < deadline:
-                message = consumer.receive(timeout=0.5)
-                if message is not None:
-                    held.append(message)
-            assert len(held) == 40
+            held = _hold(consumer, 40)
             assert consumer.receive(timeout=2.0) is None, "more than 40 held over the parts"
             keys = Counter(m.key for m in held)
             assert max(keys.values()) == 1, "two messages of one key in flight"
@@ -172,23 +172,6 @@ def test_a_key_groups_queue_of_parts_keeps_one_in_flight_per_key_and_its_cap_ove
                 message.ack()
             _drain(consumer, total, got)
             assert len(set(got)) == len(got) == total
-
-
-@pytest.fixture
-def processes() -> Iterator[list[CoordinatorSubprocess | ConsumerWorker]]:
-    procs: list[CoordinatorSubprocess | ConsumerWorker] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
-
-
-def _wait(probe: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, f"{what} within {timeout}s"
-        time.sleep(0.2)
 
 
 def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigkilled(
@@ -210,8 +193,8 @@ def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigk
         def owners() -> dict[int, str | None]:
             return {int(o.shard): o.owner_id for o in store.owners()}
 
-        _wait(lambda: len(owners()) == 4 and len(set(owners().values())) == 2, 90,
-              "2 processes running the 4 shards")
+        wait_until(lambda: len(owners()) == 4 and len(set(owners().values())) == 2, 90,
+                   what="2 processes running the 4 shards")
         workers = [ConsumerWorker(settings, tmp_path, f"b{i}", ["Busy"]) for i in range(4)]
         processes.extend(workers)
 
@@ -235,8 +218,8 @@ def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigk
         assert lost, "the victim ran no shard"
         victim.kill()
         produce_numbers(settings.bootstrap_servers, topic, total // 2, start=total // 2)
-        _wait(lambda: all(owners().get(s) == coordinators[0].name for s in lost), 60,
-              "the killed process's parts taken over")
+        wait_until(lambda: all(owners().get(s) == coordinators[0].name for s in lost), 60,
+                   what="the killed process's parts taken over")
         deadline = time.monotonic() + 180
         while len({v for w in workers for _, v in w.received()}) < total \
                 and time.monotonic() < deadline:
@@ -245,8 +228,8 @@ def test_a_queue_of_four_parts_over_two_processes_loses_nothing_when_one_is_sigk
         values = {v for w in workers for _, v in w.received()}
         assert values == {str(i) for i in range(total)}, f"{total - len(values)} never came"
         assert most <= 50, f"a consumer held {most} leases over the parts"
-        _wait(lambda: sum(store.load_recovery_points("Busy").values()) == total, 60,
-              "every message acked")
+        wait_until(lambda: sum(store.load_recovery_points("Busy").values()) == total, 60,
+                   what="every message acked")
     acked, late = audit(read_events(settings, {"Busy"}))
     assert len(acked) == total
     assert max(acked.values()) == 1, "an entry was acked twice"
@@ -303,7 +286,7 @@ def test_acks_sent_to_another_parts_shard_are_passed_on_and_applied_once(
             got: list[tuple[str, str]] = []
             _drain(consumer, total, got)
             assert len(set(got)) == len(got) == total
-            _wait(lambda: sum(store.load_recovery_points("Forwarded").values()) == total, 30,
-                  "every message acked")
+            wait_until(lambda: sum(store.load_recovery_points("Forwarded").values()) == total,
+                       30, what="every message acked")
             assert consumer.stats.ack_failures == 0
         assert coordinator.counters["forwarded"] >= 1

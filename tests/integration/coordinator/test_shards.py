@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,16 +63,6 @@ def _owners(store: Store) -> dict[int, str]:
 
 def _acked(store: Store, queues: dict[str, str], per_queue: int) -> bool:
     return all(sum(store.load_recovery_points(q).values()) == per_queue for q in queues)
-
-
-@pytest.fixture
-def processes() -> Iterator[list[CoordinatorSubprocess | ConsumerWorker]]:
-    procs: list[CoordinatorSubprocess | ConsumerWorker] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_shards_move_between_processes_without_loss(
