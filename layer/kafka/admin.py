@@ -31,6 +31,7 @@ from layer.kafka.errors import (
     translated,
 )
 from layer.kafka.logs import logged
+from layer.kafka.offsets import LEADER_MOVING
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class KafkaAdmin:
                     except DRIVER_ERRORS as exc:
                         if known_only and _code(exc) == KafkaError.UNKNOWN_TOPIC_OR_PART:
                             continue
-                        if _code(exc) not in _LEADER_MOVING or time.monotonic() > deadline:
+                        if _code(exc) not in LEADER_MOVING or time.monotonic() > deadline:
                             raise
                         again[tp] = request[tp]
             request = again
@@ -296,18 +297,6 @@ class KafkaAdmin:
                 future.result(timeout=timeout)
 
 
-#: Errors of a partition whose leadership is moving: they pass once its election is over.
-#: UNKNOWN_LEADER_EPOCH / FENCED_LEADER_EPOCH come when librdkafka's metadata and the broker's
-#: disagree about the leader's epoch for a moment (a topic made a moment ago: CI once failed
-#: on "Leader epoch is newer than broker epoch"); OFFSET_NOT_AVAILABLE while a new leader
-#: catches up its high watermark.
-_LEADER_MOVING = frozenset({
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    KafkaError.UNKNOWN_LEADER_EPOCH,
-    KafkaError.FENCED_LEADER_EPOCH,
-    KafkaError.OFFSET_NOT_AVAILABLE,
-})
 
 
 def _code(exc: BaseException) -> int | None:

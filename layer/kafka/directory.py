@@ -16,6 +16,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 from layer.kafka.admin import KafkaAdmin, TopicSpec
 from layer.kafka.errors import DRIVER_ERRORS, KafkaAdapterError, driver_error, translated
 from layer.kafka.logs import logged
+from layer.kafka.offsets import end_offset
 from layer.kafka.records import OutgoingRecord
 from layer.kafka.writer import RecordWriter
 from layer.protocol.directory import encode_directory_record
@@ -61,9 +62,10 @@ class DirectoryWriter:
         live: dict[str, bool] = {}
         deadline = time.monotonic() + self._timeout
         try:
-            low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0),
-                                                       timeout=self._timeout)
-            if high <= low:
+            # Past compaction the first record may be later than 0: reading to the partition's
+            # end (EOF) settles that; only an empty topic is skipped here.
+            high = end_offset(consumer, self.topic, 0, self._timeout, what=self.topic)
+            if high == 0:
                 return set()
             consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
             done = False

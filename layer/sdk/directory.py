@@ -35,6 +35,7 @@ from layer.domain.shards import part_shards
 from layer.kafka.directory import DIRECTORY_TOPIC_CONFIG
 from layer.kafka.errors import KafkaAdapterError
 from layer.kafka.logs import logged
+from layer.kafka.offsets import end_offset
 from layer.protocol.directory import decode_directory_record, encode_directory_record
 from layer.sdk.config import ClientConfig
 from layer.sdk.errors import NoPublishTargetError
@@ -259,8 +260,8 @@ class QueueDirectory:
                 consumer.incremental_assign(
                     [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in new])
             ends = {
-                p: consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=self._timeout, cached=False)[1]
+                p: end_offset(consumer, self.topic, p, max(0.5, deadline - time.monotonic()),
+                              what=f"queue directory {self.topic}")
                 for p in self._positions
             }
             pending = {p for p, end in ends.items() if self._positions[p] < end}

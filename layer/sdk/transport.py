@@ -29,6 +29,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from layer.kafka.errors import DeliveryFailed, KafkaAdapterError, LoginWatch, driver_error
 from layer.kafka.logs import logged
+from layer.kafka.offsets import end_offset
 from layer.kafka.reports import DeliveryFailures
 from layer.sdk.config import ClientConfig
 
@@ -36,17 +37,6 @@ __all__ = ["DeliveryReader", "SdkProducer", "ensure_topic"]
 
 log = logging.getLogger(__name__)
 
-# Errors a broker answers while it starts or while a partition's leader moves; librdkafka
-# does not mark all of them retriable on a watermark request.
-_LEADER_MOVING = frozenset(
-    {
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._TRANSPORT,
-        KafkaError._TIMED_OUT,
-    }
-)
 
 # Creating a topic we may not create is fine: the coordinator creates delivery topics too.
 _TOLERATED_CREATE_ERRORS = frozenset(
@@ -183,21 +173,8 @@ class DeliveryReader:
         """Partition 0's end offset. A broker that has just started answers "not leader" (or
         another retriable error) for a while: asked again until ``timeout`` (seen in the
         soak: consumers started right after a broker restart failed at once)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                _, high = self._consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, 0),
-                    timeout=max(0.5, deadline - time.monotonic()), cached=False)
-                return int(high)
-            except KafkaException as exc:
-                error = exc.args[0] if exc.args else None
-                retriable = isinstance(error, KafkaError) and (
-                    error.retriable() or error.code() in _LEADER_MOVING)
-                if not retriable or time.monotonic() >= deadline:
-                    raise KafkaAdapterError(
-                        f"cannot read the end of delivery topic {self.topic}: {exc}") from exc
-                time.sleep(0.2)
+        return end_offset(self._consumer, self.topic, 0, timeout,
+                          what=f"delivery topic {self.topic}")
 
     def poll(self, timeout: float, max_records: int = 500) -> list[KafkaMessage]:
         """Records that are there, waiting up to ``timeout`` for the first one; nothing once
