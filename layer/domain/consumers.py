@@ -113,6 +113,7 @@ class Consumer:
         "session_id",
         "session_timeout",
         "share",
+        "transactional",
     )
 
     def __init__(
@@ -150,6 +151,9 @@ class Consumer:
         self.share = share
         if share is not None:
             share.members.append(self)
+        #: Settles inside its own Kafka transactions: its leases are not broken (expiry,
+        #: session timeout) until the coordinator has fenced its producer (`QueueEngine.fenced`).
+        self.transactional = False
 
     @property
     def backlog(self) -> int:

@@ -322,6 +322,12 @@ class QueueEngine:
         self._unparseable = 0
         self._first_unparseable: Bookmark | None = None
         self._early_acks: set[Bookmark] = set()
+        #: Transactional consumers with a lease or a session past its time, held until the
+        #: coordinator has fenced their producer (`fenced`); in the order they were first due.
+        self._fence_wanted: dict[str, None] = {}
+        #: Of those, the ones `take_fences` has not handed out yet.
+        self._fence_new: list[str] = []
+        self._transactional = 0  # consumers with `transactional` set (0: no check at all)
         # target_queue_depth: records past the depth are deferred, not held (docs/engine.md
         # "Target queue depth"). The sources deferring, in the order they began to; while
         # `readmit` runs, how far each partition's re-read goes and those it stopped in; the
@@ -478,8 +484,9 @@ class QueueEngine:
     def next_deadline(self) -> float | None:
         """The earliest time a timer may change something (a hint for the loop's poll timeout)."""
         candidates: list[float] = []
+        held = self._fence_wanted
         for touched in self._leased.values():
-            if not touched.restored:
+            if not touched.restored and touched.consumer_id not in held:
                 candidates.append(touched.deadline)
                 break
         if self._restored_deadlines:
@@ -489,7 +496,8 @@ class QueueEngine:
         if self._expiries:
             candidates.append(self._expiries[0][0])
         for consumer in self._consumers.values():
-            candidates.append(consumer.last_seen + consumer.session_timeout)
+            if consumer.consumer_id not in held:
+                candidates.append(consumer.last_seen + consumer.session_timeout)
         expiration = self._policy.expiration
         if expiration is not None:
             table = self._table
@@ -1269,6 +1277,52 @@ class QueueEngine:
         consumer.last_seen = max(consumer.last_seen, now)
         return True
 
+    # ------------------------------------------------------------------ exactly-once
+    def set_transactional(self, consumer_id: str) -> bool:
+        """The consumer settles inside its own Kafka transactions (docs/sdk.md "Exactly-once
+        processing"): when one of its leases runs out or its session times out, nothing is
+        broken; it is held (`take_fences`) until the coordinator has fenced its producer and
+        applied what it committed, then ends (`fenced`). False if the consumer is unknown."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            return False
+        if not consumer.transactional:
+            consumer.transactional = True
+            self._transactional += 1
+        return True
+
+    def _held(self, consumer_id: str | None, session_id: str | None = None) -> bool:
+        """True when a lease (of ``session_id``) or the session of ``consumer_id`` may not end
+        now: the consumer is transactional and not fenced yet (recorded the first time)."""
+        consumer = self._consumers.get(consumer_id or "")
+        if consumer is None or not consumer.transactional or (
+                session_id is not None and consumer.session_id != session_id):
+            return False
+        if consumer.consumer_id not in self._fence_wanted:
+            self._fence_wanted[consumer.consumer_id] = None
+            self._fence_new.append(consumer.consumer_id)
+        return True
+
+    def take_fences(self) -> list[str]:
+        """Transactional consumers that became due for a fence since the last call."""
+        new, self._fence_new = self._fence_new, []
+        return [c for c in new if c in self._fence_wanted]
+
+    def fenced(self, consumer_id: str, now: float) -> bool:
+        """The consumer's producer is fenced and every settlement it committed is applied:
+        its leases past their deadline expire (as any lease that runs out), then its session
+        ends and the rest are broken (``session-timeout``). False if it is unknown."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None:
+            self._fence_wanted.pop(consumer_id, None)
+            return False
+        for bookmark in list(consumer.leases):
+            touched = self._leased[bookmark]
+            if not touched.slot_only and touched.deadline <= now:
+                self._expire_lease(touched, now)
+        self._leave(consumer, LeaveReason.SESSION_TIMEOUT, now)
+        return True
+
     def unsubscribe(
         self, consumer_id: str, now: float, reason: LeaveReason = LeaveReason.UNSUBSCRIBED
     ) -> bool:
@@ -1282,6 +1336,9 @@ class QueueEngine:
     def _leave(self, consumer: Consumer, reason: LeaveReason, now: float) -> None:
         """A consumer's session ended: every lease is broken, every backlog slot freed."""
         del self._consumers[consumer.consumer_id]
+        if consumer.transactional:
+            self._transactional -= 1
+            self._fence_wanted.pop(consumer.consumer_id, None)
         consumer.leave_share()
         broken = 0
         for bookmark in list(consumer.leases):
@@ -1471,7 +1528,8 @@ class QueueEngine:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire_own(now)
         for consumer in list(self._consumers.values()):
-            if now >= consumer.last_seen + consumer.session_timeout:
+            if now >= consumer.last_seen + consumer.session_timeout and not (
+                    consumer.transactional and self._held(consumer.consumer_id)):
                 self._leave(consumer, LeaveReason.SESSION_TIMEOUT, now)
         for consumer in [c for c in self._consumers.values() if c.draining and not c.leases]:
             self._leave(consumer, LeaveReason.REPLACED, now)
@@ -1484,6 +1542,8 @@ class QueueEngine:
             if touched.deadline > now:
                 break
             due.append(touched)
+        if due and self._transactional:
+            due = [t for t in due if t.slot_only or not self._held(t.consumer_id, t.session_id)]
         restored = self._restored_deadlines
         popped: set[int] = set()
         while restored and restored[0][0] <= now:
@@ -1497,7 +1557,9 @@ class QueueEngine:
                 and seq not in popped  # pushed twice (renewed twice with a length)
             ):
                 popped.add(seq)
-                due.append(touched_or_none)
+                if touched_or_none.slot_only or not self._held(touched_or_none.consumer_id,
+                                                               touched_or_none.session_id):
+                    due.append(touched_or_none)
         for touched in due:
             if touched.slot_only:
                 self._free_slot(touched, now)

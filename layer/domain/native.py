@@ -154,6 +154,15 @@ class NativeQueueEngine:
     def serves(self, partition: int) -> bool:
         return bool(self._core.serves(partition))
 
+    def set_transactional(self, consumer_id: str) -> bool:
+        return bool(self._core.set_transactional(consumer_id))
+
+    def take_fences(self) -> list[str]:
+        return list(self._core.take_fences())
+
+    def fenced(self, consumer_id: str, now: float) -> bool:
+        return bool(self._core.fenced(consumer_id, now))
+
     def credit_view(self, consumer_id: str) -> tuple[int, int]:
         held, waiting = self._core.credit_view(consumer_id)
         return int(held), int(waiting)

@@ -126,6 +126,8 @@ pub struct Consumer {
     pub share: Option<(Py<Share>, u64)>,
     /// A replace took the subscription off this queue (`Engine::retire`).
     pub draining: bool,
+    /// `Consumer.transactional`: its leases and session wait for a fence (`Engine::fenced`).
+    pub transactional: bool,
 }
 
 impl Consumer {
@@ -317,6 +319,10 @@ pub struct Engine {
     /// journal partitions of its parts only.
     parts: i64,
     served: FxHashSet<i64>,
+    /// `QueueEngine._fence_wanted` / `_fence_new` / `_transactional`.
+    fence_wanted: FxHashSet<Name>,
+    fence_new: Vec<Name>,
+    transactional: i64,
 }
 
 fn call_matches(py: Python<'_>, expression: &Py<PyAny>, doc: &Py<PyAny>) -> PyResult<bool> {
@@ -381,7 +387,56 @@ impl Engine {
             empty: Arc::from(""),
             parts: 1,
             served: FxHashSet::default(),
+            fence_wanted: FxHashSet::default(),
+            fence_new: Vec::new(),
+            transactional: 0,
         }
+    }
+
+    /// `QueueEngine.set_transactional`.
+    pub fn set_transactional(&mut self, consumer_id: &Name) -> bool {
+        let Some(c) = self.consumers.get_mut(consumer_id) else { return false };
+        if !c.transactional {
+            c.transactional = true;
+            self.transactional += 1;
+        }
+        true
+    }
+
+    /// `QueueEngine._held`.
+    fn held(&mut self, consumer_id: &Name, session_id: Option<&Name>) -> bool {
+        let Some(c) = self.consumers.get(consumer_id) else { return false };
+        if !c.transactional || session_id.is_some_and(|s| *s != c.session_id) {
+            return false;
+        }
+        if !self.fence_wanted.contains(consumer_id) {
+            self.fence_wanted.insert(consumer_id.clone());
+            self.fence_new.push(consumer_id.clone());
+        }
+        true
+    }
+
+    /// `QueueEngine.take_fences`.
+    pub fn take_fences(&mut self) -> Vec<Name> {
+        let new = std::mem::take(&mut self.fence_new);
+        new.into_iter().filter(|c| self.fence_wanted.contains(c)).collect()
+    }
+
+    /// `QueueEngine.fenced`.
+    pub fn fenced(&mut self, py: Python<'_>, consumer_id: &Name, now: f64) -> PyResult<bool> {
+        let Some(c) = self.consumers.get(consumer_id) else {
+            self.fence_wanted.remove(consumer_id);
+            return Ok(false);
+        };
+        for bm in c.leases.to_vec() {
+            let seq = self.leased.get(&bm).copied().expect("a lease");
+            let t = &self.touched[&seq];
+            if !t.slot_only && t.deadline <= now {
+                self.expire_lease(py, seq, now)?;
+            }
+        }
+        self.leave(py, consumer_id, Leave::SessionTimeout, now);
+        Ok(true)
     }
 
     /// `QueueEngine.serve_parts`.
@@ -523,9 +578,10 @@ impl Engine {
 
     pub fn next_deadline(&self) -> Option<f64> {
         let mut candidates: Vec<f64> = Vec::new();
+        let held = &self.fence_wanted;
         for seq in self.leased.values() {
             let t = &self.touched[seq];
-            if !t.restored {
+            if !t.restored && !held.contains(&t.consumer_id) {
                 candidates.push(t.deadline);
                 break;
             }
@@ -540,7 +596,9 @@ impl Engine {
             candidates.push(*at);
         }
         for c in self.consumers.values() {
-            candidates.push(c.last_seen + c.session_timeout);
+            if !held.contains(&c.consumer_id) {
+                candidates.push(c.last_seen + c.session_timeout);
+            }
         }
         if let Some(expiration) = self.policy.expiration {
             let table = &self.table;
@@ -1327,6 +1385,7 @@ impl Engine {
             position_matched: false,
             share: None,
             draining: false,
+            transactional: false,
         };
         if let Some(share) = share {
             let id = share.borrow_mut(py).join(limit, 0, false);
@@ -1463,6 +1522,10 @@ impl Engine {
     fn leave(&mut self, py: Python<'_>, consumer_id: &Name, reason: Leave, now: f64) {
         let Some(mut consumer) = self.consumers.remove(consumer_id) else { return };
         consumer.leave_share(py);
+        if consumer.transactional {
+            self.transactional -= 1;
+            self.fence_wanted.remove(consumer_id);
+        }
         let mut broken = 0;
         // Out of `consumers` now, its leases are dropped as a gone consumer's are (as in
         // Python, where `_drop_lease` no longer finds it).
@@ -1765,10 +1828,10 @@ impl Engine {
         let ids = self.consumers.keys_vec();
         for id in ids {
             let due = match self.consumers.get(&id) {
-                Some(c) => now >= c.last_seen + c.session_timeout,
-                None => false,
+                Some(c) => (now >= c.last_seen + c.session_timeout, c.transactional),
+                None => (false, false),
             };
-            if due {
+            if due.0 && !(due.1 && self.held(&id, None)) {
                 self.leave(py, &id, Leave::SessionTimeout, now);
             }
         }
@@ -1796,18 +1859,33 @@ impl Engine {
             }
             due.push(*seq);
         }
+        if !due.is_empty() && self.transactional > 0 {
+            let mut kept = Vec::with_capacity(due.len());
+            for seq in due {
+                let (slot_only, consumer_id, session_id) = {
+                    let t = &self.touched[&seq];
+                    (t.slot_only, t.consumer_id.clone(), t.session_id.clone())
+                };
+                if slot_only || !self.held(&consumer_id, Some(&session_id)) {
+                    kept.push(seq);
+                }
+            }
+            due = kept;
+        }
         let mut popped: std::collections::HashSet<Seq> = std::collections::HashSet::new();
         while let Some(Reverse(Timed(at, seq))) = self.restored_deadlines.peek().copied() {
             if at > now {
                 break;
             }
             self.restored_deadlines.pop();
-            if let Some(t) = self.listed(seq) {
-                // `t.deadline <= now`: not renewed since it was pushed; `popped.insert`: not
-                // pushed twice (renewed twice with a length).
-                if t.restored && t.deadline <= now && self.leased.contains_key(&t.bm)
-                    && popped.insert(seq)
-                {
+            // `t.deadline <= now`: not renewed since it was pushed; `popped.insert`: not
+            // pushed twice (renewed twice with a length).
+            let found = self.listed(seq).and_then(|t| {
+                (t.restored && t.deadline <= now && self.leased.contains_key(&t.bm))
+                    .then(|| (t.slot_only, t.consumer_id.clone(), t.session_id.clone()))
+            });
+            if let Some((slot_only, consumer_id, session_id)) = found {
+                if popped.insert(seq) && (slot_only || !self.held(&consumer_id, Some(&session_id))) {
                     due.push(seq);
                 }
             }

@@ -449,6 +449,21 @@ impl NativeEngine {
         self.core.retire(py, &Arc::from(consumer_id), now, share)
     }
 
+    /// `QueueEngine.set_transactional`.
+    fn set_transactional(&mut self, consumer_id: &str) -> bool {
+        self.core.set_transactional(&Arc::from(consumer_id))
+    }
+
+    /// `QueueEngine.take_fences`.
+    fn take_fences(&mut self) -> Vec<String> {
+        self.core.take_fences().iter().map(|c| c.to_string()).collect()
+    }
+
+    /// `QueueEngine.fenced`.
+    fn fenced(&mut self, py: Python<'_>, consumer_id: &str, now: f64) -> PyResult<bool> {
+        self.core.fenced(py, &Arc::from(consumer_id), now)
+    }
+
     #[pyo3(signature = (consumer_id, now, session_id=None))]
     fn heartbeat(&mut self, consumer_id: &str, now: f64, session_id: Option<&str>) -> bool {
         self.core.heartbeat(consumer_id, now, session_id)

@@ -189,6 +189,19 @@ class Twins(RuleBasedStateMachine):
     def unsubscribe(self, consumer: str, reason: LeaveReason) -> None:
         self.both("unsubscribe", consumer, self.now, reason)
 
+    @rule(consumer=st.sampled_from([*CONSUMERS, "nobody"]))
+    def transactional(self, consumer: str) -> None:
+        """The consumer settles in its own Kafka transactions: its leases and session wait
+        for a fence."""
+        self.both("set_transactional", consumer)
+
+    @rule(data=st.data())
+    def fence_done(self, data: st.DataObject) -> None:
+        """The coordinator fenced one of the consumers held for a fence (or a gone one)."""
+        wanted = self.both("take_fences")
+        consumer = data.draw(st.sampled_from([*wanted, *CONSUMERS, "nobody"]))
+        self.both("fenced", consumer, self.now)
+
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), kind=st.sampled_from(list(AckType)),
           token=st.sampled_from(["right", "right", "wrong", None]),
