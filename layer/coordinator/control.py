@@ -192,6 +192,8 @@ class Control:
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
             del self.core.sessions[message.consumer_id]
+            # Its own end: a transactional consumer ends its transactions before it says so.
+            self.core.fences.forget(message.consumer_id, message.session_id)
             batch.delete_consumer(message.consumer_id, message.session_id, self._span(session))
         return True
 
@@ -262,20 +264,29 @@ class Control:
 
     def end_session(self, consumer_id: str, now: float, batch: WriteBatch,
                     replies: list[OutgoingRecord] | None, message: str,
-                    leave: LeaveReason = LeaveReason.EVICTED) -> None:
+                    leave: LeaveReason = LeaveReason.EVICTED,
+                    end: SessionEndReason = SessionEndReason.EVICTED,
+                    fenced: bool = False) -> None:
         """End a live session of this shard at once: its leases break in every queue, the
-        consumer is told (``replies``; None: not told) and its row goes, if still its own."""
-        session = self.core.sessions.pop(consumer_id, None)
+        consumer is told (``replies``; None: not told, ``end`` says why) and its row goes, if
+        still its own. A transactional session (protocol 9) is fenced first: it ends once
+        its producer is fenced and what it committed is applied (``fenced``)."""
+        session = self.core.sessions.get(consumer_id)
         if session is None:
             return
+        if session.transactional_id is not None and not fenced:
+            self.core.want_fence(session, end, message)
+            return
+        del self.core.sessions[consumer_id]
+        self.core.fences.forget(consumer_id, session.session_id)
         for name in session.every_queue:
             engine = self.core.engines.get(name)
             if engine is not None:
                 engine.unsubscribe(consumer_id, now, leave)
         if replies is not None:
             # The session is gone already, so this is the consumer id's own delivery topic.
-            replies.append(self.session_ended(consumer_id, session.session_id,
-                                               SessionEndReason.EVICTED, now, message))
+            replies.append(self.session_ended(consumer_id, session.session_id, end, now,
+                                               message))
         batch.delete_consumer(consumer_id, session.session_id, self._span(session))
 
     def revoke(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]) -> None:

@@ -24,6 +24,7 @@ from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
 from layer.coordinator.deleted import DeletedPartition, deleted_partitions
 from layer.coordinator.faults import FaultLedger
+from layer.coordinator.fences import Fences
 from layer.coordinator.identity import Identity
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.logformat import fields
@@ -46,6 +47,7 @@ from layer.protocol import (
     Codec,
     Event,
     ProtocolError,
+    SessionEndReason,
     TopicNames,
     parse_deliver_at,
     parse_expiration,
@@ -245,6 +247,16 @@ class ShardCore:
         # Ack records read and not applied yet (`step`: over the budget, or waiting for a
         # fresher catalog), with when each was first read.
         self._carried: list[tuple[JournalRecord, float]] = []
+        #: Transactional sessions to fence before their leases break (protocol 9,
+        #: `layer.coordinator.fences`); a rebuild finds them again: the engines it restores
+        #: hold their leases again, and a stored eviction is read again.
+        self.fences = Fences()
+        #: Whether any transactional session was seen: until then a step asks no engine for
+        #: fences (nothing on the hot path for consumers without transactions).
+        self.transactional_seen = False
+        #: How far the shard's ack partition is read (`read_committed`), set by the shard
+        #: before each step: a fenced session ends once it is past the fence's ack end.
+        self.ack_read_to: int | None = None
         self.acks.reset()
         self.control.reset()
 
@@ -339,6 +351,9 @@ class ShardCore:
                 continue
             offsets[(r.topic, r.partition)] = r.offset + 1
         stats.journal_records = len(journal)
+        if self.fences.pending:
+            # After this step's acks: what a fenced session committed is settled first.
+            self._finish_fences(now, batch, replies)
         lane = self.lane
         if lane is not None:
             if journal:
@@ -356,6 +371,8 @@ class ShardCore:
                 self._count_input_faults(batch, now)
             self._expire_refused(now)
             self._decide(plan, now)
+        if self.transactional_seen:
+            self._want_fences(now)
         if control.credit.credited:
             # After the deliveries: what credited sessions hold and what waits (protocol 8).
             control.credit.notices(plan.replies)
@@ -381,6 +398,58 @@ class ShardCore:
         plan.input_offsets, self._input_offsets = offsets, {}
         plan.forwards, self.forwards = self.forwards, []
         return plan
+
+    def _want_fences(self, now: float) -> None:
+        """Transactional sessions the engines hold (a lease ran out, the session timed
+        out): fenced before anything of theirs is broken (`layer.coordinator.fences`)."""
+        for engine in self.engines.values():
+            for consumer_id in engine.take_fences():
+                session = self.sessions.get(consumer_id)
+                if session is None or session.transactional_id is None:
+                    # No session here to fence (it cannot happen: the engine is told by the
+                    # session); held forever would be worse than breaking the leases.
+                    engine.fenced(consumer_id, now)
+                    continue
+                timed_out = now >= self._last_seen(session) + session.session_timeout
+                self.want_fence(session, SessionEndReason.TIMED_OUT, (
+                    "no heartbeat within the session timeout" if timed_out else
+                    "a lease of this transactional session ran out") + "; its producer was "
+                    "fenced and what it committed was applied")
+
+    def _last_seen(self, session: Session) -> float:
+        seen = [c.last_seen for name in session.every_queue if name in self.engines
+                for c in self.engines[name].consumers() if c.consumer_id == session.consumer_id]
+        return max(seen, default=float("-inf"))
+
+    def want_fence(self, session: Session, end: SessionEndReason, message: str) -> None:
+        """Fence the session's producer, then end it (`_finish_fences`)."""
+        assert session.transactional_id is not None
+        if self.fences.want(session.consumer_id, session.session_id,
+                            session.transactional_id, end, message):
+            self.counters["fences_wanted"] += 1
+            log.info("consumer %s: transactional session %s is fenced before its leases "
+                     "break: %s", session.consumer_id, session.session_id, message,
+                     extra=fields(consumer=session.consumer_id, shard=self.shard,
+                                  reason="fence"))
+
+    def _finish_fences(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]
+                       ) -> None:
+        """End the fenced sessions whose committed settlements are all applied: every ack
+        record below the fence's ack end was read and none waits (carried or deferred)."""
+        ack = (self.topics.ack, self.shard)
+        if self.acks.deferred or any((r.topic, r.partition) == ack for r, _ in self._carried):
+            return
+        for fence in self.fences.ready(self.ack_read_to):
+            session = self.sessions.get(fence.consumer_id)
+            if session is None or session.session_id != fence.session_id:
+                continue  # ended meanwhile (its consumer unsubscribed)
+            for name in session.every_queue:
+                engine = self.engines.get(name)
+                if engine is not None:
+                    engine.fenced(fence.consumer_id, now)
+            self.counters["sessions_fenced"] += 1
+            self.control.end_session(fence.consumer_id, now, batch, replies, fence.message,
+                                     end=fence.end, fenced=True)
 
     def _decide(self, plan: Plan, now: float) -> None:
         """Timers, matching and the engines' outboxes: deliveries, batch rows, events."""
@@ -886,6 +955,14 @@ class ShardCore:
                 engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
                                  max_backlog=s.max_backlog, filter=s.filter,
                                  session_timeout=s.session_timeout, share=s.share)
+                self.mark_transactional(engine, s)
+
+    def mark_transactional(self, engine: AnyEngine, session: Session) -> None:
+        """A session that settles in Kafka transactions (protocol 9): the engine holds its
+        leases for a fence (`layer.coordinator.fences`)."""
+        if session.transactional_id is not None:
+            engine.set_transactional(session.consumer_id)
+            self.transactional_seen = True
 
     def subscribe_regex_sessions(self, name: str, now: float) -> None:
         """A regex subscription covers queues created after it (as AMPS regex topics do)."""
@@ -899,6 +976,7 @@ class ShardCore:
                 engine.subscribe(s.consumer_id, s.session_id, now, delivery_topic=s.delivery_topic,
                                  max_backlog=s.max_backlog, filter=s.filter,
                                  session_timeout=s.session_timeout, share=s.share)
+                self.mark_transactional(engine, s)
                 s.queues.append(name)
 
     def restore_sessions(self, rows: Iterable[ConsumerRow], now: float,
@@ -936,6 +1014,7 @@ class ShardCore:
                                                  share=session.share)
                 except ExpressionError:
                     continue
+                self.mark_transactional(self.engines[name], session)
                 session.queues.append(name)
             if session.queues:
                 self.sessions[row.consumer_id] = session

@@ -62,6 +62,10 @@ class CoordinatorOptions:
     #: Without transactions, deliveries and event batches are not waited for; when the
     #: producer never empties, a flush this often (s) confirms the event batches sent.
     confirm_interval: float = 1.0
+    #: How long one fence of a transactional consumer's producer may take (protocol 9,
+    #: `layer.coordinator.fences`) before it is tried again later; the shard's loop waits for
+    #: it, so it is short: a fence that fails is retried, its session's leases held meanwhile.
+    fence_timeout: float = 5.0
     #: How often each shard's lag and the process's shards are written for `qlayer coordinators`.
     report_interval: float = 2.0
     #: Bytes of journal records kept in memory; past it, records are re-read when needed.

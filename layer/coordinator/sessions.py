@@ -45,6 +45,9 @@ class Session:
     home: int | None = None
     #: The last ``(held, grant, waiting)`` this shard reported to the consumer (protocol 8).
     reported: tuple[int, int, int] | None = None
+    #: Protocol 9: the Kafka transactional.id the consumer settles with; its leases are broken
+    #: only once this shard has fenced it (`layer.coordinator.fences`). None: not transactional.
+    transactional_id: str | None = None
 
     def is_span(self, shard: int) -> bool:
         """Whether this is a part of a session whose home is another shard."""
@@ -68,4 +71,4 @@ class Session:
                    row.subscribed_at, [], BacklogShare() if row.is_regex else None,
                    row.delivery_format, secret_hash=row.secret_hash,
                    principal=row.principal, credential_hash=row.credential_hash,
-                   home=row.credit_home)
+                   home=row.credit_home, transactional_id=row.transactional_id)

@@ -60,10 +60,12 @@ from layer.kafka import (
     DeliveryFailed,
     JournalReader,
     JournalRecord,
+    KafkaAdapterError,
     KafkaAdmin,
     OutgoingRecord,
     RecordWriter,
 )
+from layer.kafka.fence import fence_producer
 from layer.kafka.logs import ClientLog
 from layer.protocol import Event, EventType, TopicNames
 from layer.settings import Settings
@@ -413,6 +415,9 @@ class ShardLoop:
         last, self._last_iteration = self._last_iteration, now
         if last is not None and now - last > STALL:
             self._forgive(now, now - last)
+        if self.core.fences.pending:
+            # Protocol 9: a fenced session ends once its ack partition is read this far.
+            self.core.ack_read_to = reader.read_to(self.topics.ack, self.shard)
         plan = self.core.step(records, now, batch, replies)
         stats = plan.stats
         # Records whose bytes were dropped past the memory budget are read again, in
@@ -499,10 +504,35 @@ class ShardLoop:
         self.counters["us_encoding"] += out
         self.phases.observe(polling, deciding, committing, out, writing)
         self._last_phases_us = (polling, deciding, committing, out, writing)
+        if self.core.fences.pending:
+            self._fence(now)
         group_offsets.run_once(now)
         if self._sweep is not None:
             self._sweep.run_once(now)
         return stats
+
+    def _fence(self, now: float) -> None:
+        """Fence the producers of the transactional sessions due for it (protocol 9,
+        `layer.coordinator.fences`) and take where the ack partition ended afterwards. One
+        that fails (a broker away) is tried again later; its session's leases stay held."""
+        fences = self.core.fences
+        for fence in fences.to_fence(now):
+            try:
+                fence_producer(self._kafka_config(), fence.transactional_id,
+                               self.options.fence_timeout)
+                ack = (self.topics.ack, self.shard)
+                end = self.core.admin.end_offsets([ack])[ack]
+            except KafkaAdapterError as exc:
+                pause = fences.failed(fence, now)
+                self.counters["fence_failures"] += 1
+                log.warning("consumer %s: cannot fence transactional id %s yet (tried again "
+                            "in %.1fs; its leases stay held): %s", fence.consumer_id,
+                            fence.transactional_id, pause, exc,
+                            extra=fields(consumer=fence.consumer_id, shard=self.shard,
+                                         reason="fence failed"))
+                continue
+            fences.fenced(fence, end)
+            self.counters["producers_fenced"] += 1
 
     def _commit_offsets(self, reader: JournalReader, now: float) -> None:
         """Commit the applied ack and control positions to the Kafka group (asynchronously;

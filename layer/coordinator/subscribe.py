@@ -27,16 +27,20 @@ from layer.protocol import (
     QueueGrant,
     Replace,
     RequestKind,
+    SessionEndReason,
     Subscribe,
     SubscribeResult,
     SubscribeStatus,
 )
 from layer.protocol.headers import (
+    FENCING,
     REFUSAL,
     SPANS_SHARDS,
+    TRANSACTIONAL_ID,
     credit_home,
     credit_report_header,
     shards_header,
+    transactional_id,
 )
 from layer.store.batch import WriteBatch
 from layer.store.rows import ConsumerRow
@@ -161,6 +165,18 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
             return refuse(SubscribeStatus.INVALID_REQUEST, verdict.message or verdict.refusal,
                           verdict.refusal.value)
         secret_hash = verdict.secret_hash
+        if (existing is not None and existing.session_id != m.session_id
+                and existing.transactional_id is not None):
+            # Protocol 9: the old session may be a paused process with an open transaction;
+            # its leases are broken only once its producer is fenced, so the new session
+            # waits for that (its consumer subscribes again in a moment).
+            control.core.want_fence(existing, SessionEndReason.EVICTED,
+                                    "its consumer id subscribed again with a new session")
+            return refuse(SubscribeStatus.INVALID_REQUEST, (
+                f"the previous session {existing.session_id} of consumer "
+                f"{m.consumer_id!r} settles in Kafka transactions: it is being fenced and "
+                "ended first; subscribe again in a moment (docs/protocol.md §15)"), FENCING,
+                extra=[(REFUSAL, FENCING.encode())])
         if span and not catalog.home_holds(m.consumer_id, m.session_id, home or 0,
                                            secret_hash):
             # A part joins its session only once the home shard holds it (the consumer
@@ -187,6 +203,19 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
     if m.max_backlog is not None and m.max_backlog < 0:
         return refuse(SubscribeStatus.INVALID_REQUEST,
                       f"max_backlog must be 0 or more, got {m.max_backlog}")
+    # Protocol 9: the Kafka transactional.id the session settles with; a Replace keeps it.
+    tx_id = (existing.transactional_id if existing is not None
+             and kind is RequestKind.REPLACE else None)
+    if kind is RequestKind.SUBSCRIBE:
+        try:
+            tx_id = transactional_id(headers)
+        except ValueError as exc:
+            return refuse(SubscribeStatus.INVALID_REQUEST, str(exc), "bad_transactional_id")
+        if tx_id is not None and not tx_id.endswith("." + m.session_id):
+            return refuse(SubscribeStatus.INVALID_REQUEST, (
+                f"{TRANSACTIONAL_ID} {tx_id!r} must end with '.{m.session_id}', the session "
+                "id: a session may have only its own producer fenced (docs/protocol.md §15)"),
+                "bad_transactional_id")
     if m.filter:
         try:
             compile_expression(m.filter)
@@ -197,7 +226,7 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
                        existing.subscribed_at if existing and kind is RequestKind.REPLACE
                        else now, [], delivery_format=formats, secret_hash=secret_hash,
                        principal=principal, credential_hash=credential_hash,
-                       home=home)
+                       home=home, transactional_id=tx_id)
     try:
         # A regex covers the queues the principal may consume, only (AMPS entitlements
         # filter a regex subscription the same way).
@@ -283,6 +312,7 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
                                      delivery_topic=m.delivery_topic,
                                      max_backlog=m.max_backlog, filter=m.filter or None,
                                      session_timeout=timeout, share=session.share)
+            control.core.mark_transactional(engine, session)
         definition = engine.definition
         grants.append(QueueGrant(
             queue=name, max_backlog=event.max_backlog,
@@ -298,7 +328,8 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
         session_timeout_ms=int(timeout * 1000), subscribed_at=session.subscribed_at,
         last_heartbeat_at=now, max_backlog=m.max_backlog, filter=m.filter or None,
         delivery_format=formats, secret_hash=secret_hash, shard=control.core.shard,
-        principal=principal, credential_hash=credential_hash, credit_home=home))
+        principal=principal, credential_hash=credential_hash, credit_home=home,
+        transactional_id=tx_id))
     control.core.counters["subscribes" if kind is RequestKind.SUBSCRIBE else "replaces"] += 1
     answer_headers = None
     if home is not None:

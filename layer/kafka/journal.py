@@ -165,6 +165,22 @@ class JournalReader:
         read; a negative logical offset, such as OFFSET_BEGINNING, until a record came)."""
         return self._next.get((topic, partition))
 
+    def read_to(self, topic: str, partition: int) -> int | None:
+        """How far the partition is read: every record below this offset was returned by a
+        poll. Past the last record's offset, this counts what `read_committed` skips (a
+        transaction's markers and aborted records), which no poll returns. None when it is
+        not read, or nothing was fetched yet."""
+        tp = TopicPartition(topic, partition)
+        with translated("reading a position failed"):
+            (found,) = self._consumer.position([tp])
+            known = [o for o in (found.offset, self._next.get((topic, partition), -1)) if o >= 0]
+            if known:
+                return max(known)
+            # Assigned at a logical offset (the beginning) and nothing returned since: read
+            # to its end only if the last fetch found nothing below the last stable offset.
+            low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+        return high if 0 <= low == high else None
+
     @property
     def assignment(self) -> list[tuple[str, int]]:
         return list(self._assigned)

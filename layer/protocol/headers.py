@@ -40,6 +40,7 @@ __all__ = [
     "DLQ_REASON",
     "DLQ_VALUE_OMITTED",
     "EXPIRATION",
+    "FENCING",
     "FORWARDED",
     "LEASE",
     "LEASE_EXPIRES",
@@ -52,6 +53,7 @@ __all__ = [
     "SHARD",
     "SHARDS",
     "SPANS_SHARDS",
+    "TRANSACTIONAL_ID",
     "DeadLetterInfo",
     "DeliveryInfo",
     "Headers",
@@ -83,6 +85,7 @@ __all__ = [
     "secret_headers",
     "secret_problem",
     "shards_header",
+    "transactional_id",
     "with_delivery_headers",
     "without_delivery_headers",
 ]
@@ -137,6 +140,17 @@ CREDIT_REPORT = "qlayer.credit-report"
 # subscribes on each of them with credit.
 SHARDS = "qlayer.shards"
 SPANS_SHARDS = "spans_shards"
+# --- exactly-once processing (protocol 9, docs/protocol.md §15) ------------------------------
+# On a Subscribe: the Kafka ``transactional.id`` the session settles with, UTF-8; it must end
+# with ``.`` + the session id (so no session can name, and have fenced, another's producer).
+# A Replace keeps its session's. The coordinator fences it before breaking any of its leases.
+TRANSACTIONAL_ID = "qlayer.transactional-id"
+# On a refused Subscribe: the consumer id's previous transactional session is being fenced;
+# the same Subscribe is answered once it has ended (a consumer subscribes again shortly).
+FENCING = "fencing"
+#: The longest transactional.id accepted (Kafka has no limit of its own; this keeps records
+#: and stored rows small).
+MAX_TRANSACTIONAL_ID = 249
 # --- on a record a producer publishes -------------------------------------------------------
 DELIVER_AT = "qlayer.deliver-at"
 # How long the message may wait in a queue, in ms from the record's timestamp (AMPS: "the
@@ -517,6 +531,22 @@ def credit_home(headers: InputHeaders) -> int | None:
     if value is None or not _CANONICAL_NUMBER.fullmatch(value) or len(value) > 4:
         return None
     return int(value)
+
+
+def transactional_id(headers: InputHeaders) -> str | None:
+    """The ``qlayer.transactional-id`` of a Subscribe (protocol 9); None when absent. Raises
+    ValueError when it is not UTF-8 text of 1 to `MAX_TRANSACTIONAL_ID` characters."""
+    value = header_value(headers, TRANSACTIONAL_ID)
+    if value is None:
+        return None
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{TRANSACTIONAL_ID} is not UTF-8 text") from None
+    if not 0 < len(text) <= MAX_TRANSACTIONAL_ID or not text.isprintable():
+        raise ValueError(f"{TRANSACTIONAL_ID} must be 1 to {MAX_TRANSACTIONAL_ID} printable "
+                         "characters")
+    return text
 
 
 def credit_report_header(held: int, grant: int, waiting: int) -> tuple[str, bytes]:

@@ -29,6 +29,7 @@ from layer.sdk.errors import (
 )
 from layer.sdk.message import Message
 from layer.sdk.publisher import QueuePublisher
+from layer.sdk.transaction import Transaction, TransactionAbortedError
 
 __all__ = [
     "AckBatcher",
@@ -51,6 +52,8 @@ __all__ = [
     "QueueDirectoryWriter",
     "QueuePublisher",
     "SessionEndedError",
+    "Transaction",
+    "TransactionAbortedError",
     "UnknownQueueError",
     "delete_queue_definition",
     "publish_queue_definitions",

@@ -45,10 +45,12 @@ from layer.protocol.codec import Codec
 from layer.protocol.errors import ProtocolError
 from layer.protocol.headers import (
     CREDENTIAL,
+    FENCING,
     NOT_AUTHORIZED,
     REFUSAL,
     SESSION,
     SPANS_SHARDS,
+    TRANSACTIONAL_ID,
     header_value,
     is_reply,
     new_session_secret,
@@ -99,6 +101,12 @@ from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
 from layer.sdk.message import delay_ms as release_delay_ms
 from layer.sdk.spans import Spans
+from layer.sdk.transaction import (
+    Transaction,
+    TransactionAbortedError,
+    TransactionalProducer,
+    transactional_id_for,
+)
 from layer.sdk.transport import DeliveryReader, SdkProducer
 
 __all__ = ["ConsumerStats", "OnError", "QueueConsumer"]
@@ -111,6 +119,8 @@ log = logging.getLogger(__name__)
 OnError = Literal["release", "reject", "raise"] | Callable[[Message, Exception], None]
 
 _MAX_POLL_WAIT = 0.5  # seconds; how often a blocked receive() notices close() from elsewhere
+#: Between two Subscribes while the previous transactional session is fenced (protocol 9).
+_FENCING_PAUSE = 0.2
 _MAX_THREAD_WAIT = 1.0  # seconds; how quickly the background thread notices a dropped consumer
 _MAX_REASON = 2000  # characters of an exception kept as a REJECT reason
 
@@ -239,6 +249,8 @@ class QueueConsumer:
         delivery_format: Literal["batch", "record"] = "batch",
         state_dir: str | os.PathLike[str] | None = None,
         credential: str | None = None,
+        transactional: bool = False,
+        transactional_id_prefix: str | None = None,
     ) -> None:
         if isinstance(queue, re.Pattern):
             queue, regex = queue.pattern, True
@@ -297,6 +309,14 @@ class QueueConsumer:
         self._resubscribe = resubscribe
         self._client_name = client_name
         self._codec = Codec()
+        # Protocol 9: each session settles in Kafka transactions of its own producer, whose
+        # transactional.id is <prefix><consumer id>.<session id> (`layer.sdk.transaction`).
+        if transactional_id_prefix is not None and not transactional:
+            raise ValueError("transactional_id_prefix is for a transactional consumer: "
+                             "pass transactional=True too")
+        self._tx_prefix = ((transactional_id_prefix if transactional_id_prefix is not None
+                            else self._topics.prefix + "qlayer-tx.") if transactional else None)
+        self._tx: TransactionalProducer | None = None
 
         # Shared with the background thread: everything below, guarded by _cond's lock.
         # Re-entrant: close() may run in a signal handler while this thread holds the lock.
@@ -634,6 +654,10 @@ class QueueConsumer:
         # anything, so it can do nothing more; and joining here could wait on a lock this very
         # thread holds (close() called from a signal handler).
         try:
+            if self._tx is not None:
+                # Before the Unsubscribe breaks the leases: an open transaction is aborted
+                # (nothing of it counts) and this producer commits nothing more.
+                self._tx.close()
             with self._cond:
                 active = self._active and self._terminal is None
                 self._send_acks_locked()
@@ -688,10 +712,12 @@ class QueueConsumer:
 
     # --- subscribing ------------------------------------------------------------------------
 
-    def _subscribe(self) -> None:
+    def _subscribe(self, fencing_until: float | None = None) -> None:
         """Subscribe by key: the coordinator that reads it passes it on to the shard of its
         queues; a regex whose queues are on several shards is refused with their list
-        (``spans_shards``), and the subscription is made again over them with credit."""
+        (``spans_shards``), and the subscription is made again over them with credit. A
+        refusal while this consumer id's previous transactional session is being fenced
+        (``fencing``, protocol 9) is asked again until ``fencing_until``."""
         self._spans = None
         session_id = str(uuid.uuid4())
         request_id = uuid.uuid4().hex
@@ -706,7 +732,8 @@ class QueueConsumer:
             self._set_secret(secret)
             self._active = False
         self._results.clear()
-        headers = self._format_header + secret_headers(secret) + self._credential_header
+        headers = (self._format_header + secret_headers(secret) + self._credential_header
+                   + self._transactional_header(session_id))
         if previous is not None:
             headers += proof_headers(previous)
         self._send_control(
@@ -755,6 +782,15 @@ class QueueConsumer:
         if result.status is not SubscribeStatus.OK:
             with self._cond:
                 self._set_secret(previous)  # no session has the new secret
+            if self._refused_why.get(request_id) == FENCING:
+                until = fencing_until or time.monotonic() + self._subscribe_timeout
+                if time.monotonic() < until:
+                    # The previous session's producer is being fenced (protocol 9): that
+                    # takes a moment, then the same consumer id may subscribe.
+                    del self._refused_why[request_id]
+                    time.sleep(_FENCING_PAUSE)
+                    self._subscribe(until)
+                    return
             shards = self._spans_refused.pop(request_id, [])
             if len(shards) > 1:
                 spanning.subscribe_spanning(self, shards)
@@ -776,6 +812,89 @@ class QueueConsumer:
             self._next_heartbeat = time.monotonic() + interval
             self._active = True
             self._cond.notify_all()
+
+    def _transactional_header(self, session_id: str) -> list[tuple[str, bytes]]:
+        """A transactional consumer's new session gets a producer of its own, initialised
+        before the Subscribe is sent (any fence the coordinator makes comes after it), named
+        on the Subscribe (protocol 9). Nothing for other consumers."""
+        if self._tx_prefix is None:
+            return []
+        old, self._tx = self._tx, None
+        if old is not None:
+            old.close()
+        self._tx = TransactionalProducer(
+            self._config, transactional_id_for(self._tx_prefix, self._consumer_id, session_id),
+            self._subscribe_timeout)
+        return [(TRANSACTIONAL_ID, self._tx.transactional_id.encode())]
+
+    def transactional_header(self) -> list[tuple[str, bytes]]:
+        """The live session's ``qlayer.transactional-id`` header (a part subscribed later on
+        another shard names the same producer); nothing for other consumers."""
+        tx = self._tx
+        return [] if tx is None else [(TRANSACTIONAL_ID, tx.transactional_id.encode())]
+
+    def transaction(self) -> Transaction:
+        """A Kafka transaction of this consumer's session: records produced in it and
+        messages settled in it commit together or not at all (docs/sdk.md "Exactly-once
+        processing")::
+
+            with consumer.transaction() as tx:
+                tx.produce("invoices", value, key=message.key)
+                tx.ack(message)
+
+        Needs ``transactional=True``. Raises `TransactionAbortedError` when it could not
+        commit (nothing of it counts; a fenced one means the session ended and the consumer
+        subscribes again), ``LeaseLostError`` when its session ended before the commit."""
+        self._check_open()
+        if self._tx is None or self._tx_prefix is None:
+            raise ValueError("transaction() needs a transactional consumer: "
+                             "QueueConsumer(..., transactional=True)")
+        if self._tx.open:
+            raise RuntimeError("a transaction of this consumer is open already: transactions "
+                               "of one consumer do not nest")
+        if not self._tx.usable:
+            raise TransactionAbortedError(
+                "this session's producer was fenced: the session ended and the consumer "
+                "subscribes again on its next receive()", fenced=True)
+        with self._cond:
+            session_id = self._session_id or ""
+        return Transaction(self._tx, session_id, self._settle_in_transaction,
+                           self._transaction_lost)
+
+    def _transaction_lost(self, session_id: str) -> str | None:
+        """Why a transaction of ``session_id`` may not commit now (None: it may)."""
+        with self._cond:
+            if self._closed:
+                return "the consumer is closed"
+            if not self._active or self._session_id != session_id:
+                return f"its session {session_id} has ended"
+        return None
+
+    def _settle_in_transaction(self, items: list[AckItem]) -> None:
+        """The ack records of a transaction's settlements, produced in it (to each shard's
+        ack partition, with the session's proof), just before it commits."""
+        tx = self._tx
+        assert tx is not None
+        with self._cond:
+            session_id = self._session_id
+            spans, shard, proof = self._spans, self._shard, self._proof
+        assert session_id is not None
+        by_shard: dict[int | None, list[AckItem]] = {}
+        for item in items:
+            target = (spans.shard_of(item.queue, _partition(spans, item)) if spans is not None
+                      else shard)
+            by_shard.setdefault(target, []).append(item)
+        size = self._batcher.max_items
+        for target, some in by_shard.items():
+            for start in range(0, len(some), size):
+                record = AckRecord(consumer_id=self._consumer_id, session_id=session_id,
+                                   sent_at_ms=_now_ms(), items=tuple(some[start:start + size]))
+                tx.produce(self._topics.ack, self._codec.encode_ack(record), self._key, proof,
+                           target)
+        with self._cond:
+            self._stats.ack_records_sent += sum(
+                -(-len(some) // size) for some in by_shard.values())
+            self._stats.ack_items_sent += len(items)
 
     def _subscribe_if_needed(self) -> None:
         if self._needs_subscribe:

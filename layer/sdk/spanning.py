@@ -65,7 +65,7 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
     learn_parts(c)
     grants = spans.ledger.initial(shards)
     headers = (c._format_header + secret_headers(secret) + c._credential_header
-               + [spans.header])
+               + c._transactional_header(session_id) + [spans.header])
     if previous is not None:
         headers += proof_headers(previous)
     refusal: SubscribeResult | None = None
@@ -394,7 +394,7 @@ def send_part(c: QueueConsumer, kind: type[Subscribe] | type[Replace], shard: in
             **common, session_timeout_ms=round(c._session_timeout * 1000),
             client_name=c._client_name, client_version=__version__)
         headers = [*c._format_header, *(secret_headers(secret) if secret else []),
-                   *c._credential_header, spans.header]
+                   *c._credential_header, *c.transactional_header(), spans.header]
     else:
         message = Replace(**common)
         headers = [*c._format_header, *(c._proof or []), spans.header]

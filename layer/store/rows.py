@@ -125,6 +125,9 @@ class ConsumerRow:
     #: subscription over queues of several shards); None: a session of one shard. A row whose
     #: ``shard`` differs from it is a part of the session on another shard (`consumer_spans`).
     credit_home: int | None = None
+    #: Protocol 9: the Kafka transactional.id the session settles with (exactly-once
+    #: processing), fenced before any of its leases is broken; None: not transactional.
+    transactional_id: str | None = None
 
     @property
     def is_span(self) -> bool:

@@ -396,6 +396,7 @@ CONSUMER_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "principal": Text(),
     "credential_sha256": LargeBinary(),
     "credit_home": Integer(),
+    "transactional_id": Text(),
 }
 _consumer_rows = _unnest("batch", CONSUMER_COLUMNS)
 _consumers_insert = pg_insert(consumers).from_select(
@@ -444,6 +445,7 @@ SPAN_COLUMNS: Final[dict[str, TypeEngine[Any]]] = {
     "secret_sha256": LargeBinary(),
     "principal": Text(),
     "credential_sha256": LargeBinary(),
+    "transactional_id": Text(),
 }
 _span_rows = _unnest("spans", SPAN_COLUMNS)
 _spans_insert = pg_insert(consumer_spans).from_select(

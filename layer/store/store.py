@@ -984,6 +984,7 @@ def _consumer_row(row: Any) -> ConsumerRow:
         principal=row.principal,
         credential_hash=row.credential_sha256,
         credit_home=row.credit_home,
+        transactional_id=mapping.get("transactional_id"),
     )
 
 
@@ -1017,6 +1018,7 @@ def _write_spans(conn: Executor, batch: WriteBatch) -> tuple[int, Result | None]
             "secret_sha256": [row.secret_hash for row in ordered],
             "principal": [row.principal for row in ordered],
             "credential_sha256": [row.credential_hash for row in ordered],
+            "transactional_id": [row.transactional_id for row in ordered],
         })
         statements += 1
     if batch.span_heartbeats:
@@ -1067,6 +1069,7 @@ def _write_consumers(conn: Executor, batch: WriteBatch) -> tuple[int, Result | N
                 "principal": [row.principal for row in ordered],
                 "credential_sha256": [row.credential_hash for row in ordered],
                 "credit_home": [row.credit_home for row in ordered],
+                "transactional_id": [row.transactional_id for row in ordered],
             },
         )
         statements += 1

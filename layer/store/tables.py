@@ -227,6 +227,9 @@ consumers = Table(
     # Protocol 8 (0015): the session's home shard when it holds credit granted by its consumer
     # (a subscription over queues of several shards); NULL: a session of one shard.
     Column("credit_home", Integer, nullable=True),
+    # Protocol 9 (0016): the Kafka transactional.id the session settles with (exactly-once
+    # processing); a shard fences it before breaking any of its leases. NULL: not transactional.
+    Column("transactional_id", Text, nullable=True),
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0", name="max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="session_timeout_positive"),
     CheckConstraint("delivery_format IN ('batch', 'record')", name="delivery_format_known"),
@@ -257,6 +260,7 @@ consumer_spans = Table(
     Column("secret_sha256", LargeBinary, nullable=True),
     Column("principal", Text, nullable=True),
     Column("credential_sha256", LargeBinary, nullable=True),
+    Column("transactional_id", Text, nullable=True),
     CheckConstraint("max_backlog IS NULL OR max_backlog >= 0",
                     name="span_max_backlog_not_negative"),
     CheckConstraint("session_timeout_ms > 0", name="span_session_timeout_positive"),

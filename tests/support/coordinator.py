@@ -127,7 +127,8 @@ class RawConsumer:
                  queue_is_regex: bool = False, follow_shard: bool = True,
                  identity: bool = True, credential: str | None = None,
                  kafka: dict[str, str] | None = None, create_delivery_topic: bool = True,
-                 read_delivery_topic: bool = True) -> None:
+                 read_delivery_topic: bool = True,
+                 extra_headers: list[tuple[str, bytes | None]] | None = None) -> None:
         self.codec = Codec()
         self.topics = TopicNames(prefix)
         self.consumer_id = consumer_id or f"raw-{uuid.uuid4().hex[:8]}"
@@ -139,6 +140,8 @@ class RawConsumer:
         self.secret: bytes | None = new_session_secret() if identity else None
         #: The principal's credential its Subscribe sends (protocol 7; None: anonymous).
         self.credential = credential
+        #: More headers its Subscribe sends (a later protocol's, or forged ones).
+        self.extra_headers = list(extra_headers or [])
         security = dict(kafka or {})
         if create_delivery_topic:
             create_topic(bootstrap_servers, self.delivery_topic, 1, exist_ok=True)
@@ -207,6 +210,7 @@ class RawConsumer:
             headers += proof_headers(prove)
         if self.credential is not None:
             headers.append((CREDENTIAL, self.credential.encode()))
+        headers += self.extra_headers
         message = Subscribe(
             consumer_id=self.consumer_id, session_id=self.session_id, request_id=request_id,
             queue=self.queue, queue_is_regex=self.queue_is_regex,

@@ -1,0 +1,109 @@
+"""Fencing a transactional session before any of its leases is broken (exactly-once
+processing, protocol 9; docs/sdk.md "Exactly-once processing").
+
+A transactional consumer settles a message inside its own Kafka transaction, with the
+output that message produced: the ACCEPT reaches the ack topic only when that transaction
+commits, and the coordinator reads acks ``read_committed``. So a lease that ran out may still
+have a committed ACCEPT on its way, or an open transaction that would commit later, after the
+message was given to another consumer: its output twice. Before a transactional session
+loses a lease (its lease ran out, its session timed out, an operator evicted it, its consumer
+id subscribed again), the shard
+
+1. fences the session's ``transactional.id``: initialising a producer with it aborts any open
+   transaction of it and bars the old producer from writing again (Kafka's InitProducerId);
+2. takes the end (high watermark) of its ack partition, then reads on until every record
+   below it is read ``read_committed`` (every transaction open then has ended) and applied;
+3. only then ends the session: what was committed is settled, the rest is broken and goes to
+   other consumers.
+
+This module is the pure bookkeeping of those steps (``now`` passed in); the shard does the
+Kafka calls (`layer.kafka.fence`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from layer.protocol import SessionEndReason
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Fence", "Fences"]
+
+#: The first pause after a fence that failed (a broker away, a coordinator of transactions
+#: moving); doubled each time up to `MAX_RETRY_PAUSE`. The session's leases stay held.
+RETRY_PAUSE = 0.5
+MAX_RETRY_PAUSE = 10.0
+
+
+@dataclass
+class Fence:
+    """One session to fence and end."""
+
+    consumer_id: str
+    session_id: str
+    transactional_id: str
+    #: What the consumer is told when its session ends, and why.
+    end: SessionEndReason
+    message: str
+    #: The high watermark of the shard's ack partition taken after the producer was fenced:
+    #: the session ends once the shard has read and applied everything below it.
+    ack_end: int | None = None
+    failures: int = 0
+    next_try: float = 0.0
+
+
+class Fences:
+    """The sessions of one shard waiting for a fence, by consumer id."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Fence] = {}
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def want(self, consumer_id: str, session_id: str, transactional_id: str,
+             end: SessionEndReason, message: str) -> bool:
+        """Ask for the session to be fenced and ended; False when it already waits (the
+        first reason is kept: a session that timed out and is then evicted ends once)."""
+        found = self.pending.get(consumer_id)
+        if found is not None and found.session_id == session_id:
+            return False
+        self.pending[consumer_id] = Fence(consumer_id, session_id, transactional_id, end,
+                                          message)
+        return True
+
+    def to_fence(self, now: float) -> list[Fence]:
+        """Sessions whose producer is not fenced yet and may be tried now."""
+        return [f for f in self.pending.values() if f.ack_end is None and f.next_try <= now]
+
+    def fenced(self, fence: Fence, ack_end: int) -> None:
+        """The producer is fenced; the ack partition ended at ``ack_end`` afterwards."""
+        if self.pending.get(fence.consumer_id) is fence:
+            fence.ack_end = ack_end
+
+    def failed(self, fence: Fence, now: float) -> float:
+        """The fence could not be made now: tried again after a pause (returned)."""
+        fence.failures += 1
+        pause: float = min(RETRY_PAUSE * 2.0 ** (fence.failures - 1), MAX_RETRY_PAUSE)
+        fence.next_try = now + pause
+        return pause
+
+    def ready(self, read_to: int | None) -> list[Fence]:
+        """Fenced sessions whose committed settlements are all read: the shard's ack
+        partition is read (``read_committed``) to ``read_to``, at or past their ack end.
+        Taken out of the pending ones."""
+        if read_to is None:
+            return []
+        done = [f for f in self.pending.values()
+                if f.ack_end is not None and read_to >= f.ack_end]
+        for fence in done:
+            del self.pending[fence.consumer_id]
+        return done
+
+    def forget(self, consumer_id: str, session_id: str | None = None) -> None:
+        """The session ended otherwise (its consumer unsubscribed): no fence is needed."""
+        found = self.pending.get(consumer_id)
+        if found is not None and (session_id is None or found.session_id == session_id):
+            del self.pending[consumer_id]
