@@ -133,7 +133,10 @@ class TransactionalProducer:
         """Abort what is open; the producer is not used again."""
         self.abort()
         self.usable = False
-        self._producer.flush(0)
+        try:
+            self._producer.flush(0)
+        except KafkaException as exc:  # fenced: nothing of it can be sent any more
+            log.debug("closing the producer of %s: %s", self.transactional_id, exc)
 
     def _call(self, call: Callable[..., Any], *args: Any) -> None:
         try:

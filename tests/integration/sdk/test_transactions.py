@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable

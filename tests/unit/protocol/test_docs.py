@@ -135,12 +135,25 @@ def test_the_credit_examples_are_what_the_code_writes() -> None:
     assert block_after("worked-example:shards-hex") == shards_header([1, 0])[1].hex(" ")
 
 
+def test_worked_transactional_id_hex_is_what_the_sdk_names() -> None:
+    from layer.sdk.transaction import transactional_id_for
+
+    session = "2b4d7f1e-1c9a-4e6f-8b0d-5a3c9e7f1b2d"
+    name = transactional_id_for("qlayer.qlayer-tx.", "billing-1", session)
+    assert block_after("worked-example:transactional-id-hex").split() == name.encode().hex(
+        " ").split()
+    assert header_module.transactional_id([(header_module.TRANSACTIONAL_ID, name.encode())]
+                                          ) == name
+    assert name.endswith("." + session)  # what a coordinator requires
+
+
 def test_every_header_is_documented() -> None:
     keys = [getattr(header_module, name) for name in header_module.__all__ if name.isupper()]
     names = [k for k in keys if isinstance(k, str)]
     # 8 delivery, reply, shard, deliver-at, expiration, 9 dlq, forwarded, secret, proof,
-    # credential, refusal; protocol 8: credit, credit-report, shards and the word spans_shards
-    assert len(names) == 30
+    # credential, refusal; protocol 8: credit, credit-report, shards and the word spans_shards;
+    # protocol 9: transactional-id and the word fencing
+    assert len(names) == 32
     assert [n for n in names if f"`{n}`" not in DOC] == []
 
 
