@@ -119,11 +119,14 @@ test: install browser jars
 # ~5 minutes; BENCH_FULL=1 for the full matrix; BENCH_ARGS="--bootstrap-servers ... --database-url
 # ..." for another stack), then one backlog over several shards (benchmarks/credit_bench.py,
 # ~8 minutes; CREDIT_ARGS="--before-tree DIR" to run its one-queue and 4-shard cells with an
-# older checkout too). Writes benchmarks/results/bench.json, credit.json and docs/benchmarks.md.
+# older checkout too), then exactly-once processing against at-least-once (benchmarks/tx_bench.py,
+# ~4 minutes; TX_ARGS="--sizes 1,10" for other transaction sizes). Writes
+# benchmarks/results/bench.json, credit.json, tx.json and docs/benchmarks.md.
 bench: install
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/credit_bench.py $(CREDIT_ARGS)
+	$(PY) benchmarks/tx_bench.py $(TX_ARGS)
 	$(PY) benchmarks/report.py
 
 # The coordinator at scale: memory per queued message with 1,000,000 queued, restart to first

@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from report_parts import PARTS, plot_parts, render_parts
+from report_tx import TX, render_tx
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "bench.json"
@@ -760,6 +761,8 @@ def main() -> None:
         parts = json.loads(PARTS.read_text())
         plot_parts(parts, PLOTS / "parts.png")
         page += render_parts(parts)
+    if TX.exists():
+        page += render_tx(json.loads(TX.read_text()))
     DOC.write_text(page)
     print(f"written to {DOC}")
 

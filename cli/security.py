@@ -52,6 +52,10 @@ def acls(
     journal_prefix: Annotated[list[str] | None, typer.Option(
         "--journal-prefix", help="Every journal topic starting with this (repeatable).")
         ] = None,
+    transactional: Annotated[bool, typer.Option(
+        "--transactional", help="A consumer that settles in Kafka transactions "
+        "(QueueConsumer(transactional=True)): Write on its sessions' transactional ids.")
+        ] = False,
     apply: Annotated[bool, typer.Option(
         "--apply", help="Create the ACLs with the current Kafka settings (a super user's, "
         "or one allowed to alter ACLs) instead of printing them.")] = False,
@@ -68,12 +72,17 @@ def acls(
     if role is RoleName.consumer and not consumer_id:
         raise typer.BadParameter("a consumer's ACLs name its delivery topic: give its id",
                                  param_hint="--consumer-id")
+    if transactional and role is not RoleName.consumer:
+        raise typer.BadParameter("only a consumer's ACLs have it (the coordinator has every "
+                                 "transactional id under the prefix)",
+                                 param_hint="--transactional")
     settings = load_settings(None, bootstrap_servers, topic_prefix)
     from layer.kafka.acls import Role
     from layer.services.security import acl_recipe, create_acls
 
     rules = acl_recipe(settings, Role(role.value), user, consumer_id=consumer_id,
-                       journals=journal or [], journal_prefixes=journal_prefix or [])
+                       journals=journal or [], journal_prefixes=journal_prefix or [],
+                       transactional=transactional)
     if apply:
         count = create_acls(settings, rules)
         typer.echo(f"created {count} ACLs for {rules[0].principal if rules else user} on "

@@ -101,7 +101,8 @@ def _journals(who: str, journals: Sequence[str], journal_prefixes: Sequence[str]
     return rules
 
 
-def consumer_acls(user: str, consumer_id: str, topics: TopicNames) -> list[AclRule]:
+def consumer_acls(user: str, consumer_id: str, topics: TopicNames,
+                  transactional: bool = False) -> list[AclRule]:
     """A consumer: Write on the control and ack topics, Read on its own delivery topic only.
 
     Nothing else: it cannot read the control or ack topics (other sessions' records), nor any
@@ -109,13 +110,23 @@ def consumer_acls(user: str, consumer_id: str, topics: TopicNames) -> list[AclRu
     librdkafka still looks the group's coordinator up, which needs Read on the group
     ``<prefix>sdk.<consumer_id>``. Its producer is idempotent, which Write on a topic allows
     (KIP-679). The coordinator creates the delivery topic on Subscribe.
+
+    ``transactional`` (exactly-once processing, protocol 9): Write on the transactional ids
+    of its sessions, ``<prefix>qlayer-tx.<consumer_id>.*`` (the SDK's default names), and no
+    other; the coordinator, which fences them, has the whole prefix already. Write on the
+    topics it produces its results to is the application's to grant.
     """
     who = principal(user)
-    return [*_topic(who, topics.control, "WRITE"),
-            *_topic(who, topics.ack, "WRITE"),
-            *_topic(who, topics.delivery(consumer_id), "READ"),
-            AclRule(who, Resource.GROUP, sdk_group(topics, consumer_id), Pattern.LITERAL,
-                    "READ")]
+    rules = [*_topic(who, topics.control, "WRITE"),
+             *_topic(who, topics.ack, "WRITE"),
+             *_topic(who, topics.delivery(consumer_id), "READ"),
+             AclRule(who, Resource.GROUP, sdk_group(topics, consumer_id), Pattern.LITERAL,
+                     "READ")]
+    if transactional:
+        rules.append(AclRule(who, Resource.TRANSACTIONAL_ID,
+                             f"{topics.prefix}qlayer-tx.{consumer_id}.", Pattern.PREFIXED,
+                             "WRITE"))
+    return rules
 
 
 def sdk_group(topics: TopicNames, consumer_id: str) -> str:
@@ -173,12 +184,17 @@ def pipeline_acls(user: str, topics: TopicNames, journals: Sequence[str] = (),
 
 
 def recipe(role: Role, user: str, topics: TopicNames, *, consumer_id: str | None = None,
-           journals: Sequence[str] = (), journal_prefixes: Sequence[str] = ()) -> list[AclRule]:
-    """The rules for one principal in one role (a consumer needs its ``consumer_id``)."""
+           journals: Sequence[str] = (), journal_prefixes: Sequence[str] = (),
+           transactional: bool = False) -> list[AclRule]:
+    """The rules for one principal in one role (a consumer needs its ``consumer_id``;
+    ``transactional``: a consumer that settles in Kafka transactions)."""
     if role is Role.CONSUMER:
         if not consumer_id:
             raise ValueError("a consumer's ACLs name its consumer id")
-        return consumer_acls(user, consumer_id, topics)
+        return consumer_acls(user, consumer_id, topics, transactional)
+    if transactional:
+        raise ValueError("--transactional is for a consumer's ACLs (the coordinator has "
+                         "every transactional id under the prefix already)")
     make = {Role.PUBLISHER: publisher_acls, Role.COORDINATOR: coordinator_acls,
             Role.OPERATOR: operator_acls, Role.PIPELINE: pipeline_acls}[role]
     return make(user, topics, journals, journal_prefixes)

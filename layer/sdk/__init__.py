@@ -25,11 +25,12 @@ from layer.sdk.errors import (
     NotAuthorizedError,
     PublishError,
     SessionEndedError,
+    TransactionAbortedError,
     UnknownQueueError,
 )
 from layer.sdk.message import Message
 from layer.sdk.publisher import QueuePublisher
-from layer.sdk.transaction import Transaction, TransactionAbortedError
+from layer.sdk.transaction import Transaction
 
 __all__ = [
     "AckBatcher",

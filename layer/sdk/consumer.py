@@ -94,6 +94,7 @@ from layer.sdk.errors import (
     NoCoordinatorError,
     NotAuthorizedError,
     SessionEndedError,
+    TransactionAbortedError,
     UnknownQueueError,
 )
 from layer.sdk.identity import SecretStore, default_state_dir
@@ -101,12 +102,7 @@ from layer.sdk.leases import SeenLeases
 from layer.sdk.message import Message, from_epoch_ms
 from layer.sdk.message import delay_ms as release_delay_ms
 from layer.sdk.spans import Spans
-from layer.sdk.transaction import (
-    Transaction,
-    TransactionAbortedError,
-    TransactionalProducer,
-    transactional_id_for,
-)
+from layer.sdk.transaction import Transaction, TransactionalProducer, transactional_id_for
 from layer.sdk.transport import DeliveryReader, SdkProducer
 
 __all__ = ["ConsumerStats", "OnError", "QueueConsumer"]

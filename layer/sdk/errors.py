@@ -23,6 +23,7 @@ __all__ = [
     "NotAuthorizedError",
     "PublishError",
     "SessionEndedError",
+    "TransactionAbortedError",
     "UnknownQueueError",
 ]
 
@@ -120,6 +121,18 @@ class SessionEndedError(QlayerError):
         if message:
             text += f" ({message})"
         super().__init__(text)
+
+
+class TransactionAbortedError(QlayerError):
+    """The transaction did not commit: nothing it produced is visible to ``read_committed``
+    readers and nothing it settled is settled. Its messages stay leased to this consumer
+    until their leases end (and are then delivered again), unless ``fenced``: then this
+    session's producer was fenced by the coordinator (a lease ran out, the session timed out
+    or was evicted), its leases are ended and the consumer subscribes again."""
+
+    def __init__(self, message: str, *, fenced: bool = False) -> None:
+        super().__init__(message)
+        self.fenced = fenced
 
 
 class ConsumerClosedError(QlayerError, RuntimeError):

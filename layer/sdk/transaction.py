@@ -32,7 +32,12 @@ from layer.domain.errors import QlayerError
 from layer.kafka.logs import logged
 from layer.protocol.records import AckItem, AckStatus, AckType
 from layer.sdk.config import ClientConfig
-from layer.sdk.errors import AckFailure, LeaseLostError, MessageSettledError
+from layer.sdk.errors import (
+    AckFailure,
+    LeaseLostError,
+    MessageSettledError,
+    TransactionAbortedError,
+)
 from layer.sdk.message import delay_ms
 
 if TYPE_CHECKING:
@@ -46,18 +51,6 @@ __all__ = ["Transaction", "TransactionAbortedError", "TransactionalProducer",
 #: How long a transaction may stay open before the broker aborts it (Kafka's
 #: ``transaction.timeout.ms``); a consumer may set its own in ``kafka_config``.
 DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000
-
-
-class TransactionAbortedError(QlayerError):
-    """The transaction did not commit: nothing it produced is visible to ``read_committed``
-    readers and nothing it settled is settled. Its messages stay leased to this consumer
-    until their leases end (and are then delivered again), unless ``fenced``: then this
-    session's producer was fenced by the coordinator (a lease ran out, the session timed out
-    or was evicted), its leases are ended and the consumer subscribes again."""
-
-    def __init__(self, message: str, *, fenced: bool = False) -> None:
-        super().__init__(message)
-        self.fenced = fenced
 
 
 def transactional_id_for(prefix: str, consumer_id: str, session_id: str) -> str:

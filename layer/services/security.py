@@ -13,11 +13,12 @@ __all__ = ["acl_recipe", "create_acls"]
 
 
 def acl_recipe(settings: Settings, role: Role, user: str, *, consumer_id: str | None = None,
-               journals: Sequence[str] = (), journal_prefixes: Sequence[str] = ()
-               ) -> list[AclRule]:
+               journals: Sequence[str] = (), journal_prefixes: Sequence[str] = (),
+               transactional: bool = False) -> list[AclRule]:
     """The rules for ``user`` in ``role`` under the settings' topic prefix."""
     return recipe(role, user, TopicNames(settings.topic_prefix), consumer_id=consumer_id,
-                  journals=journals, journal_prefixes=journal_prefixes)
+                  journals=journals, journal_prefixes=journal_prefixes,
+                  transactional=transactional)
 
 
 def create_acls(settings: Settings, rules: Sequence[AclRule]) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -216,3 +217,76 @@ def test_a_subscribe_naming_another_sessions_producer_is_refused(
     with pytest.raises(ValueError, match="transactional=True"):
         consumer(settings, "Work", transactional_id_prefix="x.")
     assert InvalidSubscriptionError  # the SDK's refusal type for such answers
+
+
+def test_an_evicted_transactional_session_is_fenced_before_its_message_goes_elsewhere(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    from layer.sdk import SessionEndedError
+    from layer.store.store import Store
+
+    work = create_topic(unique_name("Work"), partitions=1)
+    out = create_topic(unique_name("Results"), partitions=1)
+    put_queues(settings, {"name": "Work", "underlying_topic": work})
+    publish(settings, work, 1)
+    reader = TopicReader(settings.bootstrap_servers, out)
+    with running_coordinator(settings):
+        victim = consumer(settings, "Work", transactional=True, consumer_id="victim")
+        message = victim.receive(timeout=20)
+        assert message is not None
+        tx = victim.transaction().__enter__()
+        tx.produce(out, json.dumps({"n": 0, "by": "victim"}).encode())
+        tx.ack(message)
+        with Store(settings.database_url) as store:
+            store.request_eviction("victim", time.time())
+        other = consumer(settings, "Work", transactional=True, consumer_id="other")
+        again = other.receive(timeout=30)
+        assert again is not None and again.bookmark == message.bookmark
+        with pytest.raises(TransactionAbortedError) as aborted:
+            tx.__exit__(None, None, None)
+        assert aborted.value.fenced
+        with pytest.raises(SessionEndedError, match="EVICTED"):
+            victim.receive(timeout=5)
+        transform(other, again, out)
+        other.close()
+        victim.close()
+    reader.read_until(lambda records: len(records) >= 1)
+    reader.read(1.0)
+    assert [json.loads(r.value or b"{}")["by"] for r in reader.records] == ["other"]
+    reader.close()
+
+
+def test_a_restarted_process_of_the_consumer_id_waits_for_the_old_sessions_fence(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str],
+    tmp_path: object,
+) -> None:
+    """A new process of a consumer id (its state dir proves the old session's secret) while
+    the old one stalls with a transaction open: the new Subscribe is answered once the old
+    producer is fenced, and the old transaction can commit nothing."""
+    work = create_topic(unique_name("Work"), partitions=1)
+    out = create_topic(unique_name("Results"), partitions=1)
+    put_queues(settings, {"name": "Work", "underlying_topic": work})
+    publish(settings, work, 1)
+    reader = TopicReader(settings.bootstrap_servers, out)
+    with running_coordinator(settings):
+        old = consumer(settings, "Work", transactional=True, consumer_id="w",
+                       state_dir=str(tmp_path))
+        message = old.receive(timeout=20)
+        assert message is not None
+        tx = old.transaction().__enter__()
+        tx.produce(out, json.dumps({"n": 0, "by": "old"}).encode())
+        tx.ack(message)
+        new = consumer(settings, "Work", transactional=True, consumer_id="w",
+                       state_dir=str(tmp_path))
+        assert new.session_id != old.session_id
+        with pytest.raises(TransactionAbortedError):
+            tx.__exit__(None, None, None)
+        again = new.receive(timeout=30)
+        assert again is not None and again.bookmark == message.bookmark
+        transform(new, again, out)
+        new.close()
+        old.close()
+    reader.read_until(lambda records: len(records) >= 1)
+    reader.read(1.0)
+    assert [json.loads(r.value or b"{}")["by"] for r in reader.records] == ["w"]
+    reader.close()

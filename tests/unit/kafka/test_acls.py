@@ -25,6 +25,15 @@ def test_a_consumer_writes_control_and_acks_and_reads_only_its_own_deliveries() 
     }
 
 
+def test_a_transactional_consumer_writes_with_its_own_sessions_transactional_ids_only() -> None:
+    rules = recipe(Role.CONSUMER, "alice", TOPICS, consumer_id="w1", transactional=True)
+    extra = _rights(rules) - _rights(recipe(Role.CONSUMER, "alice", TOPICS, consumer_id="w1"))
+    # The SDK's names, <prefix>qlayer-tx.<consumer id>.<session id> (layer/sdk/transaction.py).
+    assert extra == {("TRANSACTIONAL_ID", "qlayer.qlayer-tx.w1.", "PREFIXED", "WRITE")}
+    with pytest.raises(ValueError, match="consumer's ACLs"):
+        recipe(Role.COORDINATOR, "c", TOPICS, transactional=True)
+
+
 def test_a_consumer_needs_its_id_and_a_bad_id_is_refused() -> None:
     with pytest.raises(ValueError, match="consumer id"):
         recipe(Role.CONSUMER, "alice", TOPICS)

@@ -1,0 +1,37 @@
+"""The "Exactly-once processing" section of docs/benchmarks.md, from
+benchmarks/results/tx.json (`benchmarks/tx_bench.py`). Called by benchmarks/report.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TX", "render_tx"]
+
+TX = Path(__file__).resolve().parent / "results" / "tx.json"
+
+
+def render_tx(data: dict[str, Any]) -> str:
+    """The section's Markdown."""
+    cells = data["cells"]
+    first = cells[0]
+    machine = data["machine"]
+    lines = ["", "## Exactly-once processing (transactional consumers)", "",
+             "`benchmarks/tx_bench.py`: consume-transform-produce through one queue (a "
+             f"4-partition journal, one coordinator process), {first['consumers']} SDK "
+             "consumer processes settling groups of up to N messages (the transaction size): "
+             "**at-least-once** produces one result per message, flushes, then acks; "
+             "**transactional** produces the results and acks them in one Kafka transaction of "
+             "the consumer (`consumer.transaction()`). "
+             f"{first['message_size']:,} B messages; acked/s is the median of "
+             f"{len(first['runs'])} runs (first produce to every record acked); latency is "
+             "from a record's produce time to its group's settlement, p50 and p99 over the "
+             f"runs. All cells in one session on {machine.get('cpu', 'this machine')} "
+             f"({machine.get('cpus', '?')} cores).", "",
+             "| transaction size | mode | acked/s | / at-least-once | p50 ms | p99 ms |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for c in cells:
+        lines.append(f"| {c['transaction_size']} | {c['mode']} | {c['acked_per_second']:,} | "
+                     f"{c['vs_at_least_once']:.2f}x | {c['p50_ms']:.1f} | {c['p99_ms']:.1f} |")
+    lines += ["", f"Command: `{data['command']}`.", ""]
+    return "\n".join(lines)
