@@ -145,6 +145,9 @@ bench-scale: install
 # a record was lost or processed twice at most once, a shard rebuilt after poison input, or the
 # audit found a violation. Prints a table per fault.
 # SOAK_ARGS="--messages 20000 --rate 200" for a shorter one; `--help` lists every knob.
+# SOAK_ARGS="--exactly-once --messages 20000" runs the exactly-once scenario instead (issue 34:
+# transactional workers SIGKILLed at every point of their processing, one paused past its lease,
+# the coordinator SIGKILLed; every result once, the audit balancing).
 soak: install
 	$(PY) -m tests.soak.run --output soak-result.json $(SOAK_ARGS)
 

@@ -189,11 +189,14 @@ class Control:
                 return True
             if not identity.admits(session, r.headers, "unsubscribe", now):
                 return True
+            if session.transactional_id is not None:
+                # Protocol 9: its committed acks may not all be read yet (they come on
+                # another partition): the session ends once the fence has read them.
+                self.core.want_fence(session, SessionEndReason.UNSUBSCRIBED, "unsubscribed")
+                return True
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
             del self.core.sessions[message.consumer_id]
-            # Its own end: a transactional consumer ends its transactions before it says so.
-            self.core.fences.forget(message.consumer_id, message.session_id)
             batch.delete_consumer(message.consumer_id, message.session_id, self._span(session))
         return True
 

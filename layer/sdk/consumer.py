@@ -438,6 +438,8 @@ class QueueConsumer:
         """
         self._check_open()
         self._raise_failures()
+        if self._tx is not None and not self._tx.usable:
+            self._after_fence()
         self._subscribe_if_needed()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
@@ -822,6 +824,22 @@ class QueueConsumer:
             self._config, transactional_id_for(self._tx_prefix, self._consumer_id, session_id),
             self._subscribe_timeout)
         return [(TRANSACTIONAL_ID, self._tx.transactional_id.encode())]
+
+    def _after_fence(self) -> None:
+        """This session's producer was fenced (protocol 9): a coordinator is ending the session
+        (over every shard it spans). Its messages are lost to it; a new session, with a new
+        producer, is subscribed (answered once the old one is fenced everywhere)."""
+        with self._cond:
+            self._active = False
+            pending = self._batcher.drain()
+        self._buffer.clear()
+        self._report_failures([AckFailure(i.queue, i.bookmark, i.type, AckStatus.LEASE_LOST,
+                                          "its session's producer was fenced") for i in pending])
+        log.warning("consumer %s: the producer of session %s was fenced; subscribing again",
+                    self._consumer_id, self._session_id)
+        with self._cond:
+            self._stats.resubscriptions += 1
+        self._needs_subscribe = True
 
     def transactional_header(self) -> list[tuple[str, bytes]]:
         """The live session's ``qlayer.transactional-id`` header (a part subscribed later on

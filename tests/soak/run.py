@@ -179,6 +179,11 @@ class SoakPlan:
     #: After the soak: `qlayer pipeline reconcile` (Spark) of both queues, its violations
     #: counted (a JVM and a Spark session per queue: minutes on 2 cores).
     audit: bool = True
+    #: Instead of the above: the exactly-once scenario (issue 34, tests/soak/exactly_once.py):
+    #: ``messages`` inputs (give 20000) through transactional consume-transform-produce
+    #: workers SIGKILLed at every point of their processing, one paused past its lease, the
+    #: coordinator SIGKILLed ``coordinator_kills`` times; every result must be there once.
+    exactly_once: bool = False
 
     def faults(self) -> list[tuple[float, str]]:
         """(seconds after the first record, fault) for every fault, in time order: spread
@@ -1474,6 +1479,19 @@ def main(argv: list[str] | None = None) -> int:
     client_lines = logging.getLogger("layer.kafka.client")
     client_lines.addHandler(harness_log)
     client_lines.propagate = False
+    if plan.exactly_once:
+        from tests.soak.exactly_once import run_exactly_once
+
+        figures = run_exactly_once(plan, state_dir, say)
+        args.output.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+        for p in figures["problems"]:
+            say(f"PROBLEM: {p}")
+        say(f"{figures.get('results', 0):,} results of {plan.messages:,} inputs, "
+            f"{figures.get('duplicates', 0)} duplicates; {figures.get('worker_restarts', 0)} "
+            f"worker restarts, {figures.get('coordinator_kills', 0)} coordinator SIGKILLs, "
+            f"{figures.get('pauses', 0)} pauses past a lease")
+        say("passed" if not figures["problems"] else "FAILED")
+        return 1 if figures["problems"] else 0
     result = Soak(plan, state_dir, say, keep_stack=args.keep_stack).run()
     args.output.write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n",
                            encoding="utf-8")
