@@ -115,8 +115,6 @@ log = logging.getLogger(__name__)
 OnError = Literal["release", "reject", "raise"] | Callable[[Message, Exception], None]
 
 _MAX_POLL_WAIT = 0.5  # seconds; how often a blocked receive() notices close() from elsewhere
-#: Between two Subscribes while the previous transactional session is fenced (protocol 9).
-_FENCING_PAUSE = 0.2
 _MAX_THREAD_WAIT = 1.0  # seconds; how quickly the background thread notices a dropped consumer
 _MAX_REASON = 2000  # characters of an exception kept as a REJECT reason
 
@@ -313,6 +311,8 @@ class QueueConsumer:
         self._tx_prefix = ((transactional_id_prefix if transactional_id_prefix is not None
                             else self._topics.prefix + "qlayer-tx.") if transactional else None)
         self._tx: TransactionalProducer | None = None
+        #: When this session's producer was found fenced (`_after_fence`), None otherwise.
+        self._fenced_at: float | None = None
 
         # Shared with the background thread: everything below, guarded by _cond's lock.
         # Re-entrant: close() may run in a signal handler while this thread holds the lock.
@@ -786,7 +786,7 @@ class QueueConsumer:
                     # The previous session's producer is being fenced (protocol 9): that
                     # takes a moment, then the same consumer id may subscribe.
                     del self._refused_why[request_id]
-                    time.sleep(_FENCING_PAUSE)
+                    time.sleep(spanning.FENCING_PAUSE)
                     self._subscribe(until)
                     return
             shards = self._spans_refused.pop(request_id, [])
@@ -818,6 +818,7 @@ class QueueConsumer:
         if self._tx_prefix is None:
             return []
         old, self._tx = self._tx, None
+        self._fenced_at = None
         if old is not None:
             old.close()
         self._tx = TransactionalProducer(
@@ -826,20 +827,29 @@ class QueueConsumer:
         return [(TRANSACTIONAL_ID, self._tx.transactional_id.encode())]
 
     def _after_fence(self) -> None:
-        """This session's producer was fenced (protocol 9): a coordinator is ending the session
-        (over every shard it spans). Its messages are lost to it; a new session, with a new
-        producer, is subscribed (answered once the old one is fenced everywhere)."""
-        with self._cond:
-            self._active = False
-            pending = self._batcher.drain()
-        self._buffer.clear()
-        self._report_failures([AckFailure(i.queue, i.bookmark, i.type, AckStatus.LEASE_LOST,
-                                          "its session's producer was fenced") for i in pending])
-        log.warning("consumer %s: the producer of session %s was fenced; subscribing again",
-                    self._consumer_id, self._session_id)
-        with self._cond:
-            self._stats.resubscriptions += 1
-        self._needs_subscribe = True
+        """This session's producer was fenced (protocol 9): a coordinator is ending the session.
+        Its messages are lost to it; the coordinator's `SessionEnded` says what comes next (a
+        new session, or `SessionEndedError` for an eviction). Should none come within the
+        session timeout, a new session is subscribed anyway (answered once the old one is
+        fenced everywhere)."""
+        now = time.monotonic()
+        if self._fenced_at is None:
+            self._fenced_at = now
+            with self._cond:
+                self._active = False
+                pending = self._batcher.drain()
+            self._buffer.clear()
+            self._report_failures([AckFailure(i.queue, i.bookmark, i.type,
+                                              AckStatus.LEASE_LOST,
+                                              "its session's producer was fenced")
+                                   for i in pending])
+            log.warning("consumer %s: the producer of session %s was fenced; its session "
+                        "ends", self._consumer_id, self._session_id)
+        elif now - self._fenced_at > self._effective_session_timeout and not self._closed:
+            self._fenced_at = None
+            with self._cond:
+                self._stats.resubscriptions += 1
+            self._needs_subscribe = True
 
     def transactional_header(self) -> list[tuple[str, bytes]]:
         """The live session's ``qlayer.transactional-id`` header (a part subscribed later on
@@ -1040,7 +1050,8 @@ class QueueConsumer:
                             self._results[reply.request_id] = reply
                         continue
                     if (isinstance(reply, SessionEnded) and shard is not None
-                            and shard != self._spans.home and shard in self._spans.ledger.shards):
+                            and shard != self._spans.home and shard in self._spans.ledger.shards
+                            and self._tx is None):
                         # One part ended (its queues went, or it timed out): its leases are
                         # broken there and its credit is free; the session goes on.
                         log.info("consumer %s: the part of session %s on shard %d ended (%s)",

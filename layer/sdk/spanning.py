@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from layer import __version__
 from layer.domain.errors import QlayerError
 from layer.domain.likepattern import name_matcher
-from layer.protocol.headers import new_session_secret, proof_headers, secret_headers
+from layer.protocol.headers import FENCING, new_session_secret, proof_headers, secret_headers
 from layer.protocol.records import (
     QueueGrant,
     Replace,
@@ -44,14 +44,21 @@ _MAX_POLL_WAIT = 0.5
 DIRECTORY_INTERVAL = 2.0
 
 
+#: Between two Subscribes while the previous transactional session is fenced (protocol 9).
+FENCING_PAUSE = 0.2
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
+def subscribe_spanning(c: QueueConsumer, shards: list[int],
+                       fencing_until: float | None = None) -> None:
     """Subscribe a regex whose queues are on several shards (protocol 8): a part on the
     home shard (the lowest), then one on each other shard, one session, one backlog held
-    as credit (`layer.sdk.credit`)."""
+    as credit (`layer.sdk.credit`). A part refused while the previous transactional session
+    is fenced there (protocol 9) makes the whole asked again until ``fencing_until``."""
+    if fencing_until is None:
+        fencing_until = time.monotonic() + c._subscribe_timeout
     session_id = str(uuid.uuid4())
     secret = new_session_secret()
     previous = c._secret or (c._secrets.load() if c._secrets is not None
@@ -110,6 +117,14 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int]) -> None:
             end_parts(c, session_id, "subscription refused")
             with c._cond:
                 c._set_secret(previous)
+            if (c._refused_why.get(refusal.request_id) == FENCING
+                    and time.monotonic() < fencing_until):
+                # A part of the previous transactional session is being fenced (protocol
+                # 9): the whole subscription is asked again in a moment.
+                del c._refused_why[refusal.request_id]
+                time.sleep(FENCING_PAUSE)
+                subscribe_spanning(c, shards, fencing_until)
+                return
             raise c._refusal(refusal, c._queue, c._filter)
     if c._secrets is not None:
         c._secrets.save(secret)

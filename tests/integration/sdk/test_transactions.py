@@ -290,3 +290,47 @@ def test_a_restarted_process_of_the_consumer_id_waits_for_the_old_sessions_fence
     reader.read(1.0)
     assert [json.loads(r.value or b"{}")["by"] for r in reader.records] == ["w"]
     reader.close()
+
+
+def test_a_transactional_regex_session_over_two_shards_is_fenced_and_subscribed_anew(
+    settings: Settings, create_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    """Protocol 8 and 9 together: a lease runs out on one shard of a session spanning two;
+    that shard fences the session's producer and ends its part, and the consumer ends the
+    whole session and subscribes anew over both (each part fenced before it is replaced)."""
+    works = [create_topic(unique_name(f"Work{i}"), partitions=1) for i in range(2)]
+    out = create_topic(unique_name("Results"), partitions=1)
+    put_queues(settings, *({"name": f"Span{i}", "underlying_topic": works[i], "shard": i,
+                            "lease_period": "2s"} for i in range(2)))
+    with QueuePublisher(settings.bootstrap_servers,
+                        topic_prefix=settings.topic_prefix) as publisher:
+        for i in range(2):
+            publisher.publish(works[i], json.dumps({"n": i}).encode())
+    reader = TopicReader(settings.bootstrap_servers, out)
+    with running_coordinator(settings):
+        worker = consumer(settings, "^Span[01]$", regex=True, transactional=True,
+                          consumer_id="spanner", max_backlog=2)
+        got = {}
+        while len(got) < 2:
+            message = worker.receive(timeout=30)
+            assert message is not None
+            got[message.queue] = message
+        transform(worker, got["Span0"], out)
+        tx = worker.transaction().__enter__()
+        tx.produce(out, json.dumps({"n": 1, "by": "stalled"}).encode())
+        tx.ack(got["Span1"])
+        time.sleep(6)  # the lease on shard 1 runs out; that shard fences the producer
+        with pytest.raises(TransactionAbortedError):
+            tx.__exit__(None, None, None)
+        again = worker.receive(timeout=30)
+        assert again is not None and again.queue == "Span1" and again.delivery_count == 2
+        assert worker.session_id != got["Span1"].session_id
+        transform(worker, again, out)
+        wait_until(lambda: sum(counters(settings, f"Span{i}").get("acked", 0)
+                               for i in range(2)) == 2 or None, timeout=20, what="both acked")
+        worker.close()
+    reader.read_until(lambda records: len(records) >= 2)
+    reader.read(1.0)
+    assert outputs(reader) == Counter({0: 1, 1: 1})
+    assert "stalled" not in {json.loads(r.value or b"{}")["by"] for r in reader.records}
+    reader.close()
