@@ -93,6 +93,12 @@ SHARD_TOTALS = {
     "delivery_topics_deleted": ("delivery_topics_deleted", "Delivery topics deleted after "
                                 "no session used them for --delivery-topic-retention."),
     "stalls": ("stalls", "Gaps of more than 5 s between two iterations."),
+    "producers_fenced": ("producers_fenced", "Transactional consumers' producers fenced "
+                         "before their leases broke (exactly-once processing)."),
+    "sessions_fenced": ("sessions_fenced", "Transactional sessions ended after a fence, "
+                        "once what they committed was applied."),
+    "fence_failures": ("fence_failures", "Fences that failed and were tried again (their "
+                       "sessions' leases held meanwhile)."),
 }
 #: Process-wide failure counters by kind label.
 FAILURES = {"shard_failures": "shard", "round_failures": "round",

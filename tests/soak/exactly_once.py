@@ -1,10 +1,11 @@
 """The exactly-once soak (issue 34): `make soak SOAK_ARGS=--exactly-once`.
 
 A stack of its own; ``--messages`` inputs (20,000 by default here) at ``--rate`` through one
-queue, consumed, transformed and produced by four transactional worker processes
-(tests/support/tx_worker.py) that SIGKILL themselves at every point of a message's processing
-and are restarted with the same consumer id, one of them SIGSTOPped past its lease with its
-transaction open and resumed, and the coordinator process SIGKILLed and replaced
+queue, consumed, transformed and produced by five transactional worker processes
+(tests/support/tx_worker.py): four SIGKILL themselves at every point of a message's processing
+(before the produce, between produce and commit, after the commit, at a random moment such as
+a commit) and are restarted with the same consumer id; the fifth is SIGSTOPped past its lease
+with its transaction open and resumed; and the coordinator process SIGKILLed and replaced
 (``--coordinator-kills``; tests/support/exactly_once.py). Then:
 
 - a ``read_committed`` reader of the output topic has every input's result exactly once;
@@ -61,7 +62,7 @@ def run_exactly_once(plan: Any, state_dir: Path, say: Callable[[str], None]) -> 
         journal, out = "soak-work", "soak-results"
         create_topic(settings.bootstrap_servers, journal, plan.partitions)
         create_topic(settings.bootstrap_servers, out, 2)
-        say(f"{plan.messages:,} inputs at {plan.rate:g}/s, 4 transactional workers, "
+        say(f"{plan.messages:,} inputs at {plan.rate:g}/s, 5 transactional workers, "
             f"{plan.coordinator_kills} coordinator SIGKILLs")
         run = faulty_run(settings, journal, out, state_dir, started, total=plan.messages,
                          coordinator_kills=plan.coordinator_kills,

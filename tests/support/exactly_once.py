@@ -23,9 +23,11 @@ from tests.support.processes import CoordinatorSubprocess, Subprocess, produce_n
 
 __all__ = ["FaultRun", "TxWorker", "faulty_run"]
 
-#: The points where a worker SIGKILLs itself (tests/support/tx_worker.py), one worker each;
-#: a fourth worker is the one paused past its lease.
-POINTS = ("before-produce", "after-produce", "after-commit")
+#: The points where a worker SIGKILLs itself (tests/support/tx_worker.py), one worker each
+#: (``anytime``: at a random moment, wherever it is, a commit included); one more worker is
+#: the one paused past its lease.
+POINTS = ("before-produce", "after-produce", "after-commit", "anytime")
+PAUSED = len(POINTS)
 
 
 class TxWorker(Subprocess):
@@ -80,7 +82,7 @@ def faulty_run(settings: Settings, topic: str, out: str, log_dir: Path,
                    90, what="the coordinator running every shard")
     workers = [TxWorker(settings, log_dir, f"w{i}", out, *mode, "--die-at", point,
                         "--die-chance", str(die_chance)) for i, point in enumerate(POINTS)]
-    workers.append(TxWorker(settings, log_dir, "w3", out, *mode))  # the one paused
+    workers.append(TxWorker(settings, log_dir, f"w{PAUSED}", out, *mode))  # the one paused
     started.extend(workers)
     reader = TopicReader(settings.bootstrap_servers, out)
     began = time.monotonic()
@@ -111,11 +113,11 @@ def faulty_run(settings: Settings, topic: str, out: str, log_dir: Path,
                     run.worker_restarts += 1
             if paused_at is None and pause_marks and done >= pause_marks[0]:
                 pause_marks.pop(0)
-                workers[3].proc.send_signal(signal.SIGSTOP)  # past its 3 s lease
+                workers[PAUSED].proc.send_signal(signal.SIGSTOP)  # past its 3 s lease
                 paused_at = time.monotonic()
-                say(f"w3 paused at {done} results")
+                say(f"w{PAUSED} paused at {done} results")
             if paused_at is not None and time.monotonic() - paused_at > 5:
-                workers[3].proc.send_signal(signal.SIGCONT)
+                workers[PAUSED].proc.send_signal(signal.SIGCONT)
                 paused_at = None
                 run.pauses += 1
             if kill_marks and done >= kill_marks[0]:
@@ -127,7 +129,7 @@ def faulty_run(settings: Settings, topic: str, out: str, log_dir: Path,
                 started.append(coordinator)
                 say(f"coordinator SIGKILLed at {done} results; c{run.coordinator_kills} started")
         if paused_at is not None:
-            workers[3].proc.send_signal(signal.SIGCONT)
+            workers[PAUSED].proc.send_signal(signal.SIGCONT)
             run.pauses += 1
         # Late duplicates have time to show: a resumed worker's commit, a redelivery.
         settle = time.monotonic() + 8

@@ -7,7 +7,9 @@ the message is acked in one Kafka transaction (``--plain``: the result is produc
 flushed, then the message is acked, at-least-once). With ``--die-at`` the process SIGKILLs
 itself at that point of a message's processing, with probability ``--die-chance`` per message:
 ``before-produce``, ``after-produce`` (the result is sent, the transaction not committed) or
-``after-commit`` (committed, before the next message). Runs until SIGTERM.
+``after-commit`` (committed, before the next message); ``anytime``: after a random 1 to 8 s
+from its start, wherever it is (in a commit, say; ``--die-chance`` is ignored). Runs until
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from layer.sdk import (
     UnknownQueueError,
 )
 
-POINTS = ("before-produce", "after-produce", "after-commit")
+POINTS = ("before-produce", "after-produce", "after-commit", "anytime")
 
 
 def _consumer(args: argparse.Namespace) -> QueueConsumer:
@@ -78,6 +80,10 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     dice = random.Random()
+    if args.die_at == "anytime":
+        timer = threading.Timer(dice.uniform(1.0, 8.0), os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
     consumer = _consumer(args)
     plain = (Producer({"bootstrap.servers": os.environ["QLAYER_BOOTSTRAP_SERVERS"],
                        "enable.idempotence": True}) if args.plain else None)
