@@ -52,6 +52,8 @@ class Fence:
     ack_end: int | None = None
     failures: int = 0
     next_try: float = 0.0
+    #: The fence is being made (off the shard's loop, `layer.coordinator.shard`).
+    in_flight: bool = False
 
 
 class Fences:
@@ -76,15 +78,18 @@ class Fences:
 
     def to_fence(self, now: float) -> list[Fence]:
         """Sessions whose producer is not fenced yet and may be tried now."""
-        return [f for f in self.pending.values() if f.ack_end is None and f.next_try <= now]
+        return [f for f in self.pending.values()
+                if f.ack_end is None and not f.in_flight and f.next_try <= now]
 
     def fenced(self, fence: Fence, ack_end: int) -> None:
         """The producer is fenced; the ack partition ended at ``ack_end`` afterwards."""
+        fence.in_flight = False
         if self.pending.get(fence.consumer_id) is fence:
             fence.ack_end = ack_end
 
     def failed(self, fence: Fence, now: float) -> float:
         """The fence could not be made now: tried again after a pause (returned)."""
+        fence.in_flight = False
         fence.failures += 1
         pause: float = min(RETRY_PAUSE * 2.0 ** (fence.failures - 1), MAX_RETRY_PAUSE)
         fence.next_try = now + pause

@@ -63,8 +63,8 @@ class CoordinatorOptions:
     #: producer never empties, a flush this often (s) confirms the event batches sent.
     confirm_interval: float = 1.0
     #: How long one fence of a transactional consumer's producer may take (protocol 9,
-    #: `layer.coordinator.fences`) before it is tried again later; the shard's loop waits for
-    #: it, so it is short: a fence that fails is retried, its session's leases held meanwhile.
+    #: `layer.coordinator.fences`; made on a thread of the shard's) before it is tried again
+    #: later, its session's leases held meanwhile.
     fence_timeout: float = 5.0
     #: How often each shard's lag and the process's shards are written for `qlayer coordinators`.
     report_interval: float = 2.0

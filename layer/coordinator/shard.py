@@ -42,6 +42,7 @@ from layer.coordinator.catalog import Catalog
 from layer.coordinator.core import Plan, ShardCore, record_limit
 from layer.coordinator.deferred import DeferredReader
 from layer.coordinator.faults import FAULT_COUNTERS, is_fault_counter
+from layer.coordinator.fences import Fence
 from layer.coordinator.logformat import fields
 from layer.coordinator.maintenance import GroupOffsets, PartitionCheck, QueueLoader, Refresh
 from layer.coordinator.options import CoordinatorOptions, LeaseTokens, LoopStats
@@ -60,12 +61,11 @@ from layer.kafka import (
     DeliveryFailed,
     JournalReader,
     JournalRecord,
-    KafkaAdapterError,
     KafkaAdmin,
     OutgoingRecord,
     RecordWriter,
 )
-from layer.kafka.fence import fence_producer
+from layer.kafka.fence import Fencer
 from layer.kafka.logs import ClientLog
 from layer.protocol import Event, EventType, TopicNames
 from layer.settings import Settings
@@ -153,6 +153,9 @@ class ShardLoop:
         self._maintenance: tuple[Refresh, PartitionCheck, GroupOffsets] | None = None
         # Shard 0's owner deletes the delivery topics no session uses any more, for every shard.
         self._sweep: DeliveryTopicSweep | None = None
+        # Protocol 9: fences transactional consumers' producers off the loop (made on the
+        # first fence).
+        self._fencer: Fencer[Fence] | None = None
         # The last iteration's phases (µs: polling, deciding, committing, encoding, writing),
         # and why the loop last did not run (set by the process after another shard's slow
         # iteration; said, then cleared, by `_forgive`).
@@ -318,6 +321,11 @@ class ShardLoop:
         self._deferred_reader = None
         self._maintenance = None
         self._sweep = None
+        if self._fencer is not None:
+            # A fence under way finishes on its own; its outcome is for a state that is gone,
+            # and a rebuilt shard asks for its fences again.
+            self._fencer.close()
+            self._fencer = None
         # What this owner sent but could not confirm stays in the outbox: the next owner
         # publishes it again (readers keep the first copy of a batch).
         self._sent = None
@@ -513,26 +521,34 @@ class ShardLoop:
 
     def _fence(self, now: float) -> None:
         """Fence the producers of the transactional sessions due for it (protocol 9,
-        `layer.coordinator.fences`) and take where the ack partition ended afterwards. One
-        that fails (a broker away) is tried again later; its session's leases stay held."""
+        `layer.coordinator.fences`) and take where the ack partition ended afterwards, on a
+        thread of the shard's: a slow transaction coordinator holds up those sessions, never
+        the shard's other queues. One that fails (a broker away) is tried again later; its
+        session's leases stay held."""
         fences = self.core.fences
-        for fence in fences.to_fence(now):
-            try:
-                fence_producer(self._kafka_config(), fence.transactional_id,
-                               self.options.fence_timeout)
-                ack = (self.topics.ack, self.shard)
-                end = self.core.admin.end_offsets([ack])[ack]
-            except KafkaAdapterError as exc:
-                pause = fences.failed(fence, now)
-                self.counters["fence_failures"] += 1
-                log.warning("consumer %s: cannot fence transactional id %s yet (tried again "
-                            "in %.1fs; its leases stay held): %s", fence.consumer_id,
-                            fence.transactional_id, pause, exc,
-                            extra=fields(consumer=fence.consumer_id, shard=self.shard,
-                                         reason="fence failed"))
+        for fence, outcome in self._fencer.finished() if self._fencer is not None else []:
+            if isinstance(outcome, int):
+                fences.fenced(fence, outcome)
+                self.counters["producers_fenced"] += 1
                 continue
-            fences.fenced(fence, end)
-            self.counters["producers_fenced"] += 1
+            pause = fences.failed(fence, now)
+            self.counters["fence_failures"] += 1
+            log.warning("consumer %s: cannot fence transactional id %s yet (tried again in "
+                        "%.1fs; its leases stay held): %s", fence.consumer_id,
+                        fence.transactional_id, pause, outcome,
+                        extra=fields(consumer=fence.consumer_id, shard=self.shard,
+                                     reason="fence failed"))
+        due = fences.to_fence(now)
+        if not due:
+            return
+        fencer = self._fencer
+        if fencer is None:
+            fencer = self._fencer = Fencer(
+                self._kafka_config(), self.core.admin.end_offsets, (self.topics.ack, self.shard),
+                self.options.fence_timeout, f"fence-{self.shard}")
+        for fence in due:
+            fence.in_flight = True
+            fencer.submit(fence, fence.transactional_id)
 
     def _commit_offsets(self, reader: JournalReader, now: float) -> None:
         """Commit the applied ack and control positions to the Kafka group (asynchronously;

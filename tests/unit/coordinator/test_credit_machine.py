@@ -37,6 +37,7 @@ from layer.kafka import JournalRecord, OutgoingRecord
 from layer.protocol import (
     AcceptGroup,
     AcceptRecord,
+    AckResult,
     Codec,
     Replace,
     SessionEnded,
@@ -69,6 +70,23 @@ class Shard:
     control: deque[JournalRecord] = field(default_factory=deque)
     acks: deque[JournalRecord] = field(default_factory=deque)
     out: deque[OutgoingRecord | ev.EntryLeased] = field(default_factory=deque)
+    #: Every control and ack record written to this shard's partitions, and where the shard
+    #: stored that it reads them on from (its input positions): a new owner reads on from
+    #: there, so a record whose position was held back (an ack that waited for the journal
+    #: replay) is read again after a restart, as from Kafka.
+    history: list[JournalRecord] = field(default_factory=list)
+    positions: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def receive(self, record: JournalRecord) -> None:
+        self.history.append(record)
+        (self.acks if record.topic == TOPICS.ack else self.control).append(record)
+
+    def read_again(self) -> None:
+        """A new owner's inputs: every record at or past the stored positions."""
+        self.control, self.acks = deque(), deque()
+        for record in self.history:
+            if record.offset >= self.positions.get((record.topic, record.partition), 0):
+                (self.acks if record.topic == TOPICS.ack else self.control).append(record)
 
 
 @dataclass
@@ -153,7 +171,7 @@ class TwoShards(RuleBasedStateMachine):
         record = JournalRecord(TOPICS.control, shard, self._next(f"control{shard}"),
                                CONSUMER.encode(), CODEC.encode_control(message), 1,
                                [(CREDIT, b"0")])
-        self.shards[shard].control.append(record)
+        self.shards[shard].receive(record)
 
     def _grant(self, shard: int, grant: int, subscribe: bool = False) -> None:
         assert self.ledger is not None
@@ -234,11 +252,10 @@ class TwoShards(RuleBasedStateMachine):
         for forward in plan.forwards:
             # A record for the shard that serves it now (an ack of a moved queue's lease).
             target = self.shards[forward.partition if forward.partition is not None else 0]
-            inbox = target.acks if forward.topic == TOPICS.ack else target.control
-            inbox.append(JournalRecord(forward.topic, forward.partition or 0,
-                                       self._next(f"{forward.topic}{forward.partition}"),
-                                       forward.key, forward.value, 1,
-                                       list(forward.headers or ())))
+            target.receive(JournalRecord(forward.topic, forward.partition or 0,
+                                         self._next(f"{forward.topic}{forward.partition}"),
+                                         forward.key, forward.value, 1,
+                                         list(forward.headers or ())))
         model.out.extend(d for d in plan.deliveries if isinstance(d, ev.EntryLeased))
         model.out.extend(plan.replies)
 
@@ -270,6 +287,10 @@ class TwoShards(RuleBasedStateMachine):
             reply = CODEC.decode_reply(item.value)
             if isinstance(reply, SessionEnded):
                 return  # the left part's answer (none here: the shard no longer had it)
+            if isinstance(reply, AckResult):
+                # An ack read again after a restart (its position was not stored: it changed
+                # nothing) is answered as a duplicate; the SDK reports that, nothing more.
+                return
             assert isinstance(reply, SubscribeResult)
             if reply.request_id not in self.requests:
                 # An answer of the part on shard 1 after the consumer left it (B moved): the
@@ -305,7 +326,7 @@ class TwoShards(RuleBasedStateMachine):
                                                   offsets=tuple(d.bookmark.offset
                                                                 for d in leases),
                                                   leases=tuple(d.token for d in leases)),))
-        self.shards[shard].acks.append(JournalRecord(
+        self.shards[shard].receive(JournalRecord(
             TOPICS.ack, shard, self._next(f"ack{shard}"), CONSUMER.encode(),
             CODEC.encode_accept(record), 1, None))
         self.acked.update((queue, d.bookmark.offset) for d in leases)
@@ -314,6 +335,7 @@ class TwoShards(RuleBasedStateMachine):
         """What the step's transaction wrote, as PostgreSQL would keep it."""
         batch = plan.batch
         assert not batch.runs, "the Python core writes entry rows one by one"
+        self.shards[shard].positions.update(batch.input_positions)
         for key in batch.entry_deletes:
             self.stored[key.queue].entries.pop(key, None)
         for key, entry in batch.entries.items():
@@ -339,6 +361,7 @@ class TwoShards(RuleBasedStateMachine):
         self.restarts += 1
         model = self.shards[shard]
         model.core = self._core(shard, epoch=model.core.epoch + 1)
+        model.read_again()
 
     @rule()
     @precondition(lambda self: self.active and not self.moved)
@@ -356,6 +379,7 @@ class TwoShards(RuleBasedStateMachine):
                                   spans=self.catalog.spans.values())
         old = self.shards[1]
         old.core = self._core(1, epoch=old.core.epoch + 1)
+        old.read_again()
         core = self.shards[0].core
         rows = list(self.sessions.values())
         self._add(core, "B", rows)
