@@ -64,7 +64,9 @@ def consumers(
     Shows id, session, queue, backlog limit, filter, last heartbeat, the shard holding the
     session with the coordinator process running it, and the delivery topic. A regex session
     over queues of several shards shows the credit its consumer granted each shard
-    ("credit 0:1, 3:1") and each of those shards with its process.
+    ("credit 0:1, 3:1") and each of those shards with its process. A session that settles in
+    Kafka transactions (exactly-once processing) is marked "(transactional)" after its id;
+    --json gives its transactional_id.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -88,7 +90,8 @@ def consumers(
         heartbeat = f"{age_text(c.heartbeat_age)} ago"
         if c.evict_requested_at is not None:
             heartbeat += " [yellow](eviction requested)[/]"
-        table.add_row(c.consumer_id, c.principal or "-", c.session_id[:8],
+        table.add_row(c.consumer_id, c.principal or "-",
+                      c.session_id[:8] + (" (transactional)" if c.transactional_id else ""),
                       c.queue + (" (regex)" if c.is_regex else ""),
                       limit, c.filter or "-", heartbeat, _shard_text(c), c.delivery_topic)
     show(table)

@@ -79,6 +79,9 @@ class ConsumerInfo:
     credit: tuple[CreditPart, ...] | None = None
     """A session over queues of several shards (protocol 8): its part on each shard, home
     first, with the credit granted there; None for a session of one shard."""
+    transactional_id: str | None = None
+    """The Kafka transactional.id the session settles with (exactly-once processing,
+    protocol 9); None: it settles outside transactions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +205,7 @@ def _info(row: ConsumerRow, now: float, limits: dict[str, int],
                                        and s.shard is not None),
                                       key=lambda s: s.shard or 0)]
             if part.shard is not None),
+        transactional_id=row.transactional_id,
     )
 
 

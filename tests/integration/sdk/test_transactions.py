@@ -76,6 +76,13 @@ def test_consume_transform_produce_commits_each_result_once(
                             consumer_id=f"worker-{i}") for i in range(2)]
         assert workers[0].transaction().transactional_id == (
             f"{settings.topic_prefix}qlayer-tx.worker-0.{workers[0].session_id}")
+        # Operators see it (`qlayer consumers`, --json "transactional_id").
+        from layer.services.consumers import ConsumerService
+
+        with ConsumerService.from_settings(settings) as service:
+            listed = {c.consumer_id: c.transactional_id for c in service.list_consumers("Work")}
+        assert listed == {f"worker-{i}": f"{settings.topic_prefix}qlayer-tx.worker-{i}."
+                          f"{workers[i].session_id}" for i in range(2)}
 
         def work_on(worker: QueueConsumer) -> None:
             while (message := worker.receive(timeout=3.0)) is not None:
