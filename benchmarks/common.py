@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import Producer
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -165,3 +166,24 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpus": os.cpu_count(), "cpu": cpu, "memory": memory,
             "python": platform.python_version(), "platform": platform.platform()}
+
+
+class Feeder:
+    """Records of ``size`` random bytes produced to one journal as fast as the harness can,
+    keyed by their number; ``produced`` counts them."""
+
+    def __init__(self, bootstrap: str, topic: str, size: int) -> None:
+        self.topic = topic
+        self.produced = 0
+        self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+        self._padding = os.urandom(size)
+
+    def produce(self, n: int) -> None:
+        """``n`` more records, flushed."""
+        for i in range(n):
+            self._producer.produce(self.topic, self._padding,
+                                   key=str(self.produced + i).encode())
+            if i % 1000 == 0:
+                self._producer.poll(0)
+        self._producer.flush(60)
+        self.produced += n

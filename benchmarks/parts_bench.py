@@ -41,8 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import create_topic, machine
-from confluent_kafka import Producer
+from common import Feeder, create_topic, machine
 from shards_bench import Installation, consume, process_cpu
 
 from layer.domain.shards import part_shards
@@ -165,28 +164,10 @@ def run_cell(args: argparse.Namespace, parts: int, processes: int) -> dict[str, 
                                                   True, counter, stop))
             p.start()
             consumers.append(p)
-        producer = Producer({"bootstrap.servers": args.bootstrap_servers, "linger.ms": 5})
-        padding = os.urandom(args.size)
-        produced = 0
+        feeder = Feeder(args.bootstrap_servers, journal, args.size)
 
-        def produce(n: int) -> None:
-            nonlocal produced
-            for i in range(n):
-                producer.produce(journal, padding, key=str(produced + i).encode())
-                if i % 1000 == 0:
-                    producer.poll(0)
-            producer.flush(60)
-            produced += n
-
-        def wait_acked(total: int) -> None:
-            deadline = time.monotonic() + 600
-            while cell.acked("Busy") < total:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{total - cell.acked('Busy')} not acked within 600s")
-                time.sleep(0.05)
-
-        produce(2000)  # every consumer subscribed over every part, every shard warm
-        wait_acked(produced)
+        feeder.produce(2000)  # every consumer subscribed over every part, every shard warm
+        cell.wait_acked("Busy", feeder.produced)
         if not all(p.is_alive() for p in consumers):
             raise RuntimeError("a consumer process ended during the warm-up")
         runs = []
@@ -195,8 +176,8 @@ def run_cell(args: argparse.Namespace, parts: int, processes: int) -> dict[str, 
             cpu_before = sum(process_cpu(p.pid) for p in cell.procs.values())
             throttled_before = sum(limit.throttled() for limit in cell.limits)
             started = time.time()
-            produce(n)
-            wait_acked(produced)
+            feeder.produce(n)
+            cell.wait_acked("Busy", feeder.produced)
             seconds = time.time() - started
             cpu = sum(process_cpu(p.pid) for p in cell.procs.values()) - cpu_before
             throttled = sum(limit.throttled() for limit in cell.limits) - throttled_before

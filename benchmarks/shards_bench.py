@@ -119,6 +119,14 @@ class Installation:
         self._cli("queue", "create", name, "--underlying-topic", journal, "--lease-period",
                   "60s", "--max-backlog", str(backlog), *extra)
 
+    def wait_acked(self, queue: str, total: int, timeout: float = 600) -> None:
+        """Until the queue's recovery points add up to ``total`` (every record acked)."""
+        deadline = time.monotonic() + timeout
+        while self.acked(queue) < total:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{total - self.acked(queue)} not acked within {timeout:g}s")
+            time.sleep(0.05)
+
     def acked(self, queue: str) -> int:
         rows = self.sql('SELECT coalesce(sum("offset"), 0) FROM recovery_points WHERE queue = %s',
                         queue)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import create_topic, machine, percentile
+from common import Feeder, create_topic, machine, percentile
 from confluent_kafka import Producer
 from shards_bench import Installation
 
@@ -123,33 +122,15 @@ def run_cell(args: argparse.Namespace, mode: str, size: int) -> dict[str, Any]:
             workers.append(p)
         for _ in workers:
             ready.acquire(timeout=120)
-        producer = Producer({"bootstrap.servers": args.bootstrap_servers, "linger.ms": 5})
-        padding = os.urandom(args.size)
-        produced = 0
+        feeder = Feeder(args.bootstrap_servers, journal, args.size)
 
-        def produce(n: int) -> None:
-            nonlocal produced
-            for i in range(n):
-                producer.produce(journal, padding, key=str(produced + i).encode())
-                if i % 1000 == 0:
-                    producer.poll(0)
-            producer.flush(60)
-            produced += n
-
-        def wait_acked(total: int) -> None:
-            deadline = time.monotonic() + 600
-            while cell.acked("Work") < total:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{total - cell.acked('Work')} not acked within 600s")
-                time.sleep(0.05)
-
-        produce(500)  # warm-up: every consumer subscribed, every producer initialised
-        wait_acked(produced)
+        feeder.produce(500)  # warm-up: every consumer subscribed, every producer initialised
+        cell.wait_acked("Work", feeder.produced)
         runs = []
         for _ in range(args.runs):
             started = time.time()
-            produce(args.messages)
-            wait_acked(produced)
+            feeder.produce(args.messages)
+            cell.wait_acked("Work", feeder.produced)
             seconds = time.time() - started
             runs.append({"messages": args.messages, "seconds": round(seconds, 3),
                          "acked_per_second": round(args.messages / seconds)})

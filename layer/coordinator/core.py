@@ -24,7 +24,7 @@ from layer.coordinator.catalog import Catalog
 from layer.coordinator.control import Control
 from layer.coordinator.deleted import DeletedPartition, deleted_partitions
 from layer.coordinator.faults import FaultLedger
-from layer.coordinator.fences import Fences
+from layer.coordinator.fences import Fences, finish_fences, want_fences
 from layer.coordinator.identity import Identity
 from layer.coordinator.lane import NativeLane
 from layer.coordinator.logformat import fields
@@ -353,7 +353,7 @@ class ShardCore:
         stats.journal_records = len(journal)
         if self.fences.pending:
             # After this step's acks: what a fenced session committed is settled first.
-            self._finish_fences(now, batch, replies)
+            finish_fences(self, now, batch, replies)
         lane = self.lane
         if lane is not None:
             if journal:
@@ -372,7 +372,7 @@ class ShardCore:
             self._expire_refused(now)
             self._decide(plan, now)
         if self.transactional_seen:
-            self._want_fences(now)
+            want_fences(self, now)
         if control.credit.credited:
             # After the deliveries: what credited sessions hold and what waits (protocol 8).
             control.credit.notices(plan.replies)
@@ -399,27 +399,12 @@ class ShardCore:
         plan.forwards, self.forwards = self.forwards, []
         return plan
 
-    def _want_fences(self, now: float) -> None:
-        """Transactional sessions the engines hold (a lease ran out, the session timed
-        out): fenced before anything of theirs is broken (`layer.coordinator.fences`)."""
-        for engine in self.engines.values():
-            for consumer_id in engine.take_fences():
-                session = self.sessions.get(consumer_id)
-                if session is None or session.transactional_id is None:
-                    # No session here to fence (it cannot happen: the engine is told by the
-                    # session); held forever would be worse than breaking the leases.
-                    engine.fenced(consumer_id, now)
-                    continue
-                timed_out = now >= self._last_seen(session) + session.session_timeout
-                self.want_fence(session, SessionEndReason.TIMED_OUT, (
-                    "no heartbeat within the session timeout" if timed_out else
-                    "a lease of this transactional session ran out") + "; its producer was "
-                    "fenced and what it committed was applied")
-
-    def _last_seen(self, session: Session) -> float:
-        seen = [c.last_seen for name in session.every_queue if name in self.engines
-                for c in self.engines[name].consumers() if c.consumer_id == session.consumer_id]
-        return max(seen, default=float("-inf"))
+    def acks_waiting(self) -> bool:
+        """Whether an ack record of this shard's partition was read and not applied yet
+        (deferred for the journal's replay, or carried to a later step)."""
+        ack = (self.topics.ack, self.shard)
+        return bool(self.acks.deferred) or any((r.topic, r.partition) == ack
+                                               for r, _ in self._carried)
 
     def want_fence(self, session: Session, end: SessionEndReason, message: str) -> None:
         """Fence the session's producer, then end it (`_finish_fences`)."""
@@ -431,25 +416,6 @@ class ShardCore:
                      "break: %s", session.consumer_id, session.session_id, message,
                      extra=fields(consumer=session.consumer_id, shard=self.shard,
                                   reason="fence"))
-
-    def _finish_fences(self, now: float, batch: WriteBatch, replies: list[OutgoingRecord]
-                       ) -> None:
-        """End the fenced sessions whose committed settlements are all applied: every ack
-        record below the fence's ack end was read and none waits (carried or deferred)."""
-        ack = (self.topics.ack, self.shard)
-        if self.acks.deferred or any((r.topic, r.partition) == ack for r, _ in self._carried):
-            return
-        for fence in self.fences.ready(self.ack_read_to):
-            session = self.sessions.get(fence.consumer_id)
-            if session is None or session.session_id != fence.session_id:
-                continue  # ended meanwhile (its consumer unsubscribed)
-            for name in session.every_queue:
-                engine = self.engines.get(name)
-                if engine is not None:
-                    engine.fenced(fence.consumer_id, now)
-            self.counters["sessions_fenced"] += 1
-            self.control.end_session(fence.consumer_id, now, batch, replies, fence.message,
-                                     end=fence.end, fenced=True)
 
     def _decide(self, plan: Plan, now: float) -> None:
         """Timers, matching and the engines' outboxes: deliveries, batch rows, events."""

@@ -16,20 +16,28 @@ id subscribed again), the shard
 3. only then ends the session: what was committed is settled, the rest is broken and goes to
    other consumers.
 
-This module is the pure bookkeeping of those steps (``now`` passed in); the shard does the
-Kafka calls (`layer.kafka.fence`).
+This module is the bookkeeping of those steps (`Fences`, pure, ``now`` passed in) and the
+core's part in them (`want_fences`, `finish_fences`: no I/O); the shard makes the Kafka calls
+off its loop (`layer.kafka.fence.Fencer`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from layer.protocol import SessionEndReason
 
+if TYPE_CHECKING:
+    from layer.coordinator.core import ShardCore
+    from layer.coordinator.sessions import Session
+    from layer.kafka import OutgoingRecord
+    from layer.store.batch import WriteBatch
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Fence", "Fences"]
+__all__ = ["Fence", "Fences", "finish_fences", "want_fences"]
 
 #: The first pause after a fence that failed (a broker away, a coordinator of transactions
 #: moving); doubled each time up to `MAX_RETRY_PAUSE`. The session's leases stay held.
@@ -112,3 +120,46 @@ class Fences:
         found = self.pending.get(consumer_id)
         if found is not None and (session_id is None or found.session_id == session_id):
             del self.pending[consumer_id]
+
+
+def want_fences(core: ShardCore, now: float) -> None:
+    """Transactional sessions the engines hold (a lease ran out, the session timed out):
+    fenced before anything of theirs is broken."""
+    for engine in core.engines.values():
+        for consumer_id in engine.take_fences():
+            session = core.sessions.get(consumer_id)
+            if session is None or session.transactional_id is None:
+                # No session here to fence (it cannot happen: the engine is told by the
+                # session); held forever would be worse than breaking the leases.
+                engine.fenced(consumer_id, now)
+                continue
+            timed_out = now >= _last_seen(core, session) + session.session_timeout
+            core.want_fence(session, SessionEndReason.TIMED_OUT, (
+                "no heartbeat within the session timeout" if timed_out else
+                "a lease of this transactional session ran out") + "; its producer was "
+                "fenced and what it committed was applied")
+
+
+def _last_seen(core: ShardCore, session: Session) -> float:
+    seen = [c.last_seen for name in session.every_queue if name in core.engines
+            for c in core.engines[name].consumers() if c.consumer_id == session.consumer_id]
+    return max(seen, default=float("-inf"))
+
+
+def finish_fences(core: ShardCore, now: float, batch: WriteBatch,
+                  replies: list[OutgoingRecord]) -> None:
+    """End the fenced sessions whose committed settlements are all applied: every ack record
+    below the fence's ack end was read (`ShardCore.ack_read_to`) and none waits."""
+    if core.acks_waiting():
+        return
+    for fence in core.fences.ready(core.ack_read_to):
+        session = core.sessions.get(fence.consumer_id)
+        if session is None or session.session_id != fence.session_id:
+            continue  # ended meanwhile (its consumer unsubscribed)
+        for name in session.every_queue:
+            engine = core.engines.get(name)
+            if engine is not None:
+                engine.fenced(fence.consumer_id, now)
+        core.counters["sessions_fenced"] += 1
+        core.control.end_session(fence.consumer_id, now, batch, replies, fence.message,
+                                 end=fence.end, fenced=True)

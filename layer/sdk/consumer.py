@@ -220,6 +220,11 @@ class QueueConsumer:
     resubscribed transparently (``resubscribe=True``); an eviction raises
     ``SessionEndedError``. ``close()`` flushes acknowledgements and unsubscribes, so the
     leases still held break at once.
+
+    ``transactional=True`` (exactly-once processing, protocol 9): each session gets a Kafka
+    producer of its own (``transactional.id`` ``<transactional_id_prefix><consumer id>.<session
+    id>``, the prefix ``<topic prefix>qlayer-tx.`` by default), and ``transaction()`` commits
+    the records produced in it with the messages settled in it (docs/sdk.md).
     """
 
     def __init__(
@@ -731,7 +736,7 @@ class QueueConsumer:
             self._active = False
         self._results.clear()
         headers = (self._format_header + secret_headers(secret) + self._credential_header
-                   + self._transactional_header(session_id))
+                   + self._new_transactional_producer(session_id))
         if previous is not None:
             headers += proof_headers(previous)
         self._send_control(
@@ -811,7 +816,7 @@ class QueueConsumer:
             self._active = True
             self._cond.notify_all()
 
-    def _transactional_header(self, session_id: str) -> list[tuple[str, bytes]]:
+    def _new_transactional_producer(self, session_id: str) -> list[tuple[str, bytes]]:
         """A transactional consumer's new session gets a producer of its own, initialised
         before the Subscribe is sent (any fence the coordinator makes comes after it), named
         on the Subscribe (protocol 9). Nothing for other consumers."""

@@ -72,7 +72,7 @@ def subscribe_spanning(c: QueueConsumer, shards: list[int],
     learn_parts(c)
     grants = spans.ledger.initial(shards)
     headers = (c._format_header + secret_headers(secret) + c._credential_header
-               + c._transactional_header(session_id) + [spans.header])
+               + c._new_transactional_producer(session_id) + [spans.header])
     if previous is not None:
         headers += proof_headers(previous)
     refusal: SubscribeResult | None = None

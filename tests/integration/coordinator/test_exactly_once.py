@@ -25,13 +25,18 @@ pytestmark = pytest.mark.integration
 TOTAL = int(os.environ.get("QLAYER_EXACTLY_ONCE_MESSAGES", "1500"))
 
 
+@pytest.fixture
+def topics(journal: Callable[..., str], create_topic: Callable[..., str],
+           unique_name: Callable[[str], str]) -> tuple[str, str]:
+    """The queue's journal (4 partitions) and the workers' output topic."""
+    return journal("work", partitions=4), create_topic(unique_name("Results"), 2)
+
+
 def test_every_input_is_processed_exactly_once_across_worker_and_coordinator_faults(
-    settings: Settings, journal: Callable[..., str], create_topic: Callable[..., str],
-    unique_name: Callable[[str], str], tmp_path: Path,
+    settings: Settings, topics: tuple[str, str], tmp_path: Path,
     processes: list[CoordinatorSubprocess | ConsumerWorker],
 ) -> None:
-    topic = journal("work", partitions=4)
-    out = create_topic(unique_name("Results"), 2)
+    topic, out = topics
     run = faulty_run(settings, topic, out, tmp_path, processes,  # type: ignore[arg-type]
                      total=TOTAL)
     assert run.coordinator_kills == 1 and run.pauses == 1, "the faults did not all happen"
@@ -46,12 +51,10 @@ def test_every_input_is_processed_exactly_once_across_worker_and_coordinator_fau
 
 
 def test_the_same_faults_without_transactions_process_inputs_twice(
-    settings: Settings, journal: Callable[..., str], create_topic: Callable[..., str],
-    unique_name: Callable[[str], str], tmp_path: Path,
+    settings: Settings, topics: tuple[str, str], tmp_path: Path,
     processes: list[CoordinatorSubprocess | ConsumerWorker],
 ) -> None:
-    topic = journal("work", partitions=4)
-    out = create_topic(unique_name("Results"), 2)
+    topic, out = topics
     run = faulty_run(settings, topic, out, tmp_path, processes,  # type: ignore[arg-type]
                      total=TOTAL, plain=True)
     assert set(run.results) == set(range(TOTAL))  # at-least-once: nothing lost

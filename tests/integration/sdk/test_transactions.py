@@ -19,6 +19,7 @@ from layer.sdk import (
     Message,
     QueueConsumer,
     QueuePublisher,
+    Transaction,
     TransactionAbortedError,
 )
 from layer.settings import Settings
@@ -61,6 +62,16 @@ def transform(tx_consumer: QueueConsumer, message: Message, out: str) -> None:
         tx.produce(out, json.dumps({"n": message.json()["n"], "by": tx_consumer.consumer_id})
                    .encode(), key=message.key)
         tx.ack(message)
+
+
+def left_open(tx_consumer: QueueConsumer, message: Message, out: str, n: int, by: str
+              ) -> Transaction:
+    """A transaction that produced ``message``'s result and settled it, not committed yet (a
+    worker stalled in the middle of it): the test ends it with ``__exit__``."""
+    tx = tx_consumer.transaction().__enter__()
+    tx.produce(out, json.dumps({"n": n, "by": by}).encode())
+    tx.ack(message)
+    return tx
 
 
 def test_consume_transform_produce_commits_each_result_once(
@@ -118,9 +129,7 @@ def test_a_lease_that_runs_out_in_an_open_transaction_is_fenced_before_another_g
         stalled = consumer(settings, "Slow", transactional=True, consumer_id="stalled")
         message = stalled.receive(timeout=20)
         assert message is not None
-        tx = stalled.transaction().__enter__()
-        tx.produce(out, json.dumps({"n": 0, "by": "stalled"}).encode())
-        tx.ack(message)
+        tx = left_open(stalled, message, out, 0, "stalled")
         other = consumer(settings, "Slow", transactional=True, consumer_id="other")
         # Past the lease: the coordinator fences the stalled worker's producer, then the
         # message goes to the other worker.
@@ -241,9 +250,7 @@ def test_an_evicted_transactional_session_is_fenced_before_its_message_goes_else
         victim = consumer(settings, "Work", transactional=True, consumer_id="victim")
         message = victim.receive(timeout=20)
         assert message is not None
-        tx = victim.transaction().__enter__()
-        tx.produce(out, json.dumps({"n": 0, "by": "victim"}).encode())
-        tx.ack(message)
+        tx = left_open(victim, message, out, 0, "victim")
         with Store(settings.database_url) as store:
             store.request_eviction("victim", time.time())
         other = consumer(settings, "Work", transactional=True, consumer_id="other")
@@ -280,9 +287,7 @@ def test_a_restarted_process_of_the_consumer_id_waits_for_the_old_sessions_fence
                        state_dir=str(tmp_path))
         message = old.receive(timeout=20)
         assert message is not None
-        tx = old.transaction().__enter__()
-        tx.produce(out, json.dumps({"n": 0, "by": "old"}).encode())
-        tx.ack(message)
+        tx = left_open(old, message, out, 0, "old")
         new = consumer(settings, "Work", transactional=True, consumer_id="w",
                        state_dir=str(tmp_path))
         assert new.session_id != old.session_id
@@ -323,9 +328,7 @@ def test_a_transactional_regex_session_over_two_shards_is_fenced_and_subscribed_
             assert message is not None
             got[message.queue] = message
         transform(worker, got["Span0"], out)
-        tx = worker.transaction().__enter__()
-        tx.produce(out, json.dumps({"n": 1, "by": "stalled"}).encode())
-        tx.ack(got["Span1"])
+        tx = left_open(worker, got["Span1"], out, 1, "stalled")
         time.sleep(6)  # the lease on shard 1 runs out; that shard fences the producer
         with pytest.raises(TransactionAbortedError):
             tx.__exit__(None, None, None)
