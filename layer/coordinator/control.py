@@ -189,10 +189,9 @@ class Control:
                 return True
             if not identity.admits(session, r.headers, "unsubscribe", now):
                 return True
-            if session.transactional_id is not None:
-                # Protocol 9: its committed acks may not all be read yet (they come on
-                # another partition): the session ends once the fence has read them.
-                self.core.want_fence(session, SessionEndReason.UNSUBSCRIBED, "unsubscribed")
+            if self.core.fence_first(session, SessionEndReason.UNSUBSCRIBED, "unsubscribed"):
+                # Its committed acks may not all be read yet (they come on another
+                # partition): the session ends once the fence has read them.
                 return True
             for name in session.every_queue:
                 self.core.engines[name].unsubscribe(message.consumer_id, now)
@@ -277,8 +276,7 @@ class Control:
         session = self.core.sessions.get(consumer_id)
         if session is None:
             return
-        if session.transactional_id is not None and not fenced:
-            self.core.want_fence(session, end, message)
+        if not fenced and self.core.fence_first(session, end, message):
             return
         del self.core.sessions[consumer_id]
         self.core.fences.forget(consumer_id, session.session_id)

@@ -406,9 +406,13 @@ class ShardCore:
         return bool(self.acks.deferred) or any((r.topic, r.partition) == ack
                                                for r, _ in self._carried)
 
-    def want_fence(self, session: Session, end: SessionEndReason, message: str) -> None:
-        """Fence the session's producer, then end it (`_finish_fences`)."""
-        assert session.transactional_id is not None
+    def fence_first(self, session: Session, end: SessionEndReason, message: str) -> bool:
+        """The one rule of every path that would break a session's leases at once (protocol
+        9): True for a session that settles in Kafka transactions, whose producer is fenced
+        first and which ends later (`layer.coordinator.fences.finish_fences`, told ``end``
+        and ``message``); False for any other, which the caller ends now."""
+        if session.transactional_id is None:
+            return False
         if self.fences.want(session.consumer_id, session.session_id,
                             session.transactional_id, end, message):
             self.counters["fences_wanted"] += 1
@@ -416,6 +420,7 @@ class ShardCore:
                      "break: %s", session.consumer_id, session.session_id, message,
                      extra=fields(consumer=session.consumer_id, shard=self.shard,
                                   reason="fence"))
+        return True
 
     def _decide(self, plan: Plan, now: float) -> None:
         """Timers, matching and the engines' outboxes: deliveries, batch rows, events."""

@@ -134,7 +134,7 @@ def want_fences(core: ShardCore, now: float) -> None:
                 engine.fenced(consumer_id, now)
                 continue
             timed_out = now >= _last_seen(core, session) + session.session_timeout
-            core.want_fence(session, SessionEndReason.TIMED_OUT, (
+            core.fence_first(session, SessionEndReason.TIMED_OUT, (
                 "no heartbeat within the session timeout" if timed_out else
                 "a lease of this transactional session ran out") + "; its producer was "
                 "fenced and what it committed was applied")

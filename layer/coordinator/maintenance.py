@@ -431,13 +431,10 @@ def evict(core: ShardCore, rows: Iterable[ConsumerRow], now: float, batch: Write
         session = core.sessions.get(row.consumer_id)
         if session is None and not _serves_orphan(core, row):
             continue
-        if (session is not None and session.transactional_id is not None
-                and session.session_id == row.session_id):
-            # Protocol 9: its producer is fenced first; the session ends once what it
-            # committed is applied (`layer.coordinator.fences`), its row with it.
-            core.want_fence(session, SessionEndReason.EVICTED,
-                            "evicted by an operator (qlayer consumers evict)")
-            continue
+        if (session is not None and session.session_id == row.session_id
+                and core.fence_first(session, SessionEndReason.EVICTED,
+                                     "evicted by an operator (qlayer consumers evict)")):
+            continue  # ends once fenced, its row with it
         if session is not None:
             for queue in session.queues:
                 engine = core.engines.get(queue)

@@ -166,12 +166,12 @@ def on_subscribe(control: Control, m: Subscribe | Replace, now: float, batch: Wr
                           verdict.refusal.value)
         secret_hash = verdict.secret_hash
         if (existing is not None and existing.session_id != m.session_id
-                and existing.transactional_id is not None):
+                and control.core.fence_first(
+                    existing, SessionEndReason.EVICTED,
+                    "its consumer id subscribed again with a new session")):
             # Protocol 9: the old session may be a paused process with an open transaction;
             # its leases are broken only once its producer is fenced, so the new session
             # waits for that (its consumer subscribes again in a moment).
-            control.core.want_fence(existing, SessionEndReason.EVICTED,
-                                    "its consumer id subscribed again with a new session")
             return refuse(SubscribeStatus.INVALID_REQUEST, (
                 f"the previous session {existing.session_id} of consumer "
                 f"{m.consumer_id!r} settles in Kafka transactions: it is being fenced and "
